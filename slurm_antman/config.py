@@ -1,0 +1,199 @@
+"""The site configuration, ``antman.yaml``: one pydantic model that every component reads.
+
+Validation errors name the field (as a dotted path into the YAML) and what is allowed, because
+the person reading them is an admin editing a file, not a Python developer.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from . import hostlist
+
+_SLURM_NAME = r"^[A-Za-z][A-Za-z0-9_\-]*$"
+
+
+class JobClass(str, enum.Enum):
+    guaranteed = "guaranteed"
+    opportunistic = "opportunistic"
+    auto = "auto"
+
+
+class DefaultClass(str, enum.Enum):
+    """What a job without ``--antman`` becomes. ``none`` leaves it to plain Slurm."""
+
+    none = "none"
+    guaranteed = "guaranteed"
+    opportunistic = "opportunistic"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeGroup(_Strict):
+    name: str = Field(description="Slurm hostlist of GPU nodes, e.g. gpu[01-16].")
+    gpus: int = Field(ge=1, le=64, description="Physical GPUs per node.")
+    cpus: int = Field(default=8, ge=1, description="CPUs per node (slurm.conf CPUs=).")
+    memory_mb: int = Field(default=16000, ge=1, description="RealMemory per node in MiB.")
+    gpu_memory_mb: int = Field(default=81920, ge=1, description="Memory of each GPU in MiB.")
+    gpu_files: Optional[str] = Field(
+        default=None,
+        description="Device files for the gpu GRES, e.g. /dev/nvidia[0-7]. Default: /dev/nvidia[0-N].",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _hostlist(cls, v: str) -> str:
+        try:
+            hostlist.expand(v)
+        except hostlist.HostlistError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+    @property
+    def hosts(self) -> list[str]:
+        return hostlist.expand(self.name)
+
+
+class Tenant(_Strict):
+    account: str = Field(description="Slurm account of the tenant.")
+    guaranteed_gpus: int = Field(ge=0, description="GPUs the tenant may hold as guaranteed at once.")
+
+    @field_validator("account")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not re.match(_SLURM_NAME, v):
+            raise ValueError(f"{v!r} is not a Slurm account name (letters, digits, '_' and '-')")
+        return v
+
+
+class SlurmNames(_Strict):
+    gpu_gres: str = Field(default="gpu", pattern=_SLURM_NAME, description="GRES name of physical GPUs.")
+    opportunistic_gres: str = Field(
+        default="antman_opp", pattern=_SLURM_NAME,
+        description="Count-only GRES that stands for opportunistic GPU slots.",
+    )
+    guaranteed_partition: str = Field(default="gpu", pattern=_SLURM_NAME)
+    opportunistic_partition: str = Field(default="opportunistic", pattern=_SLURM_NAME)
+    opportunistic_qos: Optional[str] = Field(
+        default=None, description="QOS given to opportunistic jobs; none keeps the job's own."
+    )
+    default_partition: str = Field(
+        default="gpu", pattern=_SLURM_NAME, description="Partition marked Default=YES."
+    )
+
+    @model_validator(mode="after")
+    def _distinct(self) -> "SlurmNames":
+        if self.gpu_gres == self.opportunistic_gres:
+            raise ValueError("gpu_gres and opportunistic_gres must differ")
+        if self.guaranteed_partition == self.opportunistic_partition:
+            raise ValueError("guaranteed_partition and opportunistic_partition must differ")
+        return self
+
+
+class Opportunistic(_Strict):
+    slots_per_gpu: int = Field(default=2, ge=1, le=16, description="Opportunistic jobs one GPU may host.")
+    utilization_threshold: float = Field(
+        default=0.8, gt=0, le=1, description="A GPU busier than this takes no new opportunistic job."
+    )
+    utilization_window_s: float = Field(default=10.0, gt=0, description="Averaging window for utilisation.")
+
+
+class Sidecar(_Strict):
+    socket_dir: str = Field(default="/run/slurm-antman", description="Per-node directory of IPC sockets.")
+    telemetry: str = Field(default="auto", pattern=r"^(auto|nvml|emulated)$",
+                           description="GPU telemetry: nvml, emulated, or auto (nvml when it works).")
+    heartbeat_s: float = Field(default=1.0, gt=0)
+
+
+class Coordinator(_Strict):
+    endpoint: str = Field(default="tcp://127.0.0.1:17900", description="Where sidecars report.")
+    key_file: Optional[str] = Field(default=None, description="Shared secret for sidecar reports.")
+
+
+class AntmanConfig(_Strict):
+    cluster_name: str = Field(default="antman", pattern=_SLURM_NAME)
+    default_class: DefaultClass = DefaultClass.none
+    grace_time_s: int = Field(default=30, ge=0, le=3600, description="Seconds between notice and requeue.")
+    state_dir: str = Field(default="/var/lib/slurm-antman", description="Node-local state (GPU choices).")
+    plugin_path: str = Field(
+        default="/usr/lib/x86_64-linux-gnu/slurm-wlm/antman_spank.so",
+        description="Installed SPANK plugin, as plugstack.conf should name it.",
+    )
+    antman_command: str = Field(default="/usr/local/bin/antman", description="The antman CLI on nodes.")
+    slurm: SlurmNames = SlurmNames()
+    opportunistic: Opportunistic = Opportunistic()
+    sidecar: Sidecar = Sidecar()
+    coordinator: Coordinator = Coordinator()
+    nodes: list[NodeGroup] = Field(min_length=1)
+    tenants: list[Tenant] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "AntmanConfig":
+        seen: set[str] = set()
+        for g in self.nodes:
+            for h in g.hosts:
+                if h in seen:
+                    raise ValueError(f"node {h!r} appears in more than one nodes entry")
+                seen.add(h)
+        accounts = [t.account for t in self.tenants]
+        dup = {a for a in accounts if accounts.count(a) > 1}
+        if dup:
+            raise ValueError(f"tenant account(s) listed twice: {', '.join(sorted(dup))}")
+        return self
+
+    def node_groups_by_host(self) -> dict[str, NodeGroup]:
+        return {h: g for g in self.nodes for h in g.hosts}
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; ``problems`` lists ``(field path, message)``."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {path}: {msg}" for path, msg in problems)
+        super().__init__(f"{source}: invalid configuration\n{lines}")
+
+
+def _describe(err: dict) -> tuple[str, str]:
+    path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field (check the spelling; see docs/admin.md for the fields)"
+    elif err["type"] == "enum":
+        msg = f"{err.get('input')!r} is not allowed; allowed: {err['ctx']['expected']}"
+    elif err["type"] == "string_pattern_mismatch" and path.endswith("telemetry"):
+        msg = f"{err.get('input')!r} is not allowed; allowed: 'auto', 'nvml', 'emulated'"
+    return path, msg
+
+
+def parse(data: object, source: str = "<config>") -> AntmanConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(source, [("(top level)", "expected a mapping of fields")])
+    try:
+        return AntmanConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(source, [_describe(err) for err in e.errors()]) from None
+
+
+def load(path: str | Path) -> AntmanConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(str(path), [("(file)", e.strerror or str(e))]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "(file)"
+        raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(e, 'problem', e)}")]) from None
+    return parse(data, str(path))
