@@ -1,0 +1,93 @@
+"""``antman sidecar --config antman.yaml [--node NAME] [--socket-dir DIR] [--telemetry MODE]``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+from slurm_antman import config as cfgmod
+
+from .daemon import Sidecar, SidecarOptions
+from .endpoints import EndpointError
+from .local_policy import MiB, PolicyParams
+from .telemetry import TelemetryError, open_telemetry
+
+log = logging.getLogger("antman.sidecar")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="antman sidecar", description="Run the slurm-antman node sidecar.")
+    ap.add_argument("--config", required=True, help="antman.yaml")
+    ap.add_argument("--node", help="Slurm node name this sidecar serves (default: this host's short name)")
+    ap.add_argument("--socket-dir", help="directory for the control and job sockets (default: sidecar.socket_dir)")
+    ap.add_argument("--telemetry", choices=("auto", "nvml", "emulated"),
+                    help="GPU telemetry source (default: sidecar.telemetry)")
+    ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return ap
+
+
+def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
+    """Policy knobs from the config. Fields the config model may not have yet keep their defaults."""
+    sc = conf.sidecar
+    d = PolicyParams()
+    return PolicyParams(
+        headroom_bytes=int(getattr(sc, "memory_headroom_mb", d.headroom_bytes // MiB)) * MiB,
+        min_opportunistic_bytes=int(getattr(sc, "min_opportunistic_memory_mb", d.min_opportunistic_bytes // MiB)) * MiB,
+        target_slowdown=float(getattr(sc, "target_slowdown", d.target_slowdown)),
+        grace_s=float(conf.grace_time_s),
+    )
+
+
+def build(conf: cfgmod.AntmanConfig, node: str, socket_dir: Optional[str] = None,
+          telemetry: Optional[str] = None, tick_s: Optional[float] = None) -> Sidecar:
+    groups = conf.node_groups_by_host()
+    group = groups.get(node)
+    if group is None:
+        known = ", ".join(sorted(groups)[:20])
+        raise cfgmod.ConfigError("antman.yaml", [("nodes", f"node {node!r} is not listed (known: {known}); "
+                                                  "pass --node with a Slurm node name")])
+    tele = open_telemetry(telemetry or conf.sidecar.telemetry, group.gpus, group.gpu_memory_mb * MiB)
+    if tele.kind == "nvml" and tele.gpu_count() != group.gpus:
+        log.warning("NVML finds %d GPU(s) on %s, antman.yaml says %d; using NVML's", tele.gpu_count(), node, group.gpus)
+    opt = SidecarOptions(
+        node=node, socket_dir=socket_dir or conf.sidecar.socket_dir, heartbeat_s=conf.sidecar.heartbeat_s,
+        grace_s=float(conf.grace_time_s), slots_per_gpu=conf.opportunistic.slots_per_gpu,
+        utilization_threshold=conf.opportunistic.utilization_threshold,
+        utilization_window_s=conf.opportunistic.utilization_window_s,
+        tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
+        params=policy_params(conf))
+    return Sidecar(opt, tele)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    node = args.node or os.uname().nodename.split(".")[0]
+    try:
+        conf = cfgmod.load(args.config)
+        sidecar = build(conf, node, args.socket_dir, args.telemetry)
+    except cfgmod.ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except TelemetryError as e:
+        print(f"antman sidecar: telemetry: {e}", file=sys.stderr)
+        return 1
+    try:
+        sidecar.start()
+    except EndpointError as e:
+        sidecar.close()
+        print(f"antman sidecar: {e}", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sidecar.stop())
+    sidecar.serve_forever()
+    log.info("sidecar for node %s stopped", node)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,498 @@
+"""The node sidecar daemon: one ZeroMQ poller loop serving the root-only control socket and one
+ROUTER per job, sampling telemetry on a tick, running the local policy on every report and tick,
+and sending agents their limits when they change.
+
+Single-threaded on purpose: every zmq socket lives in the loop's thread, so no locks are needed;
+``stop()`` is the only method another thread may call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zmq
+
+import slurm_antman
+from slurm_antman import protocol as p
+
+from .endpoints import EndpointError, SocketDir
+from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState,
+                           PreemptRequest, Snapshot, decide)
+from .placement import GpuLoad, choose_gpus
+from .ratelimit import RateLimitedLog
+from .telemetry import GpuSample, ProcessSample, ReportedLoad, Telemetry, UtilizationWindow
+
+log = logging.getLogger("antman.sidecar")
+
+AGENT_TIMEOUT_HEARTBEATS = 5
+MAX_BATCH = 256  # messages drained from one socket before looking at the others
+
+
+@dataclass(frozen=True)
+class SidecarOptions:
+    node: str
+    socket_dir: str
+    heartbeat_s: float = 1.0
+    grace_s: float = 30.0
+    slots_per_gpu: int = 2
+    utilization_threshold: float = 0.8
+    utilization_window_s: float = 10.0
+    tick_s: float = 1.0
+    opportunistic_throttle: str = "launch"
+    params: PolicyParams = PolicyParams()
+
+
+@dataclass
+class Agent:
+    identity: bytes
+    reg: p.Register
+    gpu: Optional[int]
+    last_seen: float
+    last_sent: float
+    report: Optional[p.Report] = None
+    report_unix: Optional[float] = None
+    acked_seq: int = 0
+
+
+@dataclass
+class Job:
+    job_id: str
+    job_class: str
+    uid: int
+    gid: Optional[int]
+    user: str
+    gpus: list[int]
+    placement: str
+    note: str
+    registered_unix: float
+    socket: Optional[zmq.Socket] = None
+    agents: dict[bytes, Agent] = field(default_factory=dict)
+    limits: JobLimits = UNLIMITED
+    seq: int = 0
+    preempt: Optional[PreemptRequest] = None
+
+    def record(self) -> dict:
+        return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
+                "user": self.user, "gpus": self.gpus, "placement": self.placement, "note": self.note,
+                "registered_unix": self.registered_unix}
+
+
+class Sidecar:
+    def __init__(self, options: SidecarOptions, telemetry: Telemetry):
+        self.opt = options
+        self.telemetry = telemetry
+        self.dir = SocketDir(options.socket_dir)
+        self.jobs: dict[str, Job] = {}
+        self.policy_state = PolicyState()
+        self.util = UtilizationWindow(options.utilization_window_s)
+        self.gpu_samples: list[GpuSample] = []
+        self.proc_samples: list[ProcessSample] = []
+        self._ctx = zmq.Context()
+        self._control: Optional[zmq.Socket] = None
+        self._poller = zmq.Poller()
+        self._sock_job: dict[zmq.Socket, Job] = {}
+        self._stop = threading.Event()
+        self._dirty = False
+        self._rlog = RateLimitedLog(log)
+        self.started = threading.Event()
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.dir.prepare()
+        self._control = self._ctx.socket(zmq.ROUTER)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.bind(p.ipc(self.dir.control_path))
+        self.dir.secure_control()
+        self._poller.register(self._control, zmq.POLLIN)
+        self._sample(time.time())
+        for rec in self.dir.saved_jobs():
+            try:
+                self._restore(rec)
+            except (KeyError, TypeError, ValueError, EndpointError, zmq.ZMQError) as e:
+                log.warning("could not restore saved job %r: %s", rec.get("job_id"), e)
+        if self.jobs:
+            log.info("restored %d job(s) from %s: %s", len(self.jobs), self.dir.root, ", ".join(sorted(self.jobs)))
+        self._run_policy(time.time())
+        log.info("sidecar for node %s serving %s (telemetry: %s, %d GPU(s))", self.opt.node,
+                 self.dir.control_path, self.telemetry.kind, self.telemetry.gpu_count())
+        self.started.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close sockets but keep the job directories and records: a restarted sidecar rebinds them."""
+        for job in self.jobs.values():
+            for a in job.agents.values():
+                self._send(job.socket, a, p.Bye(reason="sidecar stopping"))
+            if job.socket is not None:
+                job.socket.close(0)
+        if self._control is not None:
+            self._control.close(0)
+        self._ctx.term()
+        self.dir.release()
+        self.telemetry.close()
+
+    def serve_forever(self) -> None:
+        if not self.started.is_set():
+            self.start()
+        next_tick = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                timeout_ms = max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000
+                for sock, _ in self._poller.poll(timeout_ms):
+                    self._drain(sock)
+                mono = time.monotonic()
+                if mono >= next_tick:
+                    next_tick = mono + self.opt.tick_s
+                    self._tick(time.time(), mono)
+                elif self._dirty:
+                    self._run_policy(time.time())
+        finally:
+            self.close()
+
+    # --- receiving --------------------------------------------------------------------------
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        for _ in range(MAX_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                if sock is self._control:
+                    self._on_control(frames)
+                else:
+                    job = self._sock_job.get(sock)
+                    if job is not None:
+                        self._on_agent(job, frames)
+            except Exception as e:  # a bug must cost one message, not the node's sidecar
+                log.exception("internal error handling a message: %s", e)
+
+    @staticmethod
+    def _split(frames: list[bytes]) -> tuple[bytes, list[bytes], list[bytes]]:
+        """(identity, delimiter frames a REQ peer needs echoed, protocol frames)."""
+        identity, rest = frames[0], frames[1:]
+        if rest and rest[0] == b"":
+            return identity, [b""], rest[1:]
+        return identity, [], rest
+
+    def _reply_raw(self, sock: zmq.Socket, route: list[bytes], msg: p.Message) -> None:
+        try:
+            sock.send_multipart(route + p.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the peer is gone or not reading; dropping is right for a best-effort reply
+
+    def _protocol_error(self, where: str, sock: zmq.Socket, route: list[bytes], e: p.ProtocolError) -> None:
+        self._rlog.warning(f"{where}:{e.code.value}", "%s: bad message (%s): %s", where, e.code.value, e.message)
+        self._reply_raw(sock, route, p.error_message(e.code, e.message, e.ref))
+
+    def _on_control(self, frames: list[bytes]) -> None:
+        identity, delim, rest = self._split(frames)
+        route = [identity, *delim]
+        try:
+            msg = p.decode(rest, p.CONTROL_REQUESTS)
+        except p.ProtocolError as e:
+            self._protocol_error("control", self._control, route, e)
+            return
+        try:
+            body = self._control_request(msg)
+        except p.ProtocolError as e:
+            e.ref = msg.id
+            self._protocol_error("control", self._control, route, e)
+            return
+        except Exception as e:
+            log.exception("control request %s failed", msg.type)
+            body = p.Error(code="internal", message=f"{msg.type} failed: {e}")
+        self._reply_raw(self._control, route, p.reply(msg, body))
+
+    def _control_request(self, msg: p.Message) -> p.Body:
+        b = msg.body
+        if isinstance(b, p.JobRegister):
+            return self._register_job(b)
+        if isinstance(b, p.JobRetire):
+            return p.JobRetireReply(job_id=b.job_id, known=self._retire_job(b.job_id))
+        if isinstance(b, p.NodeState):
+            return self._node_state()
+        return p.Heartbeat()
+
+    def _on_agent(self, job: Job, frames: list[bytes]) -> None:
+        identity, delim, rest = self._split(frames)
+        route = [identity, *delim]
+        try:
+            msg = p.decode(rest, p.AGENT_TO_SIDECAR)
+        except p.ProtocolError as e:
+            self._protocol_error(f"job {job.job_id} agent", job.socket, route, e)
+            return
+        mono = time.monotonic()
+        b = msg.body
+        agent = job.agents.get(identity)
+        if agent is not None:
+            agent.last_seen = mono
+        if isinstance(b, p.Register):
+            self._register_agent(job, identity, msg, mono)
+        elif isinstance(b, p.Bye):
+            if job.agents.pop(identity, None) is not None:
+                log.info("job %s: agent pid %d left (%s)", job.job_id, agent.reg.pid, b.reason[:200])
+                self._dirty = True
+        elif isinstance(b, p.Error):
+            self._rlog.warning(f"agent-error:{b.code}", "job %s: agent reports error %s: %s",
+                               job.job_id, b.code, b.message[:500])
+        elif agent is None:
+            self._protocol_error(f"job {job.job_id} agent", job.socket, route, p.ProtocolError(
+                p.ErrorCode.not_registered, f"send 'register' before {msg.type!r} (the sidecar may have restarted)",
+                msg.id))
+        elif isinstance(b, p.Report):
+            agent.report = b
+            agent.report_unix = time.time()
+            self._dirty = True
+        elif isinstance(b, p.Ack):
+            agent.acked_seq = max(agent.acked_seq, b.seq)
+
+    def _register_agent(self, job: Job, identity: bytes, msg: p.Message, mono: float) -> None:
+        reg: p.Register = msg.body
+        route = [identity]
+        if reg.job_id != job.job_id:
+            self._protocol_error(f"job {job.job_id} agent", job.socket, route, p.ProtocolError(
+                p.ErrorCode.forbidden, f"this endpoint serves job {job.job_id}, not job {reg.job_id}", msg.id))
+            return
+        if reg.job_class not in ("none", job.job_class):
+            log.warning("job %s: agent believes class %s, sidecar has %s; the sidecar's class applies",
+                        job.job_id, reg.job_class, job.job_class)
+        gpu = job.gpus[reg.local_rank % len(job.gpus)] if job.gpus else None
+        # `registered` carries the job's current limits, so they count as acknowledged.
+        agent = Agent(identity, reg, gpu, last_seen=mono, last_sent=mono, acked_seq=job.seq)
+        job.agents[identity] = agent
+        log.info("job %s: agent pid %d rank %d registered (%s, torch %s)", job.job_id, reg.pid, reg.rank,
+                 reg.device, reg.torch_version)
+        throttle = "off" if job.job_class == "guaranteed" else self.opt.opportunistic_throttle
+        self._send(job.socket, agent, p.Registered(
+            job_id=job.job_id, job_class=job.job_class, seq=job.seq, mem_limit_bytes=job.limits.mem_limit_bytes,
+            compute_share=job.limits.compute_share, heartbeat_s=self.opt.heartbeat_s, throttle=throttle), ref=msg.id)
+        if job.preempt is not None:
+            self._send_preempt(job, agent)
+
+    # --- sending ----------------------------------------------------------------------------
+
+    def _send(self, sock: Optional[zmq.Socket], agent: Agent, body: p.Body, ref: Optional[str] = None) -> None:
+        if sock is None:
+            return
+        agent.last_sent = time.monotonic()
+        self._reply_raw(sock, [agent.identity], p.Message(body=body, ref=ref))
+
+    def _send_preempt(self, job: Job, agent: Agent) -> None:
+        assert job.preempt is not None
+        self._send(job.socket, agent, p.Preempt(deadline_unix=job.preempt.deadline_unix,
+                                                grace_s=self.opt.grace_s, reason=job.preempt.reason))
+
+    # --- jobs -------------------------------------------------------------------------------
+
+    def _gpu_loads(self) -> list[GpuLoad]:
+        loads = []
+        for s in self.gpu_samples:
+            on = [j for j in self.jobs.values() if s.index in j.gpus]
+            loads.append(GpuLoad(s.index, s.memory_total_bytes, s.memory_used_bytes, self.util.average(s.index),
+                                 sum(j.job_class == "guaranteed" for j in on),
+                                 sum(j.job_class == "opportunistic" for j in on)))
+        return loads
+
+    def _register_job(self, b: p.JobRegister) -> p.JobRegisterReply:
+        n = self.telemetry.gpu_count()
+        old = self.jobs.get(b.job_id)
+        if old is not None and (old.job_class, old.uid, old.gid) == (b.job_class, b.uid, b.gid) and (
+                b.physical_gpus is None or sorted(b.physical_gpus) == sorted(old.gpus)):
+            # A retried Prolog (or one re-registering after a sidecar restart): same answer.
+            return self._register_reply(old)
+        if b.job_class == "guaranteed":
+            if b.physical_gpus is None:
+                raise p.ProtocolError(p.ErrorCode.bad_value,
+                                      "job_register.physical_gpus is required for guaranteed jobs (the GPUs Slurm bound)")
+            if len(set(b.physical_gpus)) != len(b.physical_gpus) or len(b.physical_gpus) != b.gpus:
+                raise p.ProtocolError(p.ErrorCode.bad_value, f"job_register.physical_gpus {b.physical_gpus} must "
+                                      f"be {b.gpus} distinct GPU indices (job_register.gpus)")
+            bad = [i for i in b.physical_gpus if i >= n]
+            if bad:
+                raise p.ProtocolError(p.ErrorCode.bad_value, f"job_register.physical_gpus: {bad} out of range; "
+                                      f"node {self.opt.node} has GPUs 0-{n - 1}")
+            gpus, placement, note = list(b.physical_gpus), "requested", ""
+        else:
+            if b.physical_gpus is not None:
+                raise p.ProtocolError(p.ErrorCode.bad_value, "job_register.physical_gpus must be null for "
+                                      "opportunistic jobs: the sidecar chooses their GPUs")
+            if old is not None:
+                self._retire_job(old.job_id)
+            self._sample(time.time())  # place on fresh numbers, not the last tick's
+            choice = choose_gpus(self._gpu_loads(), b.gpus, self.opt.slots_per_gpu,
+                                 self.opt.utilization_threshold, self.opt.utilization_window_s)
+            gpus, placement, note = choice.gpus, choice.placement, choice.note
+            if placement == "fallback":
+                log.warning("job %s: fallback placement on GPU(s) %s: %s", b.job_id, gpus, note)
+        if old is not None and b.job_id in self.jobs:
+            self._retire_job(old.job_id)
+        job = Job(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time())
+        self._open_job(job)
+        self.dir.save_job(job.job_id, job.record())
+        log.info("job %s (%s, uid %d) registered on GPU(s) %s [%s]", job.job_id, job.job_class, job.uid, gpus, placement)
+        self._run_policy(time.time())
+        return self._register_reply(job)
+
+    def _register_reply(self, job: Job) -> p.JobRegisterReply:
+        return p.JobRegisterReply(job_id=job.job_id, gpus=list(job.gpus), endpoint=p.ipc(self.dir.agent_path(job.job_id)),
+                                  placement=job.placement, note=job.note)
+
+    def _open_job(self, job: Job) -> None:
+        path = self.dir.make_job_dir(job.job_id, job.uid, job.gid)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        try:
+            sock.bind(p.ipc(path))
+            self.dir.secure_agent_socket(job.job_id, job.uid, job.gid)
+        except (zmq.ZMQError, OSError) as e:
+            sock.close(0)
+            self.dir.remove_job(job.job_id)
+            raise EndpointError(f"cannot bind job {job.job_id}'s endpoint {path}: {e}") from None
+        job.socket = sock
+        self._sock_job[sock] = job
+        self._poller.register(sock, zmq.POLLIN)
+        self.jobs[job.job_id] = job
+
+    def _restore(self, rec: dict) -> None:
+        job = Job(str(rec["job_id"]), rec["job_class"], int(rec["uid"]), rec.get("gid"), str(rec["user"]),
+                  [int(g) for g in rec["gpus"]], rec["placement"], rec["note"], float(rec["registered_unix"]))
+        if job.job_class not in p.JOB_CLASSES:
+            raise ValueError(f"bad class {job.job_class!r}")
+        self._open_job(job)
+
+    def _retire_job(self, job_id: str) -> bool:
+        job = self.jobs.pop(job_id, None)
+        if job is None:
+            self.dir.remove_job(job_id)  # an Epilog after a crash may find only the directory
+            return False
+        if job.socket is not None:
+            for a in job.agents.values():
+                self._send(job.socket, a, p.Bye(reason="job retired"))
+            self._poller.unregister(job.socket)
+            self._sock_job.pop(job.socket, None)
+            job.socket.close(0)
+        self.dir.remove_job(job_id)
+        log.info("job %s retired", job_id)
+        self._run_policy(time.time())
+        return True
+
+    # --- telemetry, policy, ticks -----------------------------------------------------------
+
+    def _agent_mem(self, a: Agent, proc_mem: dict[int, int]) -> int:
+        reported = a.report.mem_reserved_bytes if a.report else 0
+        return max(reported, proc_mem.get(a.reg.pid, 0))
+
+    def _sample(self, now: float) -> None:
+        fresh_after = time.monotonic() - AGENT_TIMEOUT_HEARTBEATS * self.opt.heartbeat_s
+        mem: dict[int, int] = {}
+        busy: dict[int, float] = {}
+        for job in self.jobs.values():
+            for a in job.agents.values():
+                if a.gpu is None or a.report is None or a.last_seen < fresh_after:
+                    continue
+                mem[a.gpu] = mem.get(a.gpu, 0) + a.report.mem_reserved_bytes
+                if a.report.iteration_ms > 0:
+                    busy[a.gpu] = busy.get(a.gpu, 0.0) + min(1.0, a.report.busy_ms / a.report.iteration_ms)
+        reported = {g: ReportedLoad(mem.get(g, 0), busy.get(g, 0.0)) for g in set(mem) | set(busy)}
+        try:
+            self.gpu_samples, self.proc_samples = self.telemetry.sample(reported)
+        except Exception as e:  # a driver hiccup must not stop the node's sidecar
+            self._rlog.warning("telemetry", "telemetry sample failed: %s", e)
+            return
+        for s in self.gpu_samples:
+            self.util.add(now, s.index, s.utilization)
+
+    def _snapshot(self) -> Snapshot:
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        managed: dict[int, int] = {}
+        jobs = []
+        for job in self.jobs.values():
+            demand, iteration, ms = 0, None, None
+            for a in job.agents.values():
+                used = self._agent_mem(a, proc_mem)
+                if a.gpu is not None:
+                    managed[a.gpu] = managed.get(a.gpu, 0) + used
+                if a.report is not None:
+                    r = a.report
+                    demand = max(demand, used, r.mem_peak_bytes)
+                    iteration = r.iteration if iteration is None else max(iteration, r.iteration)
+                    ms = r.iteration_ms if ms is None else max(ms, r.iteration_ms)
+                else:
+                    demand = max(demand, used)
+            jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms))
+        gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
+                             max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
+                     for s in self.gpu_samples)
+        return Snapshot(gpus, tuple(jobs))
+
+    def _run_policy(self, now: float) -> None:
+        self._dirty = False
+        decision = decide(self._snapshot(), self.policy_state, self.opt.params, now)
+        self.policy_state = decision.state
+        for req in decision.new_preemptions:
+            job = self.jobs.get(req.job_id)
+            if job is None:
+                continue
+            job.preempt = req
+            log.warning("job %s: PREEMPTION requested (deadline in %.0f s): %s", job.job_id,
+                        req.deadline_unix - now, req.reason)
+            for a in job.agents.values():
+                self._send_preempt(job, a)
+        for job_id, lim in decision.limits.items():
+            job = self.jobs.get(job_id)
+            if job is None or lim == job.limits:
+                continue
+            job.seq += 1
+            job.limits = lim
+            for a in job.agents.values():
+                self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
+                                                   compute_share=lim.compute_share))
+
+    def _tick(self, now: float, mono: float) -> None:
+        expire_before = mono - AGENT_TIMEOUT_HEARTBEATS * self.opt.heartbeat_s
+        for job in self.jobs.values():
+            for ident, a in list(job.agents.items()):
+                if a.last_seen < expire_before:
+                    del job.agents[ident]
+                    log.warning("job %s: agent pid %d silent for %.0f s; no longer counted", job.job_id,
+                                a.reg.pid, mono - a.last_seen)
+                elif mono - a.last_sent >= self.opt.heartbeat_s:
+                    self._send(job.socket, a, p.Heartbeat())
+        self._sample(now)
+        self._run_policy(now)
+
+    def _node_state(self) -> p.NodeStateReply:
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        gpus = [p.GpuState(index=s.index, memory_used_bytes=s.memory_used_bytes,
+                           memory_total_bytes=s.memory_total_bytes, utilization=s.utilization,
+                           utilization_avg=min(1.0, self.util.average(s.index)),
+                           jobs=[j.job_id for j in self.jobs.values() if s.index in j.gpus])
+                for s in self.gpu_samples]
+        jobs = []
+        for j in self.jobs.values():
+            reports = [a for a in j.agents.values() if a.report is not None]
+            track = self.policy_state.guaranteed.get(j.job_id)
+            jobs.append(p.JobState(
+                job_id=j.job_id, job_class=j.job_class, uid=j.uid, gpus=list(j.gpus),
+                mem_limit_bytes=j.limits.mem_limit_bytes,
+                mem_used_bytes=sum(self._agent_mem(a, proc_mem) for a in j.agents.values()),
+                compute_share=j.limits.compute_share,
+                iteration_ms=max((a.report.iteration_ms for a in reports), default=None),
+                baseline_ms=track.baseline_ms if track else None,
+                last_report_unix=max((a.report_unix for a in reports if a.report_unix), default=None),
+                agents=len(j.agents), limits_seq=j.seq,
+                acked_seq=min((a.acked_seq for a in j.agents.values()), default=0)))
+        pre = [p.PreemptState(job_id=j.job_id, reason=j.preempt.reason, requested_unix=j.preempt.requested_unix,
+                              deadline_unix=j.preempt.deadline_unix)
+               for j in self.jobs.values() if j.preempt is not None]
+        return p.NodeStateReply(node=self.opt.node, telemetry=self.telemetry.kind,
+                                sidecar_version=slurm_antman.__version__, gpus=gpus, jobs=jobs, preemptions=pre)

@@ -1,0 +1,134 @@
+"""The sidecar's socket directory and its permissions.
+
+    SOCKET_DIR/               0755 root   (users must traverse it to reach their job's socket)
+    SOCKET_DIR/control.sock   0600 root   (Prolog, Epilog, CLI run as root)
+    SOCKET_DIR/sidecar.lock   0600 root   (flock: one sidecar per directory)
+    SOCKET_DIR/state/         0700 root   (job registrations, so a restarted sidecar rebinds them;
+                                           not in the job's directory, where its user could forge one)
+    SOCKET_DIR/jobs/          0711 root   (traversable, not listable: users cannot see other jobs)
+    SOCKET_DIR/jobs/JOBID/    0700 uid    (only the job's user and root can connect)
+        agent.sock            0600 uid
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import stat
+from typing import Optional
+
+from slurm_antman import protocol
+
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+class EndpointError(RuntimeError):
+    pass
+
+
+def _ensure_dir(path: str, mode: int, uid: int = 0, gid: int = -1) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise EndpointError(f"cannot create {path}: {e.strerror}") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise EndpointError(f"{path} exists and is not a directory")
+    os.chmod(path, mode)
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+
+
+def check_socket_path(path: str) -> None:
+    if len(path.encode()) > MAX_SOCKET_PATH:
+        raise EndpointError(f"socket path {path} is {len(path.encode())} bytes; Unix sockets allow "
+                            f"{MAX_SOCKET_PATH}: choose a shorter --socket-dir")
+
+
+class SocketDir:
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self._lock_fd: Optional[int] = None
+
+    @property
+    def control_path(self) -> str:
+        return protocol.control_path(self.root)
+
+    def job_dir(self, job_id: str) -> str:
+        return protocol.job_dir(self.root, job_id)
+
+    def agent_path(self, job_id: str) -> str:
+        return protocol.agent_path(self.root, job_id)
+
+    def _state_file(self, job_id: str) -> str:
+        protocol.job_dir(self.root, job_id)  # validates the id
+        return os.path.join(self.root, "state", f"{job_id}.json")
+
+    def prepare(self) -> None:
+        """Create the tree and take the directory's lock (a second sidecar here fails clearly)."""
+        _ensure_dir(self.root, 0o755)
+        _ensure_dir(os.path.join(self.root, "jobs"), 0o711)
+        _ensure_dir(os.path.join(self.root, "state"), 0o700)
+        check_socket_path(self.control_path)
+        fd = os.open(os.path.join(self.root, "sidecar.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise EndpointError(f"another sidecar is running on {self.root} (lock held on sidecar.lock)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def secure_control(self) -> None:
+        os.chmod(self.control_path, 0o600)
+
+    def make_job_dir(self, job_id: str, uid: int, gid: Optional[int]) -> str:
+        path = self.job_dir(job_id)
+        _ensure_dir(path, 0o700, uid, -1 if gid is None else gid)
+        sock = self.agent_path(job_id)
+        check_socket_path(sock)
+        return sock
+
+    def secure_agent_socket(self, job_id: str, uid: int, gid: Optional[int]) -> None:
+        sock = self.agent_path(job_id)
+        os.chmod(sock, 0o600)
+        if os.geteuid() == 0:
+            os.chown(sock, uid, -1 if gid is None else gid)
+
+    def remove_job(self, job_id: str) -> None:
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        try:
+            os.unlink(self._state_file(job_id))
+        except FileNotFoundError:
+            pass
+
+    def save_job(self, job_id: str, record: dict) -> None:
+        path = self._state_file(job_id)
+        tmp = f"{path}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+
+    def saved_jobs(self) -> list[dict]:
+        out = []
+        d = os.path.join(self.root, "state")
+        for name in sorted(os.listdir(d)):
+            if not name.endswith(".json"):
+                continue
+            try:
+                with open(os.path.join(d, name)) as f:
+                    rec = json.load(f)
+                if isinstance(rec, dict):
+                    out.append(rec)
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def release(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

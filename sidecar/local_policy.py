@@ -1,0 +1,230 @@
+"""The node-local policy: from a snapshot of one node (GPUs, jobs, what their agents reported) to
+per-job memory limits and compute shares, and preemption requests.
+
+Pure: no I/O and no clock. The caller passes ``now`` and the previous :class:`PolicyState`, and gets
+the next state back, so the sidecar and a trace simulator drive the same code.
+
+The rules (AntMan's, with TGS-style rate control for compute):
+
+* Guaranteed jobs are never limited: unlimited memory, share 1.0.
+* Opportunistic jobs on a GPU split the memory the guaranteed job does not need:
+  ``total - foreign - guaranteed demand - headroom``. The split is recomputed on every call, so a
+  rise in guaranteed demand shrinks them at once.
+* Their compute budget on a GPU is an AIMD loop on the guaranteed job's iteration time against its
+  baseline (its solo time, measured while no opportunistic job shared its GPUs; until one is known,
+  the best time seen): above the target slowdown the budget is cut multiplicatively, near the
+  baseline it grows additively. A jump in guaranteed memory demand also cuts it at once, because
+  the guaranteed job is entering a heavier phase and must not wait a report for its speed back.
+* If the opportunistic jobs on a GPU cannot all keep their minimum memory, the newest ones are
+  asked to be preempted (last in, first out) until the rest fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    headroom_bytes: int = 512 * MiB          # kept free on every GPU for allocator slack and contexts
+    min_opportunistic_bytes: int = 1 * GiB   # below this an opportunistic job is preempted instead
+    quantum_bytes: int = 64 * MiB            # limits are rounded down to this, so noise sends no updates
+    target_slowdown: float = 0.02            # guaranteed iteration time may exceed baseline by 2%
+    initial_share: float = 0.5               # opportunistic budget on a GPU before any feedback
+    min_share: float = 0.05
+    share_step: float = 0.05                 # additive increase per report at baseline
+    share_backoff: float = 0.5               # multiplicative decrease on slowdown / demand rise
+    demand_rise_bytes: int = 256 * MiB       # a guaranteed demand rise this large throttles at once
+    baseline_alpha: float = 0.2              # EWMA weight of a new solo iteration time
+    grace_s: float = 30.0                    # preemption notice to requeue
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    memory_total_bytes: int
+    foreign_bytes: int = 0  # used by processes slurm-antman does not manage
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    job_class: str                    # guaranteed | opportunistic
+    gpus: tuple[int, ...]
+    registered_unix: float
+    mem_demand_bytes: int = 0         # per GPU: what the job holds or has just needed
+    iteration: Optional[int] = None   # index of the last reported iteration
+    iteration_ms: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    gpus: tuple[GpuInfo, ...]
+    jobs: tuple[JobInfo, ...]
+
+
+@dataclass(frozen=True)
+class GuaranteedTrack:
+    solo_ms: Optional[float] = None
+    best_ms: Optional[float] = None
+    last_iteration: Optional[int] = None
+    demand_bytes: int = 0
+
+    @property
+    def baseline_ms(self) -> Optional[float]:
+        return self.solo_ms if self.solo_ms is not None else self.best_ms
+
+
+@dataclass(frozen=True)
+class PreemptRequest:
+    job_id: str
+    gpu: int
+    reason: str
+    requested_unix: float
+    deadline_unix: float
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    guaranteed: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
+    gpu_budget: Mapping[int, float] = field(default_factory=dict)
+    preempted: Mapping[str, PreemptRequest] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    mem_limit_bytes: Optional[int]
+    compute_share: float
+
+
+UNLIMITED = JobLimits(None, 1.0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    limits: Mapping[str, JobLimits]
+    new_preemptions: tuple[PreemptRequest, ...]
+    state: PolicyState
+    slowdown: Mapping[str, float]  # guaranteed job -> latest measured slowdown, for display
+
+
+def _quantize(n: int, q: int) -> int:
+    return max(0, n // q * q)
+
+
+def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
+                      p: PolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
+    """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
+    fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
+    solo, best, slowdown = prev.solo_ms, prev.best_ms, None
+    if fresh:
+        ms = float(job.iteration_ms)
+        if alone:
+            solo = ms if solo is None else (1 - p.baseline_alpha) * solo + p.baseline_alpha * ms
+        base = solo if solo is not None else best
+        if not alone and base:
+            slowdown = ms / base - 1.0
+        best = ms if best is None else min(best, ms)
+    rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
+    track = GuaranteedTrack(solo, best, job.iteration if fresh else prev.last_iteration, job.mem_demand_bytes)
+    return track, slowdown, rose
+
+
+def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> Decision:
+    jobs = {j.job_id: j for j in snap.jobs}
+    gpus = {g.index: g for g in snap.gpus}
+    on_gpu: dict[int, list[JobInfo]] = {g: [] for g in gpus}
+    for j in snap.jobs:
+        for g in j.gpus:
+            if g in on_gpu:
+                on_gpu[g].append(j)
+
+    def opp_on(g: int) -> list[JobInfo]:
+        return [j for j in on_gpu[g] if j.job_class == "opportunistic"]
+
+    # Guaranteed jobs: baselines, slowdowns, demand jumps.
+    tracks: dict[str, GuaranteedTrack] = {}
+    slowdown: dict[str, float] = {}
+    rose: set[str] = set()
+    for j in snap.jobs:
+        if j.job_class != "guaranteed":
+            continue
+        alone = not any(opp_on(g) for g in j.gpus if g in on_gpu)
+        prev = state.guaranteed.get(j.job_id)
+        t, s, r = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)
+        tracks[j.job_id] = t
+        if s is not None:
+            slowdown[j.job_id] = s
+        if r:
+            rose.add(j.job_id)
+
+    # Compute budget per GPU for its opportunistic jobs.
+    budget: dict[int, float] = {}
+    for g in gpus:
+        guar = [j for j in on_gpu[g] if j.job_class == "guaranteed"]
+        if not guar:
+            budget[g] = 1.0
+            continue
+        b = state.gpu_budget.get(g, p.initial_share)
+        if any(j.job_id in rose for j in guar):
+            b *= p.share_backoff
+        else:
+            measured = [slowdown[j.job_id] for j in guar if j.job_id in slowdown]
+            if measured:
+                worst = max(measured)
+                if worst > p.target_slowdown:
+                    b *= p.share_backoff
+                elif worst <= p.target_slowdown / 2:
+                    b += p.share_step
+        budget[g] = min(1.0, max(p.min_share, b))
+
+    # Memory per GPU; preempt newest opportunistic jobs when the minimums do not fit.
+    preempted = {k: v for k, v in state.preempted.items() if k in jobs}
+    new_preempt: list[PreemptRequest] = []
+    per_job_mem: dict[str, list[int]] = {}
+    per_job_share: dict[str, list[float]] = {}
+    for g, info in gpus.items():
+        guar_demand = sum(j.mem_demand_bytes for j in on_gpu[g] if j.job_class == "guaranteed")
+        available = info.memory_total_bytes - info.foreign_bytes - guar_demand - p.headroom_bytes
+        opp = sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
+        leaving = [j for j in opp if j.job_id in preempted]
+        active = [j for j in opp if j.job_id not in preempted]
+        # A job asked to leave is not counted: its memory returns when Slurm requeues it.
+        while active and available < len(active) * p.min_opportunistic_bytes:
+            victim = active.pop()
+            req = PreemptRequest(
+                victim.job_id, g,
+                f"GPU {g}: guaranteed demand {guar_demand // MiB} MiB leaves {max(available, 0) // MiB} MiB "
+                f"for {len(active) + 1} opportunistic job(s) that need "
+                f"{p.min_opportunistic_bytes // MiB} MiB each",
+                now, now + p.grace_s)
+            preempted[victim.job_id] = req
+            new_preempt.append(req)
+            leaving.append(victim)
+        if active:
+            each = max(p.min_opportunistic_bytes, _quantize(available // len(active), p.quantum_bytes))
+            share = max(p.min_share, budget[g] / len(active))
+            for j in active:
+                per_job_mem.setdefault(j.job_id, []).append(each)
+                per_job_share.setdefault(j.job_id, []).append(share)
+
+    limits: dict[str, JobLimits] = {}
+    for j in snap.jobs:
+        if j.job_class == "guaranteed":
+            limits[j.job_id] = UNLIMITED
+        elif j.job_id in preempted:
+            limits[j.job_id] = JobLimits(p.min_opportunistic_bytes, p.min_share)
+        elif j.job_id in per_job_mem:
+            limits[j.job_id] = JobLimits(min(per_job_mem[j.job_id]), min(per_job_share[j.job_id]))
+        else:  # no known GPU: nothing to share it with
+            limits[j.job_id] = UNLIMITED
+
+    new_state = replace(state, guaranteed=tracks,
+                        gpu_budget={g: b for g, b in budget.items()
+                                     if any(j.job_class == "guaranteed" for j in on_gpu[g])},
+                        preempted=preempted)
+    return Decision(limits, tuple(new_preempt), new_state, slowdown)

@@ -1,0 +1,60 @@
+"""Choosing physical GPUs for an opportunistic job (pure). Slurm has already allocated the job a
+count of opportunistic slots on this node; which GPU backs each slot is decided here, from
+telemetry, by AntMan's rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    index: int
+    memory_total_bytes: int
+    memory_used_bytes: int
+    utilization_avg: float     # 0..1 over the configured window
+    guaranteed_jobs: int
+    opportunistic_jobs: int
+
+    @property
+    def spare_bytes(self) -> int:
+        return max(0, self.memory_total_bytes - self.memory_used_bytes)
+
+
+@dataclass(frozen=True)
+class Placement:
+    gpus: list[int]
+    placement: str   # fit | fallback
+    note: str
+
+
+def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float) -> str:
+    if g.opportunistic_jobs >= slots_per_gpu:
+        return f"GPU {g.index}: {g.opportunistic_jobs}/{slots_per_gpu} opportunistic slots taken"
+    if g.guaranteed_jobs > 1:
+        return f"GPU {g.index}: {g.guaranteed_jobs} guaranteed jobs (at most 1 may take opportunistic work)"
+    if g.utilization_avg > threshold:
+        return f"GPU {g.index}: utilisation {g.utilization_avg:.2f} > {threshold:.2f} over {window_s:g} s"
+    return ""
+
+
+def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: float,
+                window_s: float) -> Placement:
+    """``count`` distinct GPUs; never fewer than ``min(count, len(gpus))``: the job is already
+    allocated, so when too few GPUs qualify the least-loaded are taken and the note says why."""
+    if not gpus:
+        raise ValueError("this node has no GPUs to place an opportunistic job on")
+    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s) for g in gpus}
+    fit = sorted((g for g in gpus if not reasons[g.index]),
+                 key=lambda g: (-g.spare_bytes, g.utilization_avg, g.index))
+    if len(fit) >= count:
+        return Placement([g.index for g in fit[:count]], "fit", "")
+    rest = sorted((g for g in gpus if reasons[g.index]),
+                  key=lambda g: (g.opportunistic_jobs + g.guaranteed_jobs, g.utilization_avg,
+                                 -g.spare_bytes, g.index))
+    chosen = fit + rest[: count - len(fit)]
+    note = (f"{len(fit)} of {count} GPU(s) met the opportunistic rules; chose the least-loaded: "
+            + "; ".join(reasons[g.index] for g in rest[: count - len(fit)]))
+    if count > len(gpus):
+        note += f"; the job asked for {count} GPUs but the node has {len(gpus)}"
+    return Placement([g.index for g in chosen], "fallback", note)

@@ -1,0 +1,394 @@
+"""``antman bench control``: the agent <-> sidecar control path, measured on this machine.
+
+It runs a real PyTorch training loop under the real agent (torch_patch), connected over ZeroMQ IPC
+to :class:`PeerSidecar`, a minimal sidecar that speaks the agent side of docs/protocol.md (it binds
+the per-job ROUTER, answers ``register``, sends ``limits``/``preempt``/anything, records what comes
+back). The tests use the same peer. It measures:
+
+- ``rtt_p50_us`` / ``rtt_p99_us``: a ``limits`` sent by the sidecar until its ``ack`` is back, with
+  the job training (iterations of ~0.2 ms): transport both ways, the agent thread's hand-over, and
+  the wait for the next iteration boundary, where limits are applied;
+- ``propagation_iterations``: the worst ``ack.applied_iteration`` minus the iteration during which
+  the limits arrived (1 means: applied from the next iteration on);
+- ``throttle_error``: the worst |duty cycle - share| over shares 0.25, 0.5, 0.75, the duty cycle
+  being the unthrottled iteration time over the throttled one, measured interleaved;
+- ``overhead_ratio``: the loop's time with the agent attached (share 1, reporting to the sidecar)
+  over the same loop without it, interleaved blocks, median ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import multiprocessing
+import os
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import zmq
+
+from . import protocol as P
+
+
+@dataclass
+class Received:
+    t: float  # perf_counter on arrival
+    msg: Optional[P.Message]
+    error: Optional[P.ProtocolError] = None
+
+
+@dataclass
+class PeerSidecar:
+    """A ROUTER at ``path`` that plays the sidecar for one job's agents (tests and this benchmark)."""
+
+    path: str
+    job_id: str = "42"
+    job_class: str = "opportunistic"
+    mem_limit_bytes: Optional[int] = None
+    compute_share: float = 1.0
+    heartbeat_s: float = 0.2
+    throttle: str = "launch"
+    seq: int = 0
+    received: list = field(default_factory=list)
+    sent_at: dict = field(default_factory=dict)  # message id -> perf_counter when sent
+
+    def __post_init__(self) -> None:
+        self.endpoint = P.ipc(self.path)
+        self._cmds: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._identities: list[bytes] = []
+        self._ready = threading.Event()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="peer-sidecar", daemon=True)
+        # Commands wake the thread at once (a polling interval would add to every round trip).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    # --- control from the test / bench thread -----------------------------------------------
+
+    def start(self) -> "PeerSidecar":
+        self._thread.start()
+        if not self._ready.wait(5):
+            raise RuntimeError(f"peer sidecar did not bind {self.endpoint}")
+        return self
+
+    def stop(self, bye: bool = False) -> None:
+        if bye:
+            self.send_body(P.Bye(reason="sidecar stopping"))
+        self._stop.set()
+        self._wake()
+        self._thread.join(5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def send_body(self, body: P.Body) -> str:
+        msg = P.Message(body=body)
+        self._cmds.put(("frames", (msg.id, P.encode(msg))))
+        self._wake()
+        return msg.id
+
+    def send_raw(self, frames: list[bytes]) -> None:
+        self._cmds.put(("frames", (None, frames)))
+        self._wake()
+
+    def send_limits(self, mem_limit_bytes: Optional[int], compute_share: float) -> tuple[int, str]:
+        self.seq += 1
+        self.mem_limit_bytes, self.compute_share = mem_limit_bytes, compute_share
+        mid = self.send_body(P.Limits(seq=self.seq, mem_limit_bytes=mem_limit_bytes, compute_share=compute_share))
+        return self.seq, mid
+
+    def of_type(self, mtype: str) -> list[Received]:
+        with self._cond:
+            return [r for r in self.received if r.msg is not None and r.msg.type == mtype]
+
+    def wait_for(self, pred: Callable[[Received], bool], timeout: float = 5.0) -> Received:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for r in self.received:
+                    if pred(r):
+                        return r
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    seen = [r.msg.type if r.msg else f"error {r.error}" for r in self.received][-10:]
+                    raise TimeoutError(f"peer sidecar: expected message not received in {timeout} s; last: {seen}")
+                self._cond.wait(left)
+
+    def wait_type(self, mtype: str, timeout: float = 5.0, where: Callable[[Any], bool] = lambda b: True) -> Received:
+        return self.wait_for(lambda r: r.msg is not None and r.msg.type == mtype and where(r.msg.body), timeout)
+
+    # --- thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        ctx = zmq.Context(1)
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        sock.bind(self.endpoint)
+        self._ready.set()
+        last_sent = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                wait_ms = max(0.0, self.heartbeat_s - (time.monotonic() - last_sent)) * 1000.0
+                events = dict(poller.poll(wait_ms))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                if sock in events:
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if self._handle(sock, frames):
+                            last_sent = time.monotonic()
+                while True:
+                    try:
+                        kind, arg = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    mid, frames = arg
+                    for ident in self._identities:
+                        if mid is not None:
+                            self.sent_at[mid] = time.perf_counter()
+                        sock.send_multipart([ident, *frames])
+                    last_sent = time.monotonic()
+                if time.monotonic() - last_sent >= self.heartbeat_s:
+                    for ident in self._identities:
+                        sock.send_multipart([ident, *P.encode(P.Message(body=P.Heartbeat()))])
+                    last_sent = time.monotonic()
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def _handle(self, sock: zmq.Socket, frames: list[bytes]) -> bool:
+        """Records one message; True if it was answered."""
+        t = time.perf_counter()
+        ident, rest = frames[0], frames[1:]
+        try:
+            msg = P.decode(rest, accept=P.AGENT_TO_SIDECAR)
+        except P.ProtocolError as e:
+            with self._cond:
+                self.received.append(Received(t, None, e))
+                self._cond.notify_all()
+            return False
+        answered = False
+        if isinstance(msg.body, P.Register):
+            answered = True
+            if ident not in self._identities:
+                self._identities.append(ident)
+            out = P.reply(msg, P.Registered(
+                job_id=self.job_id, job_class=self.job_class, seq=self.seq,
+                mem_limit_bytes=self.mem_limit_bytes, compute_share=self.compute_share,
+                heartbeat_s=self.heartbeat_s, throttle=self.throttle))
+            sock.send_multipart([ident, *P.encode(out)])
+        with self._cond:
+            self.received.append(Received(t, msg))
+            self._cond.notify_all()
+        return answered
+
+
+# --- the benchmark ---------------------------------------------------------------------------------
+
+
+def _small_job(width: int, depth: int, batch: int, seed: int = 0):
+    import torch
+
+    torch.manual_seed(seed)
+    layers: list = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width)
+    y = torch.randn(batch, 1)
+
+    def iteration() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return iteration
+
+
+def _timed(fn: Callable[[], None], n: int) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return time.perf_counter() - t
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+
+
+def _peer_main(path: str, conn: Any) -> None:
+    """The bench's sidecar, in its own process as on a real node (no shared GIL with the job)."""
+    peer = PeerSidecar(path, heartbeat_s=0.5).start()
+    conn.send("ready")
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                break
+            if cmd[0] == "rtt":
+                rtts = []
+                for i in range(cmd[1]):
+                    # Memory limits only: the share stays 1, so the job is never throttled here.
+                    seq, mid = peer.send_limits((1 << 30) * (1 + i % 2), 1.0)
+                    try:
+                        ack = peer.wait_type("ack", timeout=5.0, where=lambda b: b.seq == seq)
+                    except TimeoutError:
+                        continue
+                    rtts.append((ack.t - peer.sent_at[mid]) * 1e6)
+                    with peer._cond:
+                        del peer.received[:]
+                    time.sleep(0.002)
+                conn.send(rtts)
+    finally:
+        peer.stop()
+
+
+def measure_rtt(agent: Any, conn: Any, samples: int) -> tuple[list[float], int]:
+    """limits -> ack round trips (µs) while the job trains; and the worst propagation in iterations."""
+    iteration = _small_job(64, 2, 16)
+    conn.send(("rtt", samples))
+    while not conn.poll():
+        iteration()
+    rtts = conn.recv()
+    worst = 0
+    for seq, received, applied in agent.acks:
+        if received is not None:
+            worst = max(worst, applied - received)
+    return rtts, worst
+
+
+def measure_throttle(agent: Any, shares: tuple[float, ...], iters: int, rounds: int) -> dict[float, float]:
+    """Duty cycle per share: unthrottled time / throttled time, interleaved rounds, medians."""
+    iteration = _small_job(256, 4, 64)
+    for _ in range(5):
+        iteration()
+    duty: dict[float, list[float]] = collections.defaultdict(list)
+    for _ in range(rounds):
+        for share in shares:
+            agent.throttle.set_share(1.0)
+            base = _timed(iteration, iters)
+            agent.throttle.set_share(share)
+            throttled = _timed(iteration, iters)
+            agent.throttle.set_share(1.0)
+            duty[share].append(base / throttled)
+    return {s: statistics.median(v) for s, v in duty.items()}
+
+
+def measure_overhead(agent: Any, iters: int, rounds: int) -> float:
+    """Same loop with the agent's hooks attached vs detached, interleaved; median of the ratios."""
+    iteration = _small_job(256, 4, 64)
+    for _ in range(5):
+        iteration()
+    ratios = []
+    for _ in range(rounds):
+        agent.steps.unhook()
+        without = _timed(iteration, iters)
+        agent.steps.hook_optimizers()
+        with_agent = _timed(iteration, iters)
+        ratios.append(with_agent / without)
+    return statistics.median(ratios)
+
+
+def run(quick: bool = False) -> dict:
+    import torch
+
+    import torch_patch
+    from torch_patch.agent import Agent
+
+    torch.set_num_threads(1)
+    torch_patch.uninstall()  # the bench drives its own agent, not one the import hook may have started
+    mp = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="antman-bench-") as tmp:
+        path = os.path.join(tmp, "jobs", "42", "agent.sock")
+        conn, child_conn = mp.Pipe()
+        proc = mp.Process(target=_peer_main, args=(path, child_conn), daemon=True)
+        proc.start()
+        agent = None
+        try:
+            if not conn.poll(30) or conn.recv() != "ready":
+                raise RuntimeError("the bench sidecar did not start")
+            agent = Agent(job_id="42", job_class="opportunistic", endpoint=P.ipc(path), use_cuda=False)
+            agent.start()
+            if not agent.client.registered.wait(10):
+                raise RuntimeError("the agent did not register with the bench sidecar")
+            # One optimizer step applies the registered limits before measuring.
+            _small_job(8, 1, 2)()
+            rtts, worst_prop = measure_rtt(agent, conn, 100 if quick else 300)
+            shares = (0.25, 0.5, 0.75)
+            duty = measure_throttle(agent, shares, iters=10 if quick else 20, rounds=2 if quick else 3)
+            overhead = measure_overhead(agent, iters=100 if quick else 200, rounds=4 if quick else 10)
+        finally:
+            if agent is not None:
+                agent.stop()
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1)
+    return {
+        "rtt_p50_us": round(_pct(rtts, 0.5), 1) if rtts else None,
+        "rtt_p99_us": round(_pct(rtts, 0.99), 1) if rtts else None,
+        "rtt_samples": len(rtts),
+        "propagation_iterations": worst_prop,
+        "throttle_error": round(max(abs(duty[s] - s) for s in duty), 4),
+        "throttle_duty": {str(s): round(d, 4) for s, d in duty.items()},
+        "overhead_ratio": round(overhead, 4),
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="antman bench control", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    ap.add_argument("--quick", action="store_true", help="fewer samples (about 20 s)")
+    a = ap.parse_args(argv)
+    res = run(quick=a.quick)
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    targets = {"rtt_p99_us": "<= 1000", "propagation_iterations": "== 1", "overhead_ratio": "<= 1.01"}
+    for k, v in res.items():
+        t = targets.get(k)
+        print(f"{k:24} {v}" + (f"   (target {t})" if t else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

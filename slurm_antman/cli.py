@@ -1,0 +1,172 @@
+"""The ``antman`` command. Subcommands import their modules lazily so ``antman node prolog`` (run by
+slurmd for every job) does not pay for rich, torch or anything it does not use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _default_config() -> str:
+    return os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml")
+
+
+def _cmd_devcluster(a: argparse.Namespace) -> int:
+    from . import devcluster as dc
+
+    d = Path(a.dir)
+    if a.action == "up":
+        cluster = dc.up(d, nodes=a.nodes, gpus=a.gpus, cpus=a.cpus, port_base=a.port_base, plain=a.plain)
+        sys.stdout.write(dc.export_lines(cluster))
+        print(f"# devcluster up in {cluster.dir}: nodes {','.join(cluster.nodes)}, {cluster.gpus} GPUs each",
+              file=sys.stderr)
+    elif a.action == "down":
+        stopped = dc.down(d)
+        print("stopped: " + (", ".join(stopped) if stopped else "nothing (no cluster recorded in %s)" % d))
+    else:
+        st = dc.status(d)
+        if a.json:
+            print(json.dumps(st, indent=2))
+        else:
+            print(f"devcluster in {st['dir']}: {'running' if st['running'] else 'not running'}")
+            for p in st["procs"]:
+                print(f"  {p['name']:<16} pid {p['pid']:<8} {'alive' if p['alive'] else 'DEAD'}")
+            for line in st.get("nodes", []):
+                print(f"  {line}")
+        return 0 if st["running"] else 3
+    return 0
+
+
+def _cmd_config(a: argparse.Namespace) -> int:
+    from . import config as cm
+    from .render import RenderOptions, write_all
+
+    try:
+        cfg = cm.load(a.file)
+    except cm.ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    if a.action == "check":
+        hosts = sum(len(g.hosts) for g in cfg.nodes)
+        gpus = sum(len(g.hosts) * g.gpus for g in cfg.nodes)
+        print(f"{a.file}: OK ({hosts} nodes, {gpus} GPUs, {len(cfg.tenants)} tenants, "
+              f"default class {cfg.default_class.value})")
+        return 0
+    out = Path(a.out)
+    opts = RenderOptions(config_path=a.config_path or str(Path(a.file).resolve()),
+                         hook_dir=a.hook_dir or str(out.resolve()))
+    for path in write_all(cfg, out, opts):
+        print(path)
+    return 0
+
+
+def _cmd_node(a: argparse.Namespace) -> int:
+    from . import node_hooks
+
+    return node_hooks.main(a.hook, a.config)
+
+
+def _cmd_squeue(a: argparse.Namespace) -> int:
+    from . import squeue_view
+
+    return squeue_view.main(a)
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main(a)
+
+
+def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
+    if a.what == "submit":
+        from . import bench_submit
+
+        return bench_submit.main(rest)
+    if a.what == "control":
+        from . import bench_control
+
+        return bench_control.main(rest)
+    print(f"antman bench: unknown benchmark {a.what!r}; allowed: submit, control", file=sys.stderr)
+    return 2
+
+
+def _cmd_sidecar(rest: list[str]) -> int:
+    from sidecar import cli as sidecar_cli
+
+    return sidecar_cli.main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="antman", description="AntMan-style dynamic GPU sharing for Slurm")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    dc = sub.add_parser("devcluster", help="a real local Slurm cluster on loopback")
+    dc.add_argument("action", choices=["up", "down", "status"])
+    dc.add_argument("--dir", default=os.environ.get("ANTMAN_DEVCLUSTER_DIR", "/tmp/antman-devcluster"))
+    dc.add_argument("--nodes", type=int, default=2)
+    dc.add_argument("--gpus", type=int, default=4, help="fake GPUs per node")
+    dc.add_argument("--cpus", type=int, default=4, help="CPUs each node claims")
+    dc.add_argument("--port-base", type=int, default=17817, help="slurmctld port; slurmd ports follow")
+    dc.add_argument("--plain", action="store_true", help="plain Slurm, without the slurm-antman stack")
+    dc.add_argument("--json", action="store_true")
+    dc.set_defaults(func=_cmd_devcluster)
+
+    cf = sub.add_parser("config", help="validate antman.yaml or render the Slurm files from it")
+    cf.add_argument("action", choices=["check", "render"])
+    cf.add_argument("file")
+    cf.add_argument("--out", default="antman-rendered", help="render: output directory")
+    cf.add_argument("--config-path", help="render: where antman.yaml will live on the nodes")
+    cf.add_argument("--hook-dir", help="render: where antman-prolog/epilog will live (default --out)")
+    cf.set_defaults(func=_cmd_config)
+
+    nd = sub.add_parser("node", help="Slurm Prolog/Epilog hooks (run by slurmd)")
+    nd.add_argument("hook", choices=["prolog", "epilog"])
+    nd.add_argument("--config", default=_default_config())
+    nd.set_defaults(func=_cmd_node)
+
+    sq = sub.add_parser("squeue", help="jobs with their slurm-antman class and GPUs")
+    sq.add_argument("--json", action="store_true")
+    sq.add_argument("--all", action="store_true", help="include finished jobs Slurm still remembers")
+    sq.set_defaults(func=_cmd_squeue)
+
+    de = sub.add_parser("demo", help="the guided demo on a local cluster")
+    de.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
+    de.add_argument("--dir", default="/tmp/antman-demo")
+    de.add_argument("--port-base", type=int, default=17917)
+    de.set_defaults(func=_cmd_demo)
+
+    be = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)", add_help=False)
+    be.add_argument("what")
+    be.set_defaults(func=None)
+
+    sub.add_parser("sidecar", help="the per-node daemon", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Subcommands with their own parsers get the rest of the line untouched.
+    if argv[:1] == ["sidecar"]:
+        return _cmd_sidecar(argv[1:])
+    if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
+        return _cmd_bench(argparse.Namespace(what=argv[1]), argv[2:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line for the admin, not a traceback
+        from .errors import AntmanError
+
+        if isinstance(e, AntmanError) or type(e).__name__.endswith("Error") and os.environ.get("ANTMAN_DEBUG") != "1":
+            print(f"antman {args.cmd}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

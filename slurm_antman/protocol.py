@@ -1,0 +1,611 @@
+"""The slurm-antman ZeroMQ protocol, version 1: messages between the node sidecar, the in-job agents
+and the node's control clients (Prolog, Epilog, CLI). docs/protocol.md is the specification; this
+module is its one implementation, shared by every side.
+
+A message is two ZeroMQ frames: the marker ``b"ANTMAN"`` and a UTF-8 JSON envelope
+``{"v", "type", "id", "ts", "ref", "body"}``. A ROUTER peer sees its routing identity frame(s) in
+front; strip them before :func:`decode`.
+
+Decoding is hand-rolled rather than pydantic because an agent sends a ``report`` per training
+iteration, and the sidecar must keep up with many of them: validation is a table of small checker
+closures compiled once per message type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Optional
+
+PROTOCOL_VERSION = 1
+MARKER = b"ANTMAN"
+MAX_MESSAGE_BYTES = 1 << 20
+
+CONTROL_SOCKET_NAME = "control.sock"
+AGENT_SOCKET_NAME = "agent.sock"
+# The agent finds its endpoint in this variable (set from the Prolog's job env file).
+ENDPOINT_ENV = "ANTMAN_SIDECAR_ENDPOINT"
+
+JOB_ID_RE = re.compile(r"^[0-9]{1,10}$")
+ENVELOPE_KEYS = frozenset(("v", "type", "id", "ts", "ref", "body"))
+MAX_ID_LEN = 128
+
+
+class ErrorCode(str, enum.Enum):
+    """Codes carried by ``error`` messages and by :class:`ProtocolError`. docs/protocol.md lists them."""
+
+    bad_frames = "bad_frames"
+    too_large = "too_large"
+    bad_json = "bad_json"
+    bad_envelope = "bad_envelope"
+    version_mismatch = "version_mismatch"
+    unknown_type = "unknown_type"
+    missing_field = "missing_field"
+    extra_field = "extra_field"
+    bad_type = "bad_type"
+    bad_value = "bad_value"
+    wrong_direction = "wrong_direction"
+    not_registered = "not_registered"
+    unknown_job = "unknown_job"
+    forbidden = "forbidden"
+    internal = "internal"
+
+
+class ProtocolError(Exception):
+    """A message that cannot be used. ``ref`` is the offending message's id when it could be read."""
+
+    def __init__(self, code: ErrorCode, message: str, ref: Optional[str] = None,
+                 peer_version: Optional[int] = None):
+        self.code = ErrorCode(code)
+        self.message = message
+        self.ref = ref
+        self.peer_version = peer_version
+        super().__init__(f"{self.code.value}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Field declarations. Each body field carries its wire type and constraints in dataclass
+# metadata, so one declaration drives both the Python API and the validator.
+
+_MISSING = dataclasses.MISSING
+
+
+def _f(kind: Any, *, nullable: bool = False, ge: Optional[float] = None, gt: Optional[float] = None,
+       le: Optional[float] = None, choices: Optional[Iterable[str]] = None,
+       pattern: Optional[re.Pattern[str]] = None, max_len: Optional[int] = None,
+       default: Any = _MISSING) -> Any:
+    meta = dict(kind=kind, nullable=nullable, ge=ge, gt=gt, le=le,
+                choices=frozenset(choices) if choices is not None else None,
+                pattern=pattern, max_len=max_len)
+    return field(default=default, metadata=meta)
+
+
+JOB_CLASSES = ("guaranteed", "opportunistic")
+AGENT_CLASSES = ("guaranteed", "opportunistic", "none")
+DEVICES = ("cuda", "cpu")
+THROTTLE_MODES = ("off", "iteration", "launch")
+TELEMETRY_KINDS = ("nvml", "emulated")
+PLACEMENTS = ("requested", "fit", "fallback")
+
+
+def _job_id(**kw: Any) -> Any:
+    return _f(str, pattern=JOB_ID_RE, **kw)
+
+
+def _bytes_(nullable: bool = False, **kw: Any) -> Any:
+    return _f(int, ge=0, nullable=nullable, **kw)
+
+
+def _text(**kw: Any) -> Any:
+    return _f(str, max_len=kw.pop("max_len", 4096), **kw)
+
+
+class Body:
+    """Base of all message bodies. ``TYPE`` is the wire ``type``."""
+
+    TYPE: ClassVar[str] = ""
+    __slots__ = ()
+
+
+_dc = dataclass(slots=True, kw_only=True)
+
+# --- agent channel: per-job ROUTER (sidecar) <-> DEALER (agent) ------------------------------
+
+
+@_dc
+class Register(Body):
+    TYPE: ClassVar[str] = "register"
+    job_id: str = _job_id()
+    pid: int = _f(int, ge=1)
+    rank: int = _f(int, ge=0)
+    local_rank: int = _f(int, ge=0)
+    world_size: int = _f(int, ge=1)
+    hostname: str = _text(max_len=255)
+    agent_version: str = _text(max_len=64)
+    torch_version: str = _text(max_len=64)
+    device: str = _f(str, choices=DEVICES)
+    job_class: str = _f(str, choices=AGENT_CLASSES)
+    cuda_visible_devices: Optional[str] = _text(max_len=1024, nullable=True, default=None)
+
+
+@_dc
+class Registered(Body):
+    TYPE: ClassVar[str] = "registered"
+    job_id: str = _job_id()
+    job_class: str = _f(str, choices=JOB_CLASSES)
+    seq: int = _f(int, ge=0)
+    mem_limit_bytes: Optional[int] = _bytes_(nullable=True)
+    compute_share: float = _f(float, gt=0.0, le=1.0)
+    heartbeat_s: float = _f(float, gt=0.0, le=3600.0)
+    throttle: str = _f(str, choices=THROTTLE_MODES)
+
+
+@_dc
+class Report(Body):
+    TYPE: ClassVar[str] = "report"
+    iteration: int = _f(int, ge=0)
+    iterations: int = _f(int, ge=1)
+    iteration_ms: float = _f(float, ge=0.0)
+    busy_ms: float = _f(float, ge=0.0)
+    mem_allocated_bytes: int = _bytes_()
+    mem_reserved_bytes: int = _bytes_()
+    mem_peak_bytes: int = _bytes_()
+    spilled_bytes: int = _bytes_()
+    limits_seq: int = _f(int, ge=0)
+
+
+@_dc
+class Limits(Body):
+    TYPE: ClassVar[str] = "limits"
+    seq: int = _f(int, ge=1)
+    mem_limit_bytes: Optional[int] = _bytes_(nullable=True)
+    compute_share: float = _f(float, gt=0.0, le=1.0)
+
+
+@_dc
+class Ack(Body):
+    TYPE: ClassVar[str] = "ack"
+    seq: int = _f(int, ge=0)
+    applied_iteration: int = _f(int, ge=0)
+
+
+@_dc
+class Preempt(Body):
+    TYPE: ClassVar[str] = "preempt"
+    deadline_unix: float = _f(float, ge=0.0)
+    grace_s: float = _f(float, ge=0.0)
+    reason: str = _text()
+
+
+@_dc
+class Heartbeat(Body):
+    TYPE: ClassVar[str] = "heartbeat"
+
+
+@_dc
+class Error(Body):
+    TYPE: ClassVar[str] = "error"
+    code: str = _f(str, choices=[c.value for c in ErrorCode])
+    message: str = _text()
+
+
+@_dc
+class Bye(Body):
+    TYPE: ClassVar[str] = "bye"
+    reason: str = _text(max_len=1024)
+
+
+# --- control channel: root-only ROUTER (sidecar) <-> REQ/DEALER (Prolog, Epilog, CLI) -----------
+
+
+@_dc
+class JobRegister(Body):
+    TYPE: ClassVar[str] = "job_register"
+    job_id: str = _job_id()
+    uid: int = _f(int, ge=0)
+    gid: Optional[int] = _f(int, ge=0, nullable=True, default=None)
+    user: str = _text(max_len=256)
+    job_class: str = _f(str, choices=JOB_CLASSES)
+    gpus: int = _f(int, ge=1, le=64)
+    physical_gpus: Optional[list] = _f(list[int], nullable=True, default=None)
+
+
+@_dc
+class JobRegisterReply(Body):
+    TYPE: ClassVar[str] = "job_register_reply"
+    job_id: str = _job_id()
+    gpus: list = _f(list[int])
+    endpoint: str = _text()
+    placement: str = _f(str, choices=PLACEMENTS)
+    note: str = _text()
+
+
+@_dc
+class JobRetire(Body):
+    TYPE: ClassVar[str] = "job_retire"
+    job_id: str = _job_id()
+
+
+@_dc
+class JobRetireReply(Body):
+    TYPE: ClassVar[str] = "job_retire_reply"
+    job_id: str = _job_id()
+    known: bool = _f(bool)
+
+
+@_dc
+class NodeState(Body):
+    TYPE: ClassVar[str] = "node_state"
+
+
+@_dc
+class GpuState:
+    index: int = _f(int, ge=0)
+    memory_used_bytes: int = _bytes_()
+    memory_total_bytes: int = _bytes_()
+    utilization: float = _f(float, ge=0.0, le=1.0)
+    utilization_avg: float = _f(float, ge=0.0, le=1.0)
+    jobs: list = _f(list[str])
+
+
+@_dc
+class JobState:
+    job_id: str = _job_id()
+    job_class: str = _f(str, choices=JOB_CLASSES)
+    uid: int = _f(int, ge=0)
+    gpus: list = _f(list[int])
+    mem_limit_bytes: Optional[int] = _bytes_(nullable=True)
+    mem_used_bytes: int = _bytes_()
+    compute_share: float = _f(float, gt=0.0, le=1.0)
+    iteration_ms: Optional[float] = _f(float, ge=0.0, nullable=True)
+    baseline_ms: Optional[float] = _f(float, ge=0.0, nullable=True)
+    last_report_unix: Optional[float] = _f(float, ge=0.0, nullable=True)
+    agents: int = _f(int, ge=0)
+    limits_seq: int = _f(int, ge=0)
+    acked_seq: int = _f(int, ge=0)
+
+
+@_dc
+class PreemptState:
+    job_id: str = _job_id()
+    reason: str = _text()
+    requested_unix: float = _f(float, ge=0.0)
+    deadline_unix: float = _f(float, ge=0.0)
+
+
+@_dc
+class NodeStateReply(Body):
+    TYPE: ClassVar[str] = "node_state_reply"
+    node: str = _text(max_len=255)
+    telemetry: str = _f(str, choices=TELEMETRY_KINDS)
+    sidecar_version: str = _text(max_len=64)
+    gpus: list = _f(list[GpuState])
+    jobs: list = _f(list[JobState])
+    preemptions: list = _f(list[PreemptState])
+
+
+BODY_TYPES: dict[str, type[Body]] = {
+    cls.TYPE: cls for cls in (
+        Register, Registered, Report, Limits, Ack, Preempt, Heartbeat, Error, Bye,
+        JobRegister, JobRegisterReply, JobRetire, JobRetireReply, NodeState, NodeStateReply,
+    )
+}
+
+# Which types each receiver accepts; anything else is answered with `wrong_direction`.
+AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "heartbeat", "error", "bye"})
+SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "heartbeat", "error", "bye"})
+CONTROL_REQUESTS = frozenset({"job_register", "job_retire", "node_state", "heartbeat"})
+CONTROL_REPLIES = frozenset({"job_register_reply", "job_retire_reply", "node_state_reply",
+                             "heartbeat", "error"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Validator compilation.
+
+# Checkers take (value, where, name); the error path text is only built when raising, which keeps
+# the per-report cost down.
+Checker = Callable[[Any, str, str], Any]
+
+
+def _bounds_text(m: dict) -> str:
+    parts = []
+    if m["gt"] is not None:
+        parts.append(f"> {m['gt']}")
+    if m["ge"] is not None:
+        parts.append(f">= {m['ge']}")
+    if m["le"] is not None:
+        parts.append(f"<= {m['le']}")
+    return " and ".join(parts)
+
+
+def _at(where: str, name: str) -> str:
+    return f"{where}.{name}" if name else where
+
+
+def _jtype(v: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _scalar_checker(kind: Any, m: dict) -> Checker:
+    ge, gt, le = m["ge"], m["gt"], m["le"]
+    choices, pattern, max_len = m["choices"], m["pattern"], m["max_len"]
+    bounded = ge is not None or gt is not None or le is not None
+
+    def bad_type(v: Any, where: str, name: str, want: str) -> ProtocolError:
+        return ProtocolError(ErrorCode.bad_type, f"{_at(where, name)}: expected {want}, got {_jtype(v)}")
+
+    def check_range(v: Any, where: str, name: str) -> None:
+        if (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le):
+            raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: {v!r} is out of range (must be {_bounds_text(m)})")
+
+    if kind is int:
+        def check(v: Any, where: str, name: str) -> Any:
+            if type(v) is not int:
+                raise bad_type(v, where, name, "integer")
+            if bounded:
+                check_range(v, where, name)
+            return v
+    elif kind is float:
+        def check(v: Any, where: str, name: str) -> Any:
+            t = type(v)
+            if t is not float and t is not int:
+                raise bad_type(v, where, name, "number")
+            v = float(v)
+            if not math.isfinite(v):
+                raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: {v!r} is not a finite number")
+            if bounded:
+                check_range(v, where, name)
+            return v
+    elif kind is bool:
+        def check(v: Any, where: str, name: str) -> Any:
+            if type(v) is not bool:
+                raise bad_type(v, where, name, "boolean")
+            return v
+    elif kind is str:
+        def check(v: Any, where: str, name: str) -> Any:
+            if type(v) is not str:
+                raise bad_type(v, where, name, "string")
+            if choices is not None and v not in choices:
+                raise ProtocolError(ErrorCode.bad_value,
+                                    f"{_at(where, name)}: {v!r} is not allowed; allowed: {', '.join(sorted(choices))}")
+            if pattern is not None and not pattern.match(v):
+                raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: {v!r} does not match {pattern.pattern}")
+            if max_len is not None and len(v) > max_len:
+                raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: longer than {max_len} characters")
+            return v
+    elif dataclasses.is_dataclass(kind):
+        def check(v: Any, where: str, name: str) -> Any:
+            if type(v) is not dict:
+                raise bad_type(v, where, name, "object")
+            return _build(kind, v, _at(where, name))
+    else:
+        raise TypeError(f"unsupported field kind {kind!r}")
+    return check
+
+
+def _checker(kind: Any, m: dict) -> Checker:
+    if getattr(kind, "__origin__", None) is list:
+        (item_kind,) = kind.__args__
+        item = _scalar_checker(item_kind, dict(m, nullable=False))
+
+        def check_list(v: Any, where: str, name: str) -> Any:
+            if type(v) is not list:
+                raise ProtocolError(ErrorCode.bad_type, f"{_at(where, name)}: expected array, got {_jtype(v)}")
+            if len(v) > 4096:
+                raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: more than 4096 items")
+            return [item(x, where, f"{name}[{i}]") for i, x in enumerate(v)]
+        inner = check_list
+    else:
+        inner = _scalar_checker(kind, m)
+    if not m["nullable"]:
+        return inner
+
+    def check_nullable(v: Any, where: str, name: str) -> Any:
+        return None if v is None else inner(v, where, name)
+    return check_nullable
+
+
+@dataclass(frozen=True)
+class _Spec:
+    names: frozenset
+    required: tuple
+    fields: tuple  # (name, checker, default or _MISSING)
+
+
+_SPECS: dict[type, _Spec] = {}
+
+
+def _spec(cls: type) -> _Spec:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        fields = []
+        for fd in dataclasses.fields(cls):
+            fields.append((fd.name, _checker(fd.metadata["kind"], fd.metadata), fd.default))
+        spec = _Spec(frozenset(n for n, _, _ in fields),
+                     tuple(n for n, _, d in fields if d is _MISSING), tuple(fields))
+        _SPECS[cls] = spec
+    return spec
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    spec = _spec(cls)
+    if len(data) != len(spec.names) or not spec.names.issuperset(data):
+        extra = sorted(str(k) for k in data if k not in spec.names)
+        if extra:
+            raise ProtocolError(ErrorCode.extra_field,
+                                f"{where}: unknown field(s) {', '.join(extra)}; allowed: {', '.join(sorted(spec.names))}")
+    kwargs = {}
+    for name, check, default in spec.fields:
+        if name in data:
+            kwargs[name] = check(data[name], where, name)
+        elif default is _MISSING:
+            raise ProtocolError(ErrorCode.missing_field, f"{where}: missing field {name!r}")
+        else:
+            kwargs[name] = default
+    return cls(**kwargs)
+
+
+for _cls in (*BODY_TYPES.values(), GpuState, JobState, PreemptState):
+    _spec(_cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Envelope.
+
+_id_prefix = f"{os.getpid():x}-{os.urandom(3).hex()}"
+_id_counter = itertools.count(1)
+
+
+def new_id() -> str:
+    """A message id unique to this process for its lifetime (cheaper than a uuid per report)."""
+    return f"{_id_prefix}-{next(_id_counter)}"
+
+
+@dataclass(slots=True)
+class Message:
+    body: Body
+    id: str = field(default_factory=new_id)
+    ref: Optional[str] = None
+    ts: float = field(default_factory=time.time)
+    v: int = PROTOCOL_VERSION
+
+    @property
+    def type(self) -> str:
+        return self.body.TYPE
+
+
+def message(body: Body, ref: Optional[str] = None) -> Message:
+    return Message(body=body, ref=ref)
+
+
+def reply(to: Message, body: Body) -> Message:
+    return Message(body=body, ref=to.id)
+
+
+def error_message(code: ErrorCode, text: str, ref: Optional[str] = None) -> Message:
+    return Message(body=Error(code=ErrorCode(code).value, message=text[:4096]), ref=ref)
+
+
+def _to_wire(obj: Any) -> Any:
+    if type(obj) is list:
+        return [_to_wire(x) for x in obj]
+    spec = _SPECS.get(type(obj))
+    if spec is not None:
+        return {name: _to_wire(getattr(obj, name)) for name, _, _ in spec.fields}
+    return obj
+
+
+def body_dict(body: Body) -> dict:
+    return _to_wire(body)
+
+
+def encode(msg: Message) -> list[bytes]:
+    """Frames for ``msg`` (marker + JSON). Validates the body so a sender bug fails at the sender."""
+    body = msg.body
+    cls = type(body)
+    if BODY_TYPES.get(getattr(cls, "TYPE", None)) is not cls:
+        raise ProtocolError(ErrorCode.unknown_type, f"{cls.__name__} is not a protocol message body")
+    data = _to_wire(body)
+    _build(cls, data, cls.TYPE)
+    env = {"v": msg.v, "type": cls.TYPE, "id": msg.id, "ts": msg.ts, "ref": msg.ref, "body": data}
+    try:
+        raw = json.dumps(env, allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(ErrorCode.bad_value, f"{cls.TYPE}: cannot encode: {e}") from None
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(ErrorCode.too_large, f"{cls.TYPE}: {len(raw)} bytes > {MAX_MESSAGE_BYTES}")
+    return [MARKER, raw]
+
+
+def decode(frames: list, accept: Optional[frozenset] = None) -> Message:
+    """The message in ``frames`` (routing identities already stripped), or a :class:`ProtocolError`.
+
+    ``accept`` limits the types this receiver takes (e.g. :data:`AGENT_TO_SIDECAR`); another valid
+    type raises ``wrong_direction``.
+    """
+    if len(frames) != 2:
+        raise ProtocolError(ErrorCode.bad_frames,
+                            f"expected 2 frames (marker, JSON envelope), got {len(frames)}")
+    marker, raw = frames
+    if not isinstance(raw, (bytes, bytearray, memoryview)):
+        raw = getattr(raw, "bytes", raw)
+    if bytes(getattr(marker, "bytes", marker)) != MARKER:
+        raise ProtocolError(ErrorCode.bad_frames, f"first frame must be {MARKER!r}")
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(ErrorCode.too_large, f"message of {len(raw)} bytes > {MAX_MESSAGE_BYTES}")
+    try:
+        env = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(ErrorCode.bad_json, f"envelope is not valid UTF-8 JSON: {e}") from None
+    if type(env) is not dict:
+        raise ProtocolError(ErrorCode.bad_envelope, f"envelope must be a JSON object, got {_jtype(env)}")
+    mid = env.get("id")
+    ref = mid if type(mid) is str and 0 < len(mid) <= MAX_ID_LEN else None
+    v = env.get("v")
+    if type(v) is not int:
+        raise ProtocolError(ErrorCode.bad_envelope, "envelope field 'v' (protocol major version) must be an integer"
+                            if "v" in env else "envelope has no 'v' (protocol major version)", ref)
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.version_mismatch,
+                            f"peer speaks antman protocol v{v}, this side speaks v{PROTOCOL_VERSION}",
+                            ref, peer_version=v)
+    if len(env) != len(ENVELOPE_KEYS) or not ENVELOPE_KEYS.issuperset(env):
+        missing = sorted(ENVELOPE_KEYS.difference(env))
+        if missing:
+            raise ProtocolError(ErrorCode.missing_field, f"envelope: missing field(s) {', '.join(missing)}", ref)
+        extra = sorted(str(k) for k in env if k not in ENVELOPE_KEYS)
+        raise ProtocolError(ErrorCode.extra_field, f"envelope: unknown field(s) {', '.join(extra)}", ref)
+    if ref is None:
+        raise ProtocolError(ErrorCode.bad_envelope,
+                            f"envelope field 'id' must be a non-empty string of at most {MAX_ID_LEN} characters")
+    mtype, ts, mref, body = env["type"], env["ts"], env["ref"], env["body"]
+    if type(mtype) is not str:
+        raise ProtocolError(ErrorCode.bad_envelope, "envelope field 'type' must be a string", ref)
+    if (type(ts) is not float and type(ts) is not int) or not math.isfinite(ts):
+        raise ProtocolError(ErrorCode.bad_envelope, "envelope field 'ts' must be a finite number", ref)
+    if mref is not None and (type(mref) is not str or len(mref) > MAX_ID_LEN):
+        raise ProtocolError(ErrorCode.bad_envelope, "envelope field 'ref' must be null or a message id", ref)
+    if type(body) is not dict:
+        raise ProtocolError(ErrorCode.bad_envelope, f"envelope field 'body' must be an object, got {_jtype(body)}", ref)
+    cls = BODY_TYPES.get(mtype)
+    if cls is None:
+        raise ProtocolError(ErrorCode.unknown_type,
+                            f"unknown message type {mtype[:64]!r}; known: {', '.join(sorted(BODY_TYPES))}", ref)
+    if accept is not None and mtype not in accept:
+        raise ProtocolError(ErrorCode.wrong_direction,
+                            f"{mtype!r} is not accepted here; accepted: {', '.join(sorted(accept))}", ref)
+    try:
+        parsed = _build(cls, body, mtype)
+    except ProtocolError as e:
+        e.ref = ref
+        raise
+    return Message(body=parsed, id=mid, ref=mref, ts=float(ts), v=v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Endpoints.
+
+def control_path(socket_dir: str) -> str:
+    return os.path.join(socket_dir, CONTROL_SOCKET_NAME)
+
+
+def job_dir(socket_dir: str, job_id: str) -> str:
+    if not JOB_ID_RE.match(job_id):
+        raise ValueError(f"job id {job_id!r} must be 1-10 digits")
+    return os.path.join(socket_dir, "jobs", job_id)
+
+
+def agent_path(socket_dir: str, job_id: str) -> str:
+    return os.path.join(job_dir(socket_dir, job_id), AGENT_SOCKET_NAME)
+
+
+def ipc(path: str) -> str:
+    return "ipc://" + path

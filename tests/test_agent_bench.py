@@ -1,0 +1,20 @@
+"""`antman bench control --json` runs end to end and reports every key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_control_quick_json():
+    r = subprocess.run([sys.executable, "-c", "import sys; from slurm_antman.bench_control import main; "
+                        "sys.exit(main(['--json', '--quick']))"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for k in ("rtt_p50_us", "rtt_p99_us", "propagation_iterations", "throttle_error", "overhead_ratio"):
+        assert k in res, k
+    assert res["rtt_samples"] >= 90 and 0 < res["rtt_p50_us"] <= res["rtt_p99_us"]
+    assert res["propagation_iterations"] == 1
+    assert res["throttle_error"] < 0.15  # loose here: the bench's own target is reported, not asserted
+    assert 0.5 < res["overhead_ratio"] < 1.5

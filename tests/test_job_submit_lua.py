@@ -1,0 +1,376 @@
+"""etc/job_submit.lua run for real under lua5.1, with tests/lua/harness.lua standing in for slurmctld."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "etc" / "job_submit.lua"
+HARNESS = ROOT / "tests" / "lua" / "harness.lua"
+LUA = shutil.which("lua5.1")
+
+pytestmark = pytest.mark.skipif(LUA is None, reason="lua5.1 is not installed (apt-get install lua5.1)")
+
+NO_VAL = 4294967294
+NO_VAL16 = 65534
+
+SETTINGS: dict[str, Any] = {
+    "default_class": "none",
+    "auto_class": "guaranteed",
+    "gpu_gres": "gpu",
+    "opp_gres": "antman_opp",
+    "guaranteed_partition": "gpu",
+    "opp_partition": "opportunistic",
+}
+
+
+def lua_literal(v: Any) -> str:
+    """Python value -> Lua source. Lists become 0-indexed tables, like 22.05's spank_job_env."""
+    if v is None:
+        return "nil"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, list):
+        return "{" + ", ".join(f"[{i}] = {lua_literal(x)}" for i, x in enumerate(v)) + "}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"[{lua_literal(k)}] = {lua_literal(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as Lua")
+
+
+def desc(cls: Optional[str] = None, **fields: Any) -> dict[str, Any]:
+    """A job_desc as sbatch sends it in 22.05: unset numbers are NO_VAL/NO_VAL16."""
+    d: dict[str, Any] = {
+        "name": "train", "user_name": "alice", "user_id": 1000,
+        "min_nodes": NO_VAL, "max_nodes": NO_VAL, "num_tasks": NO_VAL,
+        "ntasks_per_node": NO_VAL16, "sockets_per_node": NO_VAL16, "ntasks_per_tres": NO_VAL16,
+        "requeue": NO_VAL16,
+    }
+    if cls is not None:
+        # the plugin's own option mirror sits next to ANTMAN_CLASS, as seen on a real 22.05 ctld
+        d["spank_job_env"] = [f"_SLURM_SPANK_OPTION_antman_antman={cls}", f"ANTMAN_CLASS={cls}"]
+    d.update(fields)
+    return d
+
+
+def run(tmp_path: Path, job_desc: dict[str, Any], *, settings: Optional[dict[str, Any]] = None,
+        settings_text: Optional[str] = None, call: str = "submit",
+        job_rec: Optional[dict[str, Any]] = None, uid: int = 1000) -> dict[str, Any]:
+    d = tmp_path / "etc"
+    d.mkdir(exist_ok=True)
+    shutil.copy(SCRIPT, d / "job_submit.lua")
+    settings_file = d / "antman_settings.lua"
+    if settings_text is not None:
+        settings_file.write_text(settings_text)
+    elif settings != {}:
+        merged = {**SETTINGS, **(settings or {})}
+        settings_file.write_text("return " + lua_literal(merged) + "\n")
+    case = tmp_path / "case.lua"
+    case.write_text("return " + lua_literal(
+        {"call": call, "job_desc": job_desc, "job_rec": job_rec or {}, "uid": uid}) + "\n")
+    proc = subprocess.run([LUA, str(HARNESS), str(d / "job_submit.lua"), str(case)],
+                          capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "load_error" not in out and "call_error" not in out, out
+    if out["job_desc"] == []:
+        out["job_desc"] = {}
+    return out
+
+
+def accepted(out: dict[str, Any]) -> dict[str, Any]:
+    assert out["rc"] == 0, out["user"]
+    return out["job_desc"]
+
+
+def rejected(out: dict[str, Any]) -> str:
+    assert out["rc"] == -1, out
+    assert len(out["user"]) == 1
+    return out["user"][0]
+
+
+# ---- classes ----------------------------------------------------------------------------
+
+def test_guaranteed_keeps_gpu_gres_and_is_tagged(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:2")))
+    assert jd["tres_per_node"] == "gres:gpu:2"
+    assert jd["admin_comment"] == "antman:class=guaranteed"
+    assert "partition" not in jd and jd["requeue"] == NO_VAL16
+
+
+def test_opportunistic_rewritten_routed_requeueable_tagged(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2", partition="gpu"))
+    jd = accepted(out)
+    assert jd["tres_per_node"] == "gres:antman_opp:2"
+    assert jd["partition"] == "opportunistic"
+    assert jd["requeue"] == 1
+    assert jd["admin_comment"] == "antman:class=opportunistic"
+    assert "qos" not in jd
+    assert any("class opportunistic" in m and "alice" in m for m in out["info"])
+
+
+def test_opportunistic_qos_from_settings(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1", qos="normal"),
+                      settings={"opp_qos": "scavenger"}))
+    assert jd["qos"] == "scavenger"
+
+
+def test_class_entry_at_index_zero_is_found(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc(tres_per_node="gres:gpu:1",
+                                     spank_job_env=["ANTMAN_CLASS=opportunistic"])))
+    assert jd["tres_per_node"] == "gres:antman_opp:1"
+
+
+def test_typed_gres_drops_type_and_logs_it(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:a100:2"))
+    assert accepted(out)["tres_per_node"] == "gres:antman_opp:2"
+    assert any("a100" in m and "dropped" in m for m in out["info"])
+
+
+def test_gres_without_count_means_one(tmp_path: Path) -> None:
+    assert accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu")))["tres_per_node"] \
+        == "gres:antman_opp:1"
+
+
+def test_other_gres_kept(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1,gres:nic:1")))
+    assert sorted(jd["tres_per_node"].split(",")) == ["gres:antman_opp:1", "gres:nic:1"]
+
+
+def test_per_gpu_options_follow_the_rewrite(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2",
+                                     cpus_per_tres="gres:gpu:4", mem_per_tres="gres:gpu:1000")))
+    assert jd["cpus_per_tres"] == "gres:antman_opp:4"
+    assert jd["mem_per_tres"] == "gres:antman_opp:1000"
+
+
+# ---- --gpus / --gpus-per-task / --gpus-per-socket -----------------------------------------
+
+def test_gpus_per_job_single_node_becomes_per_node(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_job="gres:gpu:2")))
+    assert "tres_per_job" not in jd  # "" clears the field in 22.05
+    assert jd["tres_per_node"] == "gres:antman_opp:2"
+    assert jd["max_nodes"] == 1
+
+
+def test_gpus_per_job_multi_node_rejected_naming_gres(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc("opportunistic", tres_per_job="gres:gpu:4", min_nodes=2, max_nodes=2)))
+    assert "--gpus" in msg and "--gres=gpu:N" in msg
+
+
+def test_gpus_per_task_multiplies_by_tasks(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_task="gres:gpu:1", num_tasks=3,
+                                     min_nodes=1, max_nodes=1)))
+    assert jd["tres_per_node"] == "gres:antman_opp:3"
+    assert "tres_per_task" not in jd
+
+
+def test_gpus_per_socket(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_socket="gres:gpu:1", sockets_per_node=2)))
+    assert jd["tres_per_node"] == "gres:antman_opp:2"
+    msg = rejected(run(tmp_path, desc("opportunistic", tres_per_socket="gres:gpu:1")))
+    assert "--sockets-per-node" in msg
+
+
+def test_gpus_asked_two_ways_rejected(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1", tres_per_job="gres:gpu:2")))
+    assert "two ways" in msg and "--gpus" in msg
+
+
+def test_ntasks_per_gpu_rejected_for_opportunistic(tmp_path: Path) -> None:
+    assert "--ntasks-per-gpu" in rejected(run(tmp_path, desc("opportunistic", tres_per_job="gres:gpu:1",
+                                                             ntasks_per_tres=1)))
+
+
+def test_opportunistic_without_gpus_rejected(tmp_path: Path) -> None:
+    assert "--gres=gpu:N" in rejected(run(tmp_path, desc("opportunistic")))
+
+
+# ---- no flag, auto, unknown ------------------------------------------------------------
+
+def test_no_flag_default_none_untouched(tmp_path: Path) -> None:
+    before = desc(tres_per_node="gres:gpu:2")
+    jd = accepted(run(tmp_path, before))
+    assert jd == {k: v for k, v in before.items()}
+
+
+def test_no_flag_default_guaranteed(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc(tres_per_node="gres:gpu:1"), settings={"default_class": "guaranteed"}))
+    assert jd["admin_comment"] == "antman:class=guaranteed" and jd["tres_per_node"] == "gres:gpu:1"
+
+
+def test_no_flag_default_opportunistic(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc(tres_per_node="gres:gpu:1"), settings={"default_class": "opportunistic"}))
+    assert jd["admin_comment"] == "antman:class=opportunistic" and jd["tres_per_node"] == "gres:antman_opp:1"
+
+
+def test_no_flag_cpu_job_stays_plain_under_any_default(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc(), settings={"default_class": "opportunistic"}))
+    assert "admin_comment" not in jd and "partition" not in jd
+
+
+def test_auto_uses_auto_class(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1"), settings={"auto_class": "opportunistic"}))
+    assert jd["admin_comment"] == "antman:class=opportunistic"
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1")))
+    assert jd["admin_comment"] == "antman:class=guaranteed"
+
+
+def test_auto_without_auto_class_follows_architecture_rule(tmp_path: Path) -> None:
+    s = dict(SETTINGS, default_class="opportunistic")
+    del s["auto_class"]
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1"),
+                      settings_text="return " + lua_literal(s)))
+    assert jd["admin_comment"] == "antman:class=opportunistic"
+
+
+def test_unknown_class_rejected_naming_allowed_values(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("premium", tres_per_node="gres:gpu:1"))
+    msg = rejected(out)
+    assert "premium" in msg and "guaranteed, opportunistic, auto" in msg
+    assert "admin_comment" not in out["job_desc"]
+
+
+def test_class_none_may_not_take_opp_gres_directly(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc(tres_per_node="gres:antman_opp:1")))
+    assert "antman_opp" in msg and "--antman=opportunistic" in msg
+
+
+# ---- partitions --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("partition", ["opportunistic", "gpu,opportunistic"])
+def test_guaranteed_asking_for_opp_partition_rejected(tmp_path: Path, partition: str) -> None:
+    msg = rejected(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1", partition=partition)))
+    assert "guaranteed jobs cannot use the opportunistic partition" in msg
+
+
+def test_opportunistic_routed_from_any_partition(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1", partition="gpu,debug"),
+                      settings={"opp_partition": "scavenge"}))
+    assert jd["partition"] == "scavenge"
+
+
+# ---- settings and internal errors ----------------------------------------------------------
+
+def test_missing_settings_rejects_every_job(tmp_path: Path) -> None:
+    for jd in (desc(), desc("guaranteed", tres_per_node="gres:gpu:1")):
+        out = run(tmp_path, jd, settings={})
+        msg = rejected(out)
+        assert "antman_settings.lua" in msg and "every job is rejected" in msg
+
+
+def test_broken_settings_file_rejects(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc(), settings_text="return { default_class = "))
+    assert "antman_settings.lua" in msg
+
+
+def test_bad_settings_value_names_the_field(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc(), settings={"default_class": "sometimes"}))
+    assert "default_class" in msg and "none, guaranteed, opportunistic" in msg
+    msg = rejected(run(tmp_path, desc(), settings={"opp_gres": "gpu"}))
+    assert "gpu_gres and opp_gres must differ" in msg
+
+
+def test_settings_cannot_reach_slurm_or_os(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc(), settings_text="os.exit(3)\nreturn {}"))
+    assert "error in settings" in msg
+
+
+@pytest.mark.parametrize("fields", [
+    {"tres_per_node": {"oops": 1}},
+    {"spank_job_env": "ANTMAN_CLASS=opportunistic"},
+])
+def test_internal_error_rejects_instead_of_passing(tmp_path: Path, fields: dict[str, Any]) -> None:
+    jd = desc(**fields)
+    if "spank_job_env" not in fields:
+        jd["spank_job_env"] = ["ANTMAN_CLASS=opportunistic"]
+    out = run(tmp_path, jd)
+    msg = rejected(out)
+    assert msg.startswith("slurm-antman: internal error classifying job:")
+    assert msg.endswith("job rejected, contact your admin")
+    assert "admin_comment" not in out["job_desc"]
+
+
+# ---- slurm_job_modify ----------------------------------------------------------------------
+
+OPP_REC = {"job_id": 42, "admin_comment": "antman:class=opportunistic;gpus=n1:0",
+           "partition": "opportunistic", "tres_per_node": "gres:antman_opp:1"}
+
+
+ACCESS_DENIED = 2002  # slurm.ESLURM_ACCESS_DENIED in the harness
+
+
+def refused(out: dict[str, Any], rc: int = ACCESS_DENIED) -> str:
+    """A refused update: 22.05 drops log_user text on modify, so the reason is in the ctld log."""
+    assert out["rc"] == rc, out
+    assert out["user"] == []
+    reasons = [m for m in out["info"] if "rejected update of job" in m]
+    assert len(reasons) == 1, out["info"]
+    return reasons[0]
+
+
+def modify(tmp_path: Path, job_rec: dict[str, Any], uid: int = 1000, **changes: Any) -> dict[str, Any]:
+    return run(tmp_path, desc(**changes), call="modify", job_rec=job_rec, uid=uid)
+
+
+@pytest.mark.parametrize("changes", [
+    {"tres_per_node": "gres:gpu:1"},
+    {"tres_per_node": "gres:gpu:a100:1,gres:nic:1"},
+    {"tres_per_job": "gpu:1"},  # scontrol update TresPerJob= arrives without "gres:"
+    {"tres_per_task": "gres:gpu:1"},
+])
+def test_modify_opportunistic_onto_gpu_gres_rejected(tmp_path: Path, changes: dict[str, Any]) -> None:
+    msg = refused(modify(tmp_path, OPP_REC, **changes))
+    assert "job 42 is opportunistic" in msg and "physical gpu GRES" in msg
+
+
+def test_modify_opportunistic_onto_guaranteed_partition_rejected(tmp_path: Path) -> None:
+    msg = refused(modify(tmp_path, OPP_REC, partition="gpu"))
+    assert "cannot be moved to the gpu partition" in msg
+
+
+def test_modify_opportunistic_requeue_off_rejected(tmp_path: Path) -> None:
+    assert "requeueable" in refused(modify(tmp_path, OPP_REC, requeue=0))
+
+
+@pytest.mark.parametrize("changes", [
+    {"time_limit": 60},
+    {"tres_per_node": "gres:antman_opp:2"},
+    {"partition": "debug"},
+])
+def test_modify_opportunistic_other_changes_pass(tmp_path: Path, changes: dict[str, Any]) -> None:
+    accepted(modify(tmp_path, OPP_REC, **changes))
+
+
+@pytest.mark.parametrize("job_rec", [
+    {"job_id": 7, "admin_comment": "antman:class=guaranteed"},
+    {"job_id": 8},
+])
+def test_modify_non_opportunistic_passes(tmp_path: Path, job_rec: dict[str, Any]) -> None:
+    accepted(modify(tmp_path, job_rec, tres_per_node="gres:gpu:2", partition="gpu"))
+
+
+def test_modify_root_upgrade_passes_user_does_not(tmp_path: Path) -> None:
+    up = {"tres_per_node": "gres:gpu:1", "partition": "gpu", "admin_comment": "antman:class=guaranteed"}
+    accepted(modify(tmp_path, OPP_REC, uid=0, **up))
+    refused(modify(tmp_path, OPP_REC, uid=1000, **up))
+
+
+def test_modify_missing_settings_rejected(tmp_path: Path) -> None:
+    out = run(tmp_path, desc(time_limit=5), settings={}, call="modify", job_rec=OPP_REC)
+    assert "antman_settings.lua" in refused(out, rc=-1)
+
+
+def test_modify_of_other_jobs_passes_without_settings(tmp_path: Path) -> None:
+    out = run(tmp_path, desc(time_limit=5), settings={}, call="modify",
+              job_rec={"job_id": 9, "admin_comment": "antman:class=guaranteed"})
+    accepted(out)

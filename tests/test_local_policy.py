@@ -1,0 +1,154 @@
+"""The pure local policy and GPU placement on hand-built snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from sidecar.local_policy import (GiB, MiB, GpuInfo, JobInfo, PolicyParams, PolicyState, Snapshot,
+                                  UNLIMITED, decide)
+from sidecar.placement import GpuLoad, choose_gpus
+
+P = PolicyParams()
+GPU0 = GpuInfo(0, 80 * GiB)
+
+
+def guar(demand_gib: float = 10, iteration=None, ms=None, gpus=(0,)) -> JobInfo:
+    return JobInfo("100", "guaranteed", gpus, 1.0, int(demand_gib * GiB), iteration, ms)
+
+
+def opp(job_id: str, t: float, gpus=(0,)) -> JobInfo:
+    return JobInfo(job_id, "opportunistic", gpus, t, 2 * GiB, None, None)
+
+
+def run(jobs, state=None, gpus=(GPU0,), now=1000.0, params=P):
+    return decide(Snapshot(tuple(gpus), tuple(jobs)), state or PolicyState(), params, now)
+
+
+def test_guaranteed_unlimited_opportunistic_gets_the_rest():
+    d = run([guar(10), opp("201", 2.0)])
+    assert d.limits["100"] == UNLIMITED
+    lim = d.limits["201"]
+    assert lim.mem_limit_bytes == 80 * GiB - 10 * GiB - P.headroom_bytes
+    assert lim.compute_share == P.initial_share
+    assert not d.new_preemptions
+
+
+def test_memory_split_between_opportunistic_jobs_and_foreign_use():
+    gpu = GpuInfo(0, 80 * GiB, foreign_bytes=4 * GiB)
+    d = run([guar(10), opp("201", 2.0), opp("202", 3.0)], gpus=(gpu,))
+    each = (80 - 4 - 10) * GiB - P.headroom_bytes
+    assert d.limits["201"].mem_limit_bytes == d.limits["202"].mem_limit_bytes == (each // 2) // (64 * MiB) * 64 * MiB
+    assert d.limits["201"].compute_share == pytest.approx(P.initial_share / 2)
+
+
+def test_guaranteed_demand_rise_shrinks_and_throttles_at_once():
+    d1 = run([guar(10, 1, 100.0), opp("201", 2.0)])
+    d2 = run([guar(50, 1, 100.0), opp("201", 2.0)], d1.state)  # no new report, only memory grew
+    assert d2.limits["201"].mem_limit_bytes == 80 * GiB - 50 * GiB - P.headroom_bytes
+    assert d2.limits["201"].mem_limit_bytes < d1.limits["201"].mem_limit_bytes
+    assert d2.limits["201"].compute_share == pytest.approx(d1.limits["201"].compute_share * P.share_backoff)
+
+
+def test_feedback_raises_share_at_baseline_and_lowers_it_on_slowdown():
+    # Solo phase: the guaranteed job runs alone, its baseline becomes 100 ms.
+    d = run([guar(10, 1, 100.0)])
+    assert d.state.guaranteed["100"].solo_ms == 100.0
+    # Sharing at baseline speed: share grows every report.
+    d = run([guar(10, 2, 100.5), opp("201", 2.0)], d.state)
+    s1 = d.limits["201"].compute_share
+    d = run([guar(10, 3, 100.8), opp("201", 2.0)], d.state)
+    s2 = d.limits["201"].compute_share
+    assert s2 == pytest.approx(s1 + P.share_step)
+    # The same report again (no new iteration) changes nothing.
+    d = run([guar(10, 3, 100.8), opp("201", 2.0)], d.state)
+    assert d.limits["201"].compute_share == pytest.approx(s2)
+    # Slower than baseline by more than 2%: multiplicative decrease.
+    d = run([guar(10, 4, 103.0), opp("201", 2.0)], d.state)
+    assert d.slowdown["100"] == pytest.approx(0.03)
+    assert d.limits["201"].compute_share == pytest.approx(s2 * P.share_backoff)
+    # Between target/2 and target: hold.
+    s3 = d.limits["201"].compute_share
+    d = run([guar(10, 5, 101.5), opp("201", 2.0)], d.state)
+    assert d.limits["201"].compute_share == pytest.approx(s3)
+    # The baseline did not move while sharing.
+    assert d.state.guaranteed["100"].solo_ms == 100.0
+
+
+def test_share_never_below_minimum_nor_above_one():
+    d = run([guar(10, 1, 100.0)])
+    for i in range(2, 30):
+        d = run([guar(10, i, 200.0), opp("201", 2.0)], d.state)
+    assert d.limits["201"].compute_share == pytest.approx(P.min_share)
+    for i in range(30, 80):
+        d = run([guar(10, i, 100.0), opp("201", 2.0)], d.state)
+    assert d.limits["201"].compute_share == pytest.approx(1.0)
+
+
+def test_without_solo_baseline_best_seen_is_used():
+    d = run([guar(10, 1, 120.0), opp("201", 2.0)])
+    assert d.state.guaranteed["100"].baseline_ms == 120.0
+    d = run([guar(10, 2, 130.0), opp("201", 2.0)], d.state)
+    assert d.slowdown["100"] == pytest.approx(130 / 120 - 1)
+
+
+def test_preempt_newest_when_shrinking_cannot_suffice():
+    # 80 GiB - 77 GiB guaranteed - 0.5 GiB headroom = 2.5 GiB: room for two 1 GiB minimums, not three.
+    jobs = [guar(77), opp("201", 2.0), opp("203", 4.0), opp("202", 3.0)]
+    d = run(jobs, now=500.0)
+    assert [r.job_id for r in d.new_preemptions] == ["203"]
+    req = d.new_preemptions[0]
+    assert req.deadline_unix == 500.0 + P.grace_s and "GPU 0" in req.reason
+    assert d.limits["203"].mem_limit_bytes == P.min_opportunistic_bytes
+    assert d.limits["201"].mem_limit_bytes >= P.min_opportunistic_bytes
+    # Next decision: the request is remembered, not repeated.
+    d2 = run(jobs, d.state, now=501.0)
+    assert d2.new_preemptions == () and "203" in d2.state.preempted
+    # Even more demand: the next newest goes too.
+    d3 = run([guar(78.2), *jobs[1:]], d2.state, now=502.0)
+    assert [r.job_id for r in d3.new_preemptions] == ["202"]
+
+
+def test_no_guaranteed_job_means_full_share():
+    d = run([opp("201", 2.0)])
+    assert d.limits["201"].compute_share == 1.0
+    assert d.limits["201"].mem_limit_bytes == 80 * GiB - P.headroom_bytes
+
+
+def test_multi_gpu_job_takes_tightest_gpu():
+    gpus = (GpuInfo(0, 80 * GiB), GpuInfo(1, 40 * GiB))
+    d = run([opp("201", 2.0, gpus=(0, 1))], gpus=gpus)
+    assert d.limits["201"].mem_limit_bytes == 40 * GiB - P.headroom_bytes
+
+
+def test_state_forgets_retired_jobs():
+    d = run([guar(77), opp("201", 2.0), opp("202", 3.0), opp("203", 4.0)])
+    assert "203" in d.state.preempted
+    d = run([guar(10)], d.state)
+    assert d.state.preempted == {} and set(d.state.guaranteed) == {"100"}
+
+
+# --- placement ---------------------------------------------------------------------------------
+
+def load(i, used_gib=0, util=0.0, g=0, o=0):
+    return GpuLoad(i, 80 * GiB, int(used_gib * GiB), util, g, o)
+
+
+def test_choose_most_spare_memory_then_compute():
+    gpus = [load(0, 40, 0.1, g=1), load(1, 10, 0.5, g=1), load(2, 10, 0.2, g=1)]
+    assert choose_gpus(gpus, 1, 2, 0.8, 10).gpus == [2]
+    assert choose_gpus(gpus, 2, 2, 0.8, 10).gpus == [2, 1]
+
+
+def test_choose_skips_busy_full_and_doubly_guaranteed():
+    gpus = [load(0, 0, 0.9), load(1, 0, 0.1, o=2), load(2, 0, 0.1, g=2), load(3, 70, 0.7, g=1, o=1)]
+    p = choose_gpus(gpus, 1, 2, 0.8, 10)
+    assert (p.gpus, p.placement, p.note) == ([3], "fit", "")
+
+
+def test_choose_fallback_least_loaded_and_says_why():
+    gpus = [load(0, 0, 0.95, g=1), load(1, 0, 0.85, g=1, o=2)]
+    p = choose_gpus(gpus, 1, 2, 0.8, 10)
+    assert p.placement == "fallback" and p.gpus == [0]
+    assert "utilisation 0.95 > 0.80 over 10 s" in p.note
+    p2 = choose_gpus(gpus, 2, 2, 0.8, 10)
+    assert sorted(p2.gpus) == [0, 1] and "2/2 opportunistic slots taken" in p2.note

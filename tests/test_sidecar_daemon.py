@@ -1,0 +1,428 @@
+"""The sidecar daemon over real ZeroMQ IPC sockets: control requests, agents (a plain DEALER speaking
+the protocol), limits and preemption, malformed and fuzzed input, permissions, restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+import zmq
+
+from slurm_antman import config as cfgmod
+from slurm_antman import protocol as p
+from sidecar import client
+from sidecar.cli import build
+from sidecar.local_policy import GiB, MiB
+
+NOBODY = 65534
+GPU_MB = 16384
+
+
+def make_config(gpus: int = 2, **sidecar):
+    return cfgmod.parse({
+        "nodes": [{"name": "n1", "gpus": gpus, "gpu_memory_mb": GPU_MB}],
+        "sidecar": {"heartbeat_s": 0.2, "telemetry": "emulated", **sidecar},
+        "grace_time_s": 30,
+    })
+
+
+class Running:
+    """A real sidecar serving in a thread; ``stop()`` joins it."""
+
+    def __init__(self, socket_dir: str, conf=None):
+        self.sidecar = build(conf or make_config(), "n1", socket_dir, tick_s=0.1)
+        self.sidecar.start()
+        self.thread = threading.Thread(target=self.sidecar.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.sidecar.stop()
+        self.thread.join(5)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def sockdir():
+    # Short path: Unix socket paths are limited to 107 bytes, pytest's tmp_path can be longer.
+    d = tempfile.mkdtemp(prefix="am-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def sidecar(sockdir):
+    r = Running(sockdir)
+    yield r
+    r.stop()
+
+
+class SimAgent:
+    """An agent simulator: a DEALER that speaks the protocol."""
+
+    def __init__(self, endpoint: str, job_id: str, job_class: str = "opportunistic", pid: int = 4242, rank: int = 0):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.job_id, self.job_class, self.pid, self.rank = job_id, job_class, pid, rank
+        self.iteration = 0
+
+    def send(self, body, ref=None) -> p.Message:
+        msg = p.Message(body=body, ref=ref)
+        self.sock.send_multipart(p.encode(msg))
+        return msg
+
+    def send_raw(self, frames):
+        self.sock.send_multipart(frames)
+
+    def recv(self, want: str, timeout_s: float = 5.0) -> p.Message:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {want!r} within {timeout_s} s"
+            if self.sock.poll(int(left * 1000)):
+                msg = p.decode(self.sock.recv_multipart(), p.SIDECAR_TO_AGENT)
+                if msg.type == want:
+                    return msg
+
+    def register(self) -> p.Message:
+        req = self.send(p.Register(job_id=self.job_id, pid=self.pid, rank=self.rank, local_rank=self.rank,
+                                   world_size=1, hostname="n1", agent_version="sim", torch_version="none",
+                                   device="cuda", job_class=self.job_class))
+        reply = self.recv("registered")
+        assert reply.ref == req.id
+        return reply
+
+    def report(self, ms: float, reserved: int, busy_ms: float | None = None, seq: int = 0) -> None:
+        self.iteration += 1
+        self.send(p.Report(iteration=self.iteration, iterations=1, iteration_ms=ms,
+                           busy_ms=ms * 0.9 if busy_ms is None else busy_ms, mem_allocated_bytes=reserved,
+                           mem_reserved_bytes=reserved, mem_peak_bytes=reserved, spilled_bytes=0, limits_seq=seq))
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def wait_for(pred, timeout_s: float = 5.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_of(state: p.NodeStateReply, job_id: str) -> p.JobState:
+    return next(j for j in state.jobs if j.job_id == job_id)
+
+
+# --- control plane ----------------------------------------------------------------------------
+
+def test_ping_and_node_state_reports_emulation(sidecar, sockdir):
+    client.ping(sockdir)
+    st = client.node_state(sockdir)
+    assert st.node == "n1" and st.telemetry == "emulated"
+    assert [g.index for g in st.gpus] == [0, 1]
+    assert all(g.memory_total_bytes == GPU_MB * MiB for g in st.gpus)
+
+
+def test_unreachable_sidecar_is_a_typed_error(sockdir):
+    with pytest.raises(client.SidecarUnreachable, match="no sidecar control socket"):
+        client.node_state(sockdir)
+    # A socket file with nobody serving it: the timeout path.
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.bind(p.ipc(p.control_path(sockdir)))
+    try:
+        with pytest.raises(client.SidecarUnreachable, match="did not answer"):
+            client.node_state(sockdir, timeout_s=0.3)
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def test_register_guaranteed_and_opportunistic_placement(sidecar, sockdir):
+    g = client.register_job(sockdir, "100", uid=0, user="root", job_class="guaranteed", gpus=1, physical_gpus=[0])
+    assert (g.gpus, g.placement, g.note) == ([0], "requested", "")
+    assert g.endpoint == "ipc://" + os.path.join(sockdir, "jobs", "100", "agent.sock")
+    # GPU 0 already holds a guaranteed job using memory; GPU 1 is empty: most spare memory wins.
+    a = SimAgent(g.endpoint, "100", "guaranteed")
+    try:
+        a.register()
+        a.report(100.0, 8 * GiB)
+        wait_for(lambda: client.node_state(sockdir).gpus[0].memory_used_bytes == 8 * GiB, what="report seen")
+        o = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1)
+        assert (o.gpus, o.placement) == ([1], "fit")
+        o2 = client.register_job(sockdir, "201", uid=0, user="root", job_class="opportunistic", gpus=1)
+        assert o2.gpus == [1]  # still more spare memory than GPU 0
+        # GPU 1 is now full (2 slots); GPU 0 qualifies.
+        o3 = client.register_job(sockdir, "202", uid=0, user="root", job_class="opportunistic", gpus=1)
+        assert (o3.gpus, o3.placement) == ([0], "fit")
+        # Both GPUs have their opportunistic slots... GPU 0 has one left; fill it, then fall back.
+        client.register_job(sockdir, "203", uid=0, user="root", job_class="opportunistic", gpus=1)
+        fb = client.register_job(sockdir, "204", uid=0, user="root", job_class="opportunistic", gpus=1)
+        assert fb.placement == "fallback" and "opportunistic slots taken" in fb.note and len(fb.gpus) == 1
+        st = client.node_state(sockdir)
+        assert {j.job_id for j in st.jobs} == {"100", "200", "201", "202", "203", "204"}
+    finally:
+        a.close()
+
+
+def test_register_is_idempotent_and_retire_twice_is_fine(sidecar, sockdir):
+    r1 = client.register_job(sockdir, "300", uid=0, user="root", job_class="opportunistic", gpus=1)
+    r2 = client.register_job(sockdir, "300", uid=0, user="root", job_class="opportunistic", gpus=1)
+    assert r1.gpus == r2.gpus and r1.endpoint == r2.endpoint
+    assert client.retire_job(sockdir, "300") is True
+    assert not os.path.exists(os.path.join(sockdir, "jobs", "300"))
+    assert client.retire_job(sockdir, "300") is False
+
+
+def test_control_errors_are_specific(sidecar, sockdir):
+    with pytest.raises(client.SidecarError) as ei:
+        client.register_job(sockdir, "1", uid=0, user="r", job_class="guaranteed", gpus=1)
+    assert ei.value.code == "bad_value" and "physical_gpus is required" in ei.value.message
+    with pytest.raises(client.SidecarError, match="out of range; node n1 has GPUs 0-1"):
+        client.register_job(sockdir, "1", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[5])
+    with pytest.raises(client.SidecarError, match="must be null for opportunistic"):
+        client.register_job(sockdir, "1", uid=0, user="r", job_class="opportunistic", gpus=1, physical_gpus=[0])
+
+
+# --- agents, limits, preemption -----------------------------------------------------------------
+
+@pytest.fixture
+def one_gpu_sidecar(sockdir):
+    r = Running(sockdir, make_config(gpus=1))
+    yield r
+    r.stop()
+
+
+def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_sidecar, sockdir):
+    g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
+    ga = SimAgent(g.endpoint, "100", "guaranteed", pid=1)
+    ga.register()
+    ga.report(100.0, 2 * GiB)
+    wait_for(lambda: job_of(client.node_state(sockdir), "100").iteration_ms == 100.0, what="guaranteed report")
+    o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
+    assert o.gpus == [0]
+    oa = SimAgent(o.endpoint, "200", pid=2)
+    try:
+        reg = oa.register().body
+        assert reg.job_class == "opportunistic" and reg.throttle != "off" and reg.heartbeat_s == 0.2
+        headroom = 512 * MiB
+        assert reg.mem_limit_bytes == GPU_MB * MiB - 2 * GiB - headroom
+        assert 0 < reg.compute_share < 1
+        # The guaranteed job grows to 10 GiB: the opportunistic limit shrinks at once.
+        ga.report(100.0, 10 * GiB)
+        lim = oa.recv("limits").body
+        assert lim.mem_limit_bytes == GPU_MB * MiB - 10 * GiB - headroom
+        assert lim.seq > reg.seq and lim.compute_share < reg.compute_share
+        oa.send(p.Ack(seq=lim.seq, applied_iteration=3))
+        wait_for(lambda: job_of(client.node_state(sockdir), "200").acked_seq == lim.seq, what="ack recorded")
+        # 15 GiB leaves less than the 1 GiB minimum: preemption notice, and node_state shows it.
+        ga.report(100.0, 15 * GiB)
+        pre = oa.recv("preempt").body
+        assert pre.grace_s == 30 and pre.deadline_unix > time.time() + 20 and "GPU 0" in pre.reason
+        st = client.node_state(sockdir)
+        assert [x.job_id for x in st.preemptions] == ["200"]
+        js = job_of(st, "200")
+        assert js.mem_limit_bytes == 1 * GiB and js.agents == 1
+        assert job_of(st, "100").mem_limit_bytes is None and job_of(st, "100").compute_share == 1.0
+    finally:
+        ga.close()
+        oa.close()
+
+
+def test_report_before_register_and_wrong_job(sidecar, sockdir):
+    r = client.register_job(sockdir, "400", uid=0, user="r", job_class="opportunistic", gpus=1)
+    a = SimAgent(r.endpoint, "400")
+    try:
+        a.report(10.0, 1)
+        err = a.recv("error")
+        assert err.body.code == "not_registered"
+        a.job_id = "401"
+        a.send(p.Register(job_id="401", pid=1, rank=0, local_rank=0, world_size=1, hostname="h",
+                          agent_version="s", torch_version="t", device="cpu", job_class="none"))
+        err = a.recv("error")
+        assert err.body.code == "forbidden" and "serves job 400" in err.body.message
+    finally:
+        a.close()
+
+
+def test_sidecar_heartbeats_and_forgets_vanished_agent(sidecar, sockdir):
+    r = client.register_job(sockdir, "500", uid=0, user="r", job_class="opportunistic", gpus=1)
+    a = SimAgent(r.endpoint, "500")
+    a.register()
+    a.recv("heartbeat", timeout_s=3)
+    assert job_of(client.node_state(sockdir), "500").agents == 1
+    a.close()  # vanishes without bye; 5 heartbeats (1 s) later it is no longer counted
+    wait_for(lambda: job_of(client.node_state(sockdir), "500").agents == 0, timeout_s=5, what="agent expiry")
+    client.ping(sockdir)
+
+
+def test_version_mismatch_reply_names_versions(sidecar, sockdir):
+    r = client.register_job(sockdir, "600", uid=0, user="r", job_class="opportunistic", gpus=1)
+    a = SimAgent(r.endpoint, "600")
+    try:
+        env = {"v": 2, "type": "register", "id": "x1", "ts": 0, "ref": None, "body": {}}
+        a.send_raw([p.MARKER, json.dumps(env).encode()])
+        err = a.recv("error")
+        assert err.body.code == "version_mismatch" and err.ref == "x1"
+        assert "peer speaks antman protocol v2, this side speaks v1" in err.body.message
+    finally:
+        a.close()
+
+
+def test_malformed_control_requests_get_error_codes(sidecar, sockdir):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(p.ipc(p.control_path(sockdir)))
+    cases = [
+        ([b"hello"], "bad_frames"),
+        ([p.MARKER, b"{"], "bad_json"),
+        ([p.MARKER, json.dumps({"v": 1, "type": "limits", "id": "a", "ts": 0, "ref": None,
+                                "body": {"seq": 1, "mem_limit_bytes": None, "compute_share": 1}}).encode()],
+         "wrong_direction"),
+        ([p.MARKER, json.dumps({"v": 1, "type": "job_retire", "id": "b", "ts": 0, "ref": None,
+                                "body": {"job_id": 7}}).encode()], "bad_type"),
+    ]
+    try:
+        for frames, code in cases:
+            s.send_multipart(frames)
+            assert s.poll(3000), f"no answer to {frames}"
+            msg = p.decode(s.recv_multipart(), p.CONTROL_REPLIES)
+            assert msg.type == "error" and msg.body.code == code, (frames, msg)
+    finally:
+        s.close(0)
+        ctx.term()
+
+
+def test_fuzzed_streams_leave_sidecar_answering(sidecar, sockdir):
+    r = client.register_job(sockdir, "700", uid=0, user="r", job_class="opportunistic", gpus=1)
+    rng = random.Random(1234)
+    ctx = zmq.Context()
+    socks = []
+    for ep in (r.endpoint, p.ipc(p.control_path(sockdir))):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(ep)
+        socks.append(s)
+    good = json.loads(p.encode(p.message(p.Report(
+        iteration=1, iterations=1, iteration_ms=1.0, busy_ms=1.0, mem_allocated_bytes=0, mem_reserved_bytes=0,
+        mem_peak_bytes=0, spilled_bytes=0, limits_seq=0)))[1])
+
+    def mutant() -> list[bytes]:
+        kind = rng.randrange(4)
+        if kind == 0:
+            return [rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 4))]
+        env = json.loads(json.dumps(good))
+        if kind == 1:
+            env["body"][rng.choice(list(env["body"]))] = rng.choice([None, -1, "x", [], {}, 1e308, True])
+        elif kind == 2:
+            env[rng.choice(list(env))] = rng.choice([None, 2, "y", [1], {"a": 1}])
+        else:
+            env["type"] = rng.choice(sorted(p.BODY_TYPES))
+        raw = json.dumps(env).encode()
+        if rng.random() < 0.2:
+            raw = raw[: rng.randrange(len(raw))]
+        return [p.MARKER, raw]
+    try:
+        for _ in range(400):
+            rng.choice(socks).send_multipart(mutant())
+        # Answers came back for what could be answered; the sidecar still serves both sides.
+        time.sleep(0.3)
+        client.ping(sockdir)
+        assert job_of(client.node_state(sockdir), "700").agents == 0
+        a = SimAgent(r.endpoint, "700")
+        try:
+            assert a.register().body.job_id == "700"
+        finally:
+            a.close()
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+    assert sidecar.thread.is_alive()
+
+
+# --- permissions, restart, locking ------------------------------------------------------------
+
+def _mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="permission checks need root (chown to another uid)")
+def test_socket_dir_permissions_isolate_jobs(sidecar, sockdir):
+    assert _mode(p.control_path(sockdir)) == 0o600 and os.stat(p.control_path(sockdir)).st_uid == 0
+    assert _mode(os.path.join(sockdir, "jobs")) == 0o711
+    mine = client.register_job(sockdir, "800", uid=NOBODY, user="nobody", job_class="opportunistic", gpus=1)
+    other = client.register_job(sockdir, "801", uid=0, user="root", job_class="opportunistic", gpus=1)
+    jd = os.path.join(sockdir, "jobs", "800")
+    st = os.stat(jd)
+    assert (st.st_uid, _mode(jd)) == (NOBODY, 0o700)
+    assert os.stat(os.path.join(jd, "agent.sock")).st_uid == NOBODY
+    # As the job's user (a real setuid child): its own endpoint connects, the other job's and the
+    # control socket do not.
+    probe = (
+        "import socket, sys\n"
+        "def try_(p):\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n        s.connect(p); return 'ok'\n"
+        "    except PermissionError: return 'denied'\n"
+        "    except OSError as e: return type(e).__name__\n"
+        "print(try_(sys.argv[1]), try_(sys.argv[2]), try_(sys.argv[3]))\n")
+    # The job's user cannot run root's interpreter (under /root); any python3 that user can run will do.
+    py = next((x for x in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(x, os.X_OK)), None)
+    if py is None:
+        pytest.skip("no system python3 the unprivileged user can run")
+    out = subprocess.run(
+        [py, "-c", probe, mine.endpoint[6:], other.endpoint[6:], p.control_path(sockdir)],
+        capture_output=True, text=True, timeout=30, user=NOBODY, group=NOBODY, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ok", "denied", "denied"]
+
+
+def test_restart_serves_reregistrations(sockdir):
+    first = Running(sockdir)
+    try:
+        r = client.register_job(sockdir, "900", uid=0, user="r", job_class="opportunistic", gpus=1)
+        a = SimAgent(r.endpoint, "900")
+        a.register()
+    finally:
+        first.stop()
+    a.recv("bye")  # the stopping sidecar says goodbye
+    second = Running(sockdir)
+    try:
+        st = client.node_state(sockdir)
+        assert [j.job_id for j in st.jobs] == ["900"] and job_of(st, "900").gpus == r.gpus
+        # The agent's DEALER reconnects by itself; its next report is answered by "register first".
+        a.report(10.0, 1)
+        assert a.recv("error").body.code == "not_registered"
+        assert a.register().body.job_id == "900"
+        # A retried Prolog gets the same answer from the new sidecar.
+        r2 = client.register_job(sockdir, "900", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert (r2.gpus, r2.endpoint) == (r.gpus, r.endpoint)
+        assert job_of(client.node_state(sockdir), "900").agents == 1
+    finally:
+        a.close()
+        second.stop()
+
+
+def test_second_sidecar_on_same_dir_is_refused(sidecar, sockdir):
+    from sidecar.endpoints import EndpointError
+    other = build(make_config(), "n1", sockdir)
+    with pytest.raises(EndpointError, match="another sidecar is running"):
+        other.start()
+    other.close()
+    client.ping(sockdir)

@@ -1,0 +1,354 @@
+"""The in-job agent: step boundaries + memory control + throttle + protocol client, one per process.
+
+Everything that changes the job (a memory limit, a compute share, the user's preemption hook) happens
+in the training thread at an iteration boundary, where the model and optimizer are consistent. The
+protocol thread only receives and queues.
+
+Sidecar lost (nothing heard for ``missed_heartbeats`` x ``heartbeat_s``, or its ``bye``): a guaranteed
+job runs unrestricted (no memory limit, share 1.0); an opportunistic job keeps its memory limit and
+drops to ``min(share, fallback_share)`` (default 0.25, ``ANTMAN_AGENT_FALLBACK_SHARE``), because
+without a sidecar nobody protects the guaranteed job it shares the GPU with. Both keep re-registering
+and take the limits of the next ``registered``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+from . import __version__
+from .client import LimitsUpdate, PreemptNotice, ProtocolClient, check_endpoint, default_register
+from .memory import MemoryController
+from .steps import StepCounter
+from .throttle import Throttle, check_share
+from slurm_antman.protocol import JOB_ID_RE
+
+log = logging.getLogger("torch_patch")
+
+DEFAULT_FALLBACK_SHARE = 0.25
+PreemptHook = Callable[[PreemptNotice], None]
+
+
+class AgentConfigError(ValueError):
+    pass
+
+
+def _env_float(name: str, default: float, lo: float, hi: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise AgentConfigError(f"{name}={raw!r}: expected a number in [{lo}, {hi}]") from None
+    if not (lo <= v <= hi):
+        raise AgentConfigError(f"{name}={raw!r}: expected a number in [{lo}, {hi}]")
+    return v
+
+
+class Agent:
+    def __init__(
+        self,
+        job_id: Optional[str] = None,
+        job_class: str = "none",
+        endpoint: Optional[str] = None,
+        throttle_mode: str = "launch",
+        fallback_share: float = DEFAULT_FALLBACK_SHARE,
+        missed_heartbeats: int = 5,
+        report_interval_s: float = 0.05,
+        use_cuda: Optional[bool] = None,
+    ) -> None:
+        import torch
+
+        if job_class not in ("guaranteed", "opportunistic", "none"):
+            raise AgentConfigError(
+                f"ANTMAN_CLASS={job_class!r}: allowed: guaranteed, opportunistic (or unset)")
+        if endpoint is not None:
+            check_endpoint(endpoint)
+        if job_id is not None and not JOB_ID_RE.match(job_id):
+            raise AgentConfigError(f"ANTMAN_JOB_ID={job_id!r}: a Slurm job id is 1 to 10 digits")
+        self.job_id = job_id
+        self.job_class = job_class
+        self.fallback_share = check_share(fallback_share)
+        self.report_interval_s = report_interval_s
+        self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        self.memory = MemoryController(use_cuda=self.cuda, spill=(self.cuda and job_class == "opportunistic"))
+        sync = torch.cuda.synchronize if self.cuda else None
+        self.throttle = Throttle(mode=throttle_mode, synchronize=sync)
+        self.steps = StepCounter(self._boundary)
+        self.applied_seq = 0
+        # (seq, iteration during which it arrived, applied_iteration): for tests and the bench
+        self.acks: list[tuple[int, Optional[int], int]] = []
+        self._pending: Optional[LimitsUpdate] = None
+        self._fallback_due = False
+        self._lock = threading.Lock()
+        self._preempt_hooks: list[PreemptHook] = []
+        self._preempt: Optional[PreemptNotice] = None
+        self._preempt_done = threading.Event()
+        self._preempt_lock = threading.Lock()
+        # Report accumulation (training thread only).
+        self._acc_n = 0
+        self._acc_ms = 0.0
+        self._acc_busy_ms = 0.0
+        self._busy_mark = 0.0
+        self._last_report = time.monotonic()
+        self._peak = 0
+        self.client: Optional[ProtocolClient] = None
+        if endpoint is not None and job_id is not None:
+            reg = default_register(job_id, job_class, "cuda" if self.cuda else "cpu", __version__, torch.__version__)
+            self.client = ProtocolClient(
+                endpoint, reg,
+                on_limits=self._limits_arrived,
+                on_lost=self._sidecar_lost,
+                on_preempt=self._preempt_arrived,
+                on_unmanaged=self._unmanaged,
+                current_iteration=lambda: self.steps.iteration,
+                missed_heartbeats=missed_heartbeats,
+            )
+        self.started = False
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> "Agent":
+        if not self.started:
+            self.started = True
+            self.steps.hook_optimizers()
+            if self.client is not None:
+                self.client.start()
+        return self
+
+    def stop(self, reason: str = "exit") -> None:
+        self.steps.unhook()
+        self.throttle.close()
+        if self.client is not None:
+            self.client.stop(reason)
+
+    @property
+    def iteration(self) -> int:
+        return self.steps.iteration
+
+    def step(self) -> None:
+        self.steps.step()
+
+    def on_preempt(self, fn: PreemptHook) -> None:
+        if not callable(fn):
+            raise TypeError(f"on_preempt needs a callable taking the notice, got {fn!r}")
+        self._preempt_hooks.append(fn)
+
+    # --- protocol thread -> training thread -----------------------------------------------------
+
+    def _limits_arrived(self, upd: LimitsUpdate) -> None:
+        with self._lock:
+            prev = self._pending
+            if prev is not None and prev.reset and not upd.reset:
+                # A restarted sidecar's registered must still reset our seq, even if its first
+                # limits overtake it before the next boundary.
+                upd = LimitsUpdate(upd.seq, upd.mem_limit_bytes, upd.compute_share, upd.ref, True,
+                                   prev.throttle, upd.received_iteration)
+            if upd.reset:
+                self._fallback_due = False
+            self._pending = upd
+
+    def _sidecar_lost(self) -> None:
+        with self._lock:
+            self._pending = None
+            self._fallback_due = True
+
+    def _unmanaged(self, why: str) -> None:
+        with self._lock:
+            self._pending = LimitsUpdate(self.applied_seq, None, 1.0, None, reset=True)
+            self._fallback_due = False
+
+    def _preempt_arrived(self, notice: PreemptNotice) -> None:
+        with self._preempt_lock:
+            if self._preempt is not None:
+                return
+            self._preempt = notice
+        # The training thread runs the hooks at its next boundary; if none comes in half the
+        # grace time (a long iteration, a stuck job), they run from here so the checkpoint is
+        # still taken before the deadline.
+        remaining = max(0.0, notice.deadline_unix - time.time())
+        timer = threading.Timer(remaining / 2.0, self._run_preempt_hooks)
+        timer.daemon = True
+        timer.start()
+
+    def _run_preempt_hooks(self) -> None:
+        with self._preempt_lock:
+            if self._preempt_done.is_set() or self._preempt is None:
+                return
+            self._preempt_done.set()
+            notice = self._preempt
+        if not self._preempt_hooks:
+            sys.stderr.write(
+                f"slurm-antman: preemption notice ({notice.reason}); the job is requeued at "
+                f"{time.ctime(notice.deadline_unix)}. Register a checkpoint hook with torch_patch.on_preempt(fn).\n")
+        for fn in self._preempt_hooks:
+            try:
+                fn(notice)
+            except Exception:
+                log.exception("slurm-antman: the preemption hook %r failed", fn)
+
+    # --- the boundary (training thread) ---------------------------------------------------------
+
+    def _boundary(self, ended: int, seconds: float) -> None:
+        throttle = self.throttle
+        if throttle._ratio:
+            throttle.end_iteration()
+            busy_total = throttle.busy_s
+            busy = busy_total - self._busy_mark
+            self._busy_mark = busy_total
+        else:
+            throttle.end_iteration()  # learns the unthrottled reference
+            busy = seconds
+            self._busy_mark = throttle.busy_s
+        if self._pending is not None or self._fallback_due:
+            self._apply_pending(ended + 1)
+        if self._preempt is not None and not self._preempt_done.is_set():
+            self._run_preempt_hooks()
+        if self.client is None:
+            return
+        self._acc_n += 1
+        self._acc_ms += seconds * 1000.0
+        self._acc_busy_ms += busy * 1000.0
+        now = time.monotonic()
+        if now - self._last_report >= self.report_interval_s:
+            self._send_report(ended, now)
+
+    def _send_report(self, iteration: int, now: float) -> None:
+        from slurm_antman.protocol import Report
+
+        st = self.memory.stats()
+        n = self._acc_n
+        self.client.send(Report(
+            iteration=iteration,
+            iterations=n,
+            iteration_ms=self._acc_ms / n,
+            busy_ms=self._acc_busy_ms / n,
+            mem_allocated_bytes=st.allocated_bytes,
+            mem_reserved_bytes=st.reserved_bytes,
+            mem_peak_bytes=st.peak_bytes,
+            spilled_bytes=st.spilled_bytes,
+            limits_seq=self.applied_seq,
+        ), wake=False)
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.memory.device)
+        self._acc_n = 0
+        self._acc_ms = 0.0
+        self._acc_busy_ms = 0.0
+        self._last_report = now
+
+    def _apply_pending(self, next_iteration: int) -> None:
+        with self._lock:
+            upd, self._pending = self._pending, None
+            fallback, self._fallback_due = self._fallback_due, False
+        if upd is not None and (upd.reset or upd.seq > self.applied_seq):
+            try:
+                self.memory.set_limit(upd.mem_limit_bytes)
+                if upd.throttle is not None and upd.throttle != self.throttle.mode:
+                    self.throttle.set_mode(upd.throttle)
+                self.throttle.set_share(upd.compute_share)
+            except Exception:
+                log.exception("slurm-antman: could not apply limits seq %d", upd.seq)
+            self.applied_seq = upd.seq
+            self._busy_mark = self.throttle.busy_s
+            if upd.ref is not None and self.client is not None:
+                from slurm_antman.protocol import Ack
+
+                self.acks.append((upd.seq, upd.received_iteration, next_iteration))
+                self.client.send(Ack(seq=upd.seq, applied_iteration=next_iteration), ref=upd.ref)
+        if fallback:
+            job_class = (self.client.job_class if self.client is not None else None) or self.job_class
+            try:
+                if job_class == "opportunistic":
+                    self.throttle.set_share(min(self.throttle.share, self.fallback_share))
+                else:
+                    self.memory.set_limit(None)
+                    self.throttle.set_share(1.0)
+            except Exception:
+                log.exception("slurm-antman: could not apply the fallback limits")
+            self._busy_mark = self.throttle.busy_s
+
+
+# --- the process's one agent -------------------------------------------------------------------
+
+_agent: Optional[Agent] = None
+_agent_lock = threading.Lock()
+
+
+def current() -> Optional[Agent]:
+    return _agent
+
+
+def install(
+    job_id: Optional[str] = None,
+    job_class: Optional[str] = None,
+    endpoint: Optional[str] = None,
+    **kwargs: object,
+) -> Agent:
+    """Starts this process's agent (once; later calls return the same agent).
+
+    Arguments default to the job's environment: ``ANTMAN_JOB_ID`` (or ``SLURM_JOB_ID``),
+    ``ANTMAN_CLASS``, ``ANTMAN_SIDECAR_ENDPOINT``. Without an endpoint the agent still counts
+    iterations and can be throttled locally, but talks to nobody.
+    """
+    global _agent
+    with _agent_lock:
+        if _agent is not None:
+            return _agent
+        env = os.environ
+        job_id = job_id or env.get("ANTMAN_JOB_ID") or env.get("SLURM_JOB_ID")
+        job_class = job_class or env.get("ANTMAN_CLASS") or "none"
+        endpoint = endpoint or env.get("ANTMAN_SIDECAR_ENDPOINT") or None
+        if "fallback_share" not in kwargs:
+            kwargs["fallback_share"] = _env_float("ANTMAN_AGENT_FALLBACK_SHARE", DEFAULT_FALLBACK_SHARE, 0.01, 1.0)
+        if endpoint is None and job_id is not None:
+            sys.stderr.write("slurm-antman: ANTMAN_SIDECAR_ENDPOINT is not set; the agent runs without a sidecar\n")
+        agent = Agent(job_id=job_id, job_class=job_class, endpoint=endpoint, **kwargs)  # type: ignore[arg-type]
+        agent.start()
+        _agent = agent
+        atexit.register(_shutdown)
+        return agent
+
+
+def uninstall() -> None:
+    """Stops the agent and removes its hooks (tests; a script that wants to go unmanaged)."""
+    global _agent
+    with _agent_lock:
+        agent, _agent = _agent, None
+    if agent is not None:
+        agent.stop()
+
+
+def _shutdown() -> None:
+    try:
+        uninstall()
+    except Exception:
+        pass
+
+
+def _forget_in_child() -> None:
+    # A forked child (e.g. a DataLoader worker) has no protocol thread and is not a rank: it must
+    # neither throttle nor count steps as the parent's agent.
+    global _agent
+    agent, _agent = _agent, None
+    if agent is not None:
+        try:
+            agent.steps.unhook()
+            agent.throttle.close()
+        except Exception:
+            pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def start_from_env() -> Optional[Agent]:
+    """Called by the import hook once torch is imported."""
+    return install()

@@ -1,0 +1,311 @@
+"""The agent's side of the protocol (docs/protocol.md): a background thread that owns a DEALER.
+
+The training thread never touches ZeroMQ: it hands reports and acks over through a deque and a wake-up
+pipe, and picks up limits from ``pending`` at its next iteration boundary. The thread has its own zmq
+context, so a job that uses ZeroMQ itself is not affected.
+
+Liveness follows the spec: a heartbeat when nothing else was sent for ``heartbeat_s``; after
+``missed_heartbeats`` x ``heartbeat_s`` without hearing anything the sidecar is taken as gone: the
+agent falls back (see :class:`Fallback`) and keeps re-registering every ``heartbeat_s`` until a
+sidecar answers, whose ``registered`` then replaces the fallback.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import zmq
+
+from slurm_antman import protocol as P
+
+log = logging.getLogger("torch_patch.client")
+
+# Reports are batched to at most this many per second (the spec asks for about 20 at most).
+REPORT_INTERVAL_S = 0.05
+DEFAULT_HEARTBEAT_S = 1.0
+MISSED_HEARTBEATS = 5
+_LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
+
+
+class EndpointError(ValueError):
+    pass
+
+
+def check_endpoint(endpoint: str) -> str:
+    """Only node-local transports: an IPC socket, or TCP on the loopback interface."""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+        if host in _LOOPBACK_HOSTS:
+            return endpoint
+    raise EndpointError(
+        f"{P.ENDPOINT_ENV}={endpoint!r}: the sidecar endpoint must be ipc://PATH or "
+        "tcp://127.0.0.1:PORT / tcp://[::1]:PORT (node-local only)"
+    )
+
+
+@dataclass(frozen=True)
+class LimitsUpdate:
+    """Limits for the training thread to apply at its next boundary."""
+
+    seq: int
+    mem_limit_bytes: Optional[int]
+    compute_share: float
+    ref: Optional[str]  # id of the message to acknowledge; None: nothing to ack (fallback)
+    reset: bool = False  # a registered from a (maybe new) sidecar: its seq replaces ours
+    throttle: Optional[str] = None
+    received_iteration: Optional[int] = None
+
+
+@dataclass
+class PreemptNotice:
+    deadline_unix: float
+    grace_s: float
+    reason: str
+
+
+class ProtocolClient(threading.Thread):
+    def __init__(
+        self,
+        endpoint: str,
+        register: P.Register,
+        on_limits: Callable[[LimitsUpdate], None],
+        on_lost: Callable[[], None],
+        on_preempt: Callable[[PreemptNotice], None],
+        on_unmanaged: Callable[[str], None],
+        current_iteration: Callable[[], int],
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        missed_heartbeats: int = MISSED_HEARTBEATS,
+    ) -> None:
+        super().__init__(name="antman-agent", daemon=True)
+        self.endpoint = check_endpoint(endpoint)
+        self._register_body = register
+        self._on_limits = on_limits
+        self._on_lost = on_lost
+        self._on_preempt = on_preempt
+        self._on_unmanaged = on_unmanaged
+        self._current_iteration = current_iteration
+        self.heartbeat_s = heartbeat_s
+        self.missed_heartbeats = missed_heartbeats
+        self._outbox: collections.deque[P.Body | tuple[P.Body, Optional[str]]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._stop_event = threading.Event()
+        self.registered = threading.Event()  # set while a sidecar has answered our register
+        self.job_class: Optional[str] = None
+        self.connected = False
+        self.unmanaged = False
+        self.errors_received = 0
+        self.malformed_received = 0
+        self.registrations = 0
+        self._last_heard = time.monotonic()
+        self._last_sent = 0.0
+        self._register_id: Optional[str] = None
+
+    # --- training-thread side -------------------------------------------------------------
+
+    def send(self, body: P.Body, ref: Optional[str] = None, wake: bool = True) -> None:
+        self._outbox.append((body, ref))
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the thread is already due to wake
+
+    def stop(self, reason: str = "exit", timeout: float = 1.0) -> None:
+        if not self.is_alive():
+            return
+        self._outbox.append((P.Bye(reason=reason), None))
+        self._stop_event.set()
+        self.wake()
+        self.join(timeout)
+
+    # --- thread -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        ctx = zmq.Context(1)
+        sock = ctx.socket(zmq.DEALER)
+        # No queueing towards a sidecar that is not there: a report sent into the void is dropped,
+        # not delivered minutes late. Never block exit on unsent messages.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES + 64)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            sock.connect(self.endpoint)
+            self._last_heard = time.monotonic()
+            self._send_register(sock)
+            while not self._stop_event.is_set():
+                try:
+                    self._loop_once(sock, poller)
+                except Exception:
+                    log.exception("slurm-antman agent: protocol loop error (continuing)")
+                    time.sleep(0.05)
+            self._flush(sock)
+        except Exception:
+            log.exception("slurm-antman agent: protocol thread stopped")
+        finally:
+            sock.close(0)
+            ctx.term()
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _loop_once(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+        now = time.monotonic()
+        timeout_s = max(0.0, min(self.heartbeat_s - (now - self._last_sent), self.heartbeat_s))
+        events = dict(poller.poll(timeout_s * 1000.0))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if sock in events:
+            for _ in range(100):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                self._last_heard = time.monotonic()
+                self._handle(sock, frames)
+        self._flush(sock)
+        now = time.monotonic()
+        silent = now - self._last_heard
+        if silent > self.missed_heartbeats * self.heartbeat_s:
+            if self.connected:
+                self.connected = False
+                self.registered.clear()
+                log.warning("slurm-antman agent: no word from the sidecar for %.1f s; falling back", silent)
+                self._on_lost()
+        if now - self._last_sent >= self.heartbeat_s:
+            if not self.connected and not self.unmanaged:
+                self._send_register(sock)
+            else:
+                self._send(sock, P.Heartbeat())
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while self._outbox:
+            body, ref = self._outbox.popleft()
+            if self.unmanaged and not isinstance(body, P.Bye):
+                continue
+            if isinstance(body, (P.Report, P.Ack)) and not self.connected:
+                continue  # nobody to tell; the next registration starts afresh
+            self._send(sock, body, ref)
+
+    def _send(self, sock: zmq.Socket, body: P.Body, ref: Optional[str] = None) -> Optional[str]:
+        msg = P.Message(body=body, ref=ref)
+        try:
+            sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return None  # no sidecar connected (IMMEDIATE) or it is not reading: drop
+        self._last_sent = time.monotonic()
+        return msg.id
+
+    def _send_register(self, sock: zmq.Socket) -> None:
+        self.registrations += 1
+        self._register_id = self._send(sock, self._register_body)
+        if self._register_id is None:
+            self._last_sent = time.monotonic()  # retry after heartbeat_s, not in a busy loop
+
+    def _handle(self, sock: zmq.Socket, frames: list) -> None:
+        try:
+            msg = P.decode(frames, accept=P.SIDECAR_TO_AGENT)
+        except P.ProtocolError as e:
+            self.malformed_received += 1
+            log.warning("slurm-antman agent: ignoring a malformed message from the sidecar: %s", e)
+            self._send(sock, P.Error(code=e.code.value, message=e.message[:4096]), e.ref)
+            if e.code == P.ErrorCode.version_mismatch:
+                self._go_unmanaged(e.message)
+            return
+        body = msg.body
+        if isinstance(body, P.Registered):
+            self._registered(body, msg)
+        elif isinstance(body, P.Limits):
+            if not self.connected:
+                return  # limits from a sidecar that has not (re)registered us: wait for registered
+            self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
+                                         received_iteration=self._current_iteration()))
+        elif isinstance(body, P.Preempt):
+            self._on_preempt(PreemptNotice(body.deadline_unix, body.grace_s, body.reason))
+        elif isinstance(body, P.Heartbeat):
+            pass
+        elif isinstance(body, P.Error):
+            self.errors_received += 1
+            log.warning("slurm-antman agent: sidecar error %s: %s", body.code, body.message)
+            if body.code == P.ErrorCode.version_mismatch.value:
+                self._go_unmanaged(body.message)
+            elif body.code == P.ErrorCode.not_registered.value:
+                self.connected = False
+                self.registered.clear()
+                self._send_register(sock)
+        elif isinstance(body, P.Bye):
+            log.warning("slurm-antman agent: sidecar said bye (%s)", body.reason)
+            if self.connected:
+                self.connected = False
+                self.registered.clear()
+                self._on_lost()
+            # Keep re-registering: a restarted sidecar serves the same endpoint.
+            self._last_heard = 0.0
+
+    def _registered(self, body: P.Registered, msg: P.Message) -> None:
+        self.heartbeat_s = body.heartbeat_s
+        self.job_class = body.job_class
+        self.connected = True
+        self.registered.set()
+        self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
+                                     reset=True, throttle=body.throttle,
+                                     received_iteration=self._current_iteration()))
+
+    def _go_unmanaged(self, why: str) -> None:
+        if not self.unmanaged:
+            log.error("slurm-antman agent: protocol version mismatch (%s); the job runs unmanaged", why)
+        self.unmanaged = True
+        self.connected = False
+        self.registered.clear()
+        self._on_unmanaged(why)
+
+
+def default_register(job_id: str, job_class: str, device: str, agent_version: str, torch_version: str) -> P.Register:
+    env = os.environ
+
+    def env_int(names: tuple[str, ...], default: int) -> int:
+        for n in names:
+            try:
+                return int(env[n])
+            except (KeyError, ValueError):
+                continue
+        return default
+
+    return P.Register(
+        job_id=job_id,
+        pid=os.getpid(),
+        rank=max(0, env_int(("RANK", "SLURM_PROCID"), 0)),
+        local_rank=max(0, env_int(("LOCAL_RANK", "SLURM_LOCALID"), 0)),
+        world_size=max(1, env_int(("WORLD_SIZE", "SLURM_NTASKS"), 1)),
+        hostname=socket.gethostname()[:255],
+        agent_version=agent_version[:64],
+        torch_version=torch_version[:64],
+        device=device,
+        job_class=job_class if job_class in P.AGENT_CLASSES else "none",
+        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+    )

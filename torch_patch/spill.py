@@ -1,0 +1,102 @@
+"""Host spill for opportunistic jobs on CUDA (AntMan's "universal memory").
+
+When an allocation does not fit under the job's limit, PyTorch would raise OOM. Instead it falls back
+to a ``torch.cuda.MemPool(..., use_on_oom=True)`` whose allocator hands out *pinned, mapped host
+memory* (``cudaHostAlloc`` with ``cudaHostAllocMapped``): with unified addressing the GPU reads and
+writes it directly over PCIe/NVLink, slower, but the job keeps training and takes no GPU memory from the
+guaranteed job. This is what AntMan's GPUVMemAllocator does (GPU first, pinned host memory after).
+
+Why not ``cudaMallocManaged``: managed pages migrate to the GPU when touched, and that GPU memory is
+outside the limit PyTorch enforces, so it would take exactly the room we promised the other job.
+
+The allocator is two ctypes callbacks into the CUDA runtime already loaded by PyTorch, the mechanism
+PyTorch itself uses for ``torch.cuda._use_uvm``; no compiled extension is needed, so it works on nodes
+without a compiler. The callbacks only run when the caching allocator creates or frees a whole
+segment of the spill pool, not per tensor, so their Python cost is small.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import threading
+from typing import Optional
+
+log = logging.getLogger("torch_patch.spill")
+
+_CUDA_HOST_ALLOC_MAPPED = 0x02
+_CUDA_HOST_ALLOC_PORTABLE = 0x01
+
+_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+
+def _loaded_cudart_path() -> Optional[str]:
+    """The libcudart PyTorch loaded: using another copy would mean a second CUDA runtime."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "libcudart.so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def load_cudart() -> ctypes.CDLL:
+    candidates = [_loaded_cudart_path(), "libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart")]
+    errors = []
+    for name in candidates:
+        if not name:
+            continue
+        try:
+            return ctypes.CDLL(name)
+        except OSError as e:
+            errors.append(f"{name}: {e}")
+    raise OSError("CUDA runtime (libcudart) not found: " + "; ".join(errors or ["no candidates"]))
+
+
+class HostSpill:
+    """A MemPool that PyTorch uses when a device allocation runs out of memory."""
+
+    def __init__(self, device: int) -> None:
+        import torch
+
+        self._cudart = load_cudart()
+        self._cudart.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+        self._cudart.cudaHostAlloc.restype = ctypes.c_int
+        self._cudart.cudaFreeHost.argtypes = [ctypes.c_void_p]
+        self._cudart.cudaFreeHost.restype = ctypes.c_int
+        self._lock = threading.Lock()
+        self.spilled_bytes = 0  # host bytes held now
+        self.spilled_total_bytes = 0  # host bytes ever handed out
+        self.failures = 0
+        # The callbacks must outlive the pool: keep them on the instance.
+        self._alloc_cb = _ALLOC_FN(self._alloc)
+        self._free_cb = _FREE_FN(self._free)
+        alloc_ptr = ctypes.cast(self._alloc_cb, ctypes.c_void_p).value
+        free_ptr = ctypes.cast(self._free_cb, ctypes.c_void_p).value
+        self._allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.MemPool(self._allocator, use_on_oom=True)
+
+    def _alloc(self, size: int, device: int, stream: Optional[int]) -> Optional[int]:
+        ptr = ctypes.c_void_p()
+        err = self._cudart.cudaHostAlloc(ctypes.byref(ptr), size, _CUDA_HOST_ALLOC_MAPPED | _CUDA_HOST_ALLOC_PORTABLE)
+        if err != 0 or not ptr.value:
+            with self._lock:
+                self.failures += 1
+            return None  # PyTorch turns a null pointer into its usual OOM error
+        with self._lock:
+            self.spilled_bytes += size
+            self.spilled_total_bytes += size
+        return ptr.value
+
+    def _free(self, ptr: Optional[int], size: int, device: int, stream: Optional[int]) -> None:
+        if not ptr:
+            return
+        self._cudart.cudaFreeHost(ptr)
+        with self._lock:
+            self.spilled_bytes -= size

@@ -1,0 +1,239 @@
+"""Compute throttle: hold a job's busy/(busy+idle) ratio at a commanded share.
+
+AntMan's GpuOpManager delays the job's GPU operations so that its idle time is spread between them,
+instead of one long sleep per mini-batch that would leave the GPU to the other job in big, bursty
+holes. Here the hook points are the forward of every module (global module hooks) and the backward of
+every module output (a pre-hook on its autograd node), so the delay is spread over forward and
+backward. Every hook adds the busy time since the last hook to a *debt* of idle time
+(busy * (1 - share) / share) and pays it off once it exceeds a quantum; what is still owed at the end
+of an iteration is paid at the step boundary, so each iteration hits the share exactly.
+
+The debt is measured busy time, and on a shared node busy time itself grows under throttling (the
+caches are cold after each idle period; on a CPU a 3 ms iteration runs ~50% slower right after a
+2 ms sleep). So once the job has run unthrottled iterations, their mean is the reference: an
+iteration at share ``s`` is stretched to ``reference / s`` at the boundary (what was already idled
+inside the iteration counts), which is the duty cycle a co-located job actually sees. Without a
+reference (a job throttled from its first iteration) the measured-busy debt alone is used.
+
+``mode="iteration"`` pays the whole debt at the step boundary only (one delay per iteration);
+``mode="off"`` never delays (the share is only recorded).
+
+At share 1.0 no hook is installed at all, so an unthrottled job pays nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Optional
+
+# Names as in the protocol's `registered.throttle`: "launch" spreads the delay between operations.
+MODES = ("launch", "iteration", "off")
+
+# Sleeps shorter than this overshoot by a large fraction on Linux; debt is carried instead.
+DEFAULT_QUANTUM_S = 0.001
+# Never sleep longer than this at one hook; the rest is paid at the next hook or the boundary.
+_MAX_SLEEP_S = 1.0
+# Weight of the newest unthrottled iteration in the reference (exponential moving average).
+_REF_ALPHA = 0.2
+
+
+class ThrottleError(ValueError):
+    pass
+
+
+def check_share(share: object) -> float:
+    if isinstance(share, bool) or not isinstance(share, (int, float)):
+        raise ThrottleError(f"compute share must be a number in (0, 1], got {share!r}")
+    share = float(share)
+    if not (0.0 < share <= 1.0):
+        raise ThrottleError(f"compute share must be in (0, 1], got {share}")
+    return share
+
+
+class Throttle:
+    """Spreads idle time between a job's operations; one instance per process."""
+
+    def __init__(
+        self,
+        mode: str = "launch",
+        quantum_s: float = DEFAULT_QUANTUM_S,
+        synchronize: Optional[Callable[[], None]] = None,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if mode not in MODES:
+            raise ThrottleError(f"throttle mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.quantum_s = quantum_s
+        # On CUDA, kernels run asynchronously: the GPU only idles during a sleep if the queue is
+        # drained first. The wait for the drain is busy time, which is what the clock then sees.
+        self._synchronize = synchronize
+        self._clock = clock
+        self._sleep = sleep
+        self._share = 1.0
+        self._ratio = 0.0  # idle seconds owed per busy second
+        self._debt = 0.0
+        self._carry = 0.0
+        self._iter_idle = 0.0
+        self._idle_cap = float("inf")
+        self._mark = clock()
+        self._iter_start = self._mark
+        self.reference_s: Optional[float] = None  # mean unthrottled iteration time
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._handles: list[Any] = []
+        self._lock = threading.Lock()
+
+    @property
+    def share(self) -> float:
+        return self._share
+
+    def set_share(self, share: float) -> None:
+        """Applies at once; callers apply it at an iteration boundary."""
+        share = check_share(share)
+        with self._lock:
+            self._share = share
+            self._ratio = (1.0 - share) / share
+            self._debt = 0.0
+            self._carry = 0.0
+            self._iter_idle = 0.0
+            self._idle_cap = float("inf") if self.reference_s is None else self.reference_s * self._ratio
+            self._mark = self._clock()
+            self._iter_start = self._mark
+            if share >= 1.0 or self.mode == "off":
+                self._ratio = 0.0
+                self._remove_hooks()
+            elif self.mode == "launch" and not self._handles:
+                self._install_hooks()
+
+    # --- accounting -------------------------------------------------------------------------
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ThrottleError(f"throttle mode must be one of {', '.join(MODES)}, got {mode!r}")
+        with self._lock:
+            self._remove_hooks()
+            self.mode = mode
+        self.set_share(self._share)
+
+    def tick(self, final: bool = False) -> None:
+        """Counts busy time since the last tick; idles when enough is owed (or all, if final)."""
+        if self._ratio == 0.0:
+            return
+        now = self._clock()
+        busy = now - self._mark
+        if busy > 0:
+            self.busy_s += busy
+            self._debt += busy * self._ratio
+        threshold = 0.0 if final else self.quantum_s
+        # With a reference, idle inside an iteration is capped by its budget (see end_iteration).
+        cap = self._idle_cap - self._iter_idle
+        if self._debt > cap:
+            self._debt = max(0.0, cap)
+        if self._debt > threshold and self._debt > 0:
+            if self._synchronize is not None:
+                self._synchronize()
+                after_sync = self._clock()
+                # The drain was GPU work still running: it is busy time, and it owes idle time too.
+                drained = after_sync - now
+                self.busy_s += drained
+                self._debt += drained * self._ratio
+                now = after_sync
+            want = min(self._debt, _MAX_SLEEP_S)
+            self._sleep(want)
+            end = self._clock()
+            slept = end - now
+            self.idle_s += slept
+            self._iter_idle += slept
+            # Oversleeping is credited, so the error does not build up over an iteration.
+            self._debt -= slept
+            now = end
+        self._mark = now
+
+    def end_iteration(self) -> None:
+        """Iteration boundary: pays what is owed for the iteration, or learns the reference."""
+        if self._ratio == 0.0:
+            now = self._clock()
+            took = now - self._iter_start
+            self._iter_start = now
+            if self._share >= 1.0 and took > 0:
+                ref = self.reference_s
+                self.reference_s = took if ref is None else ref + _REF_ALPHA * (took - ref)
+            return
+        ref = self.reference_s
+        if ref is None:
+            self.tick(final=True)
+            self._iter_start = self._mark
+            self._iter_idle = 0.0
+            return
+        # Count the busy time up to here, without paying the measured debt ...
+        quantum, self.quantum_s = self.quantum_s, float("inf")
+        try:
+            self.tick()
+        finally:
+            self.quantum_s = quantum
+        # ... and stretch the iteration to reference / share instead.
+        target = ref / self._share
+        budget = target - ref
+        now = self._mark
+        owed = target - (now - self._iter_start)
+        if owed > 0 and self._synchronize is not None:
+            self._synchronize()
+            now = self._clock()
+            owed = target - (now - self._iter_start)
+        if owed > 0:
+            self._sleep(min(owed, _MAX_SLEEP_S))
+            end = self._clock()
+            self.idle_s += end - now
+            now = end
+        # Integral feedback: an iteration that came out longer than the target (busy time grown by
+        # the idling itself) lowers the idle allowed inside the next ones, and vice versa.
+        self._carry = min(budget, max(-budget, self._carry + target - (now - self._iter_start)))
+        self._idle_cap = max(0.0, budget + self._carry)
+        self._debt = 0.0
+        self._iter_idle = 0.0
+        self._mark = now
+        self._iter_start = now
+
+    def duty_cycle(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.busy_s / total if total > 0 else 1.0
+
+    # --- hooks ------------------------------------------------------------------------------
+
+    def _install_hooks(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        self._handles.append(nn_module.register_module_forward_pre_hook(self._forward_pre))
+        self._handles.append(nn_module.register_module_forward_hook(self._forward_post))
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self._remove_hooks()
+            self._ratio = 0.0
+
+    def _forward_pre(self, module: Any, args: Any) -> None:
+        self.tick()
+        return None
+
+    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
+        self.tick()
+        # A pre-hook on the output's autograd node fires when backward reaches this module, so
+        # backward gets its share of the idle time without wrapping the module's outputs.
+        grad_fn = getattr(output, "grad_fn", None)
+        if grad_fn is not None and not module._modules:
+            try:
+                grad_fn.register_prehook(self._backward_pre)
+            except (RuntimeError, AttributeError):
+                pass
+        return None
+
+    def _backward_pre(self, grad_outputs: Any) -> None:
+        self.tick()
+        return None
