@@ -23,7 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="antman sidecar", description="Run the slurm-antman node sidecar.")
     ap.add_argument("--config", required=True, help="antman.yaml")
     ap.add_argument("--node", help="Slurm node name this sidecar serves (default: this host's short name)")
-    ap.add_argument("--socket-dir", help="directory for the control and job sockets (default: sidecar.socket_dir)")
+    ap.add_argument("--socket-dir", help="directory for the control and job sockets (default: sidecar.socket_dir/NODE)")
     ap.add_argument("--telemetry", choices=("auto", "nvml", "emulated"),
                     help="GPU telemetry source (default: sidecar.telemetry)")
     ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -31,13 +31,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
-    """Policy knobs from the config. Fields the config model may not have yet keep their defaults."""
+    """Policy knobs from the config."""
     sc = conf.sidecar
-    d = PolicyParams()
     return PolicyParams(
-        headroom_bytes=int(getattr(sc, "memory_headroom_mb", d.headroom_bytes // MiB)) * MiB,
-        min_opportunistic_bytes=int(getattr(sc, "min_opportunistic_memory_mb", d.min_opportunistic_bytes // MiB)) * MiB,
-        target_slowdown=float(getattr(sc, "target_slowdown", d.target_slowdown)),
+        headroom_bytes=sc.memory_headroom_mb * MiB,
+        min_opportunistic_bytes=sc.min_opportunistic_memory_mb * MiB,
+        target_slowdown=sc.target_slowdown,
         grace_s=float(conf.grace_time_s),
     )
 
@@ -54,7 +53,7 @@ def build(conf: cfgmod.AntmanConfig, node: str, socket_dir: Optional[str] = None
     if tele.kind == "nvml" and tele.gpu_count() != group.gpus:
         log.warning("NVML finds %d GPU(s) on %s, antman.yaml says %d; using NVML's", tele.gpu_count(), node, group.gpus)
     opt = SidecarOptions(
-        node=node, socket_dir=socket_dir or conf.sidecar.socket_dir, heartbeat_s=conf.sidecar.heartbeat_s,
+        node=node, socket_dir=socket_dir or conf.node_socket_dir(node), heartbeat_s=conf.sidecar.heartbeat_s,
         grace_s=float(conf.grace_time_s), slots_per_gpu=conf.opportunistic.slots_per_gpu,
         utilization_threshold=conf.opportunistic.utilization_threshold,
         utilization_window_s=conf.opportunistic.utilization_window_s,

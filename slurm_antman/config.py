@@ -111,6 +111,11 @@ class Sidecar(_Strict):
     telemetry: str = Field(default="auto", pattern=r"^(auto|nvml|emulated)$",
                            description="GPU telemetry: nvml, emulated, or auto (nvml when it works).")
     heartbeat_s: float = Field(default=1.0, gt=0)
+    memory_headroom_mb: int = Field(default=512, ge=0, description="GPU memory kept free beside the guaranteed job.")
+    min_opportunistic_memory_mb: int = Field(
+        default=1024, ge=1, description="Below this an opportunistic job is preempted rather than shrunk.")
+    target_slowdown: float = Field(default=0.02, gt=0, le=1,
+                                   description="Slowdown of the guaranteed job the compute feedback aims under.")
 
 
 class Coordinator(_Strict):
@@ -151,6 +156,10 @@ class AntmanConfig(_Strict):
 
     def node_groups_by_host(self) -> dict[str, NodeGroup]:
         return {h: g for g in self.nodes for h in g.hosts}
+
+    def node_socket_dir(self, node: str) -> str:
+        """Sockets of one node's sidecar. Per node name, so several slurmd on one host do not collide."""
+        return f"{self.sidecar.socket_dir.rstrip('/')}/{node}"
 
 
 class ConfigError(Exception):

@@ -252,6 +252,13 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         for h in cluster.nodes:
             cluster.procs.append(_spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
                                         d / "log" / f"slurmd-{h}.out"))
+        if sidecars and not plain:
+            for h in cluster.nodes:
+                cluster.procs.append(_spawn(
+                    f"sidecar:{h}",
+                    [sys.executable, "-m", "slurm_antman.cli", "sidecar", "--config", str(cluster.config_path),
+                     "--node", h],
+                    env, d / "log" / f"sidecar-{h}.log"))
         _state_file(d).write_text(json.dumps(cluster.to_json(), indent=2))
         wait_ready(cluster, timeout)
     except BaseException:

@@ -1,0 +1,232 @@
+"""``antman node prolog|epilog``: what slurmd runs, as root, around every job on a node.
+
+The Prolog registers a slurm-antman job with the node's sidecar, which chooses the physical GPUs
+of an opportunistic job (Slurm only counted slots of a count-only GRES), and writes the node-local
+env file the SPANK plugin applies to every task (docs/architecture.md). It also records the GPUs
+in the job's AdminComment so anyone can see them with Slurm's own tools.
+
+A Prolog that exits non-zero drains the node and requeues the job, so every policy-level problem
+is logged and the hook still exits 0; only a job that cannot be given a GPU at all fails it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import config as config_mod
+from .jobtag import JobTag, parse_tag
+
+log = logging.getLogger("antman.node")
+
+_TRES_OPP = r"gres:{name}(?::[^,:]+)?:(\d+)"
+
+
+@dataclass(frozen=True)
+class JobContext:
+    job_id: str
+    node: str
+    uid: int
+    gid: int | None
+    user: str
+    spank_class: str | None
+    partition: str
+    slurm_gpus: list[int]
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "JobContext":
+        gpus = [int(x) for x in re.findall(r"\d+", env.get("SLURM_JOB_GPUS", ""))]
+        return cls(
+            job_id=env["SLURM_JOB_ID"],
+            node=env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0],
+            uid=int(env.get("SLURM_JOB_UID", "0")),
+            gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
+            user=env.get("SLURM_JOB_USER", ""),
+            spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
+            partition=env.get("SLURM_JOB_PARTITION", ""),
+            slurm_gpus=gpus,
+        )
+
+
+def env_dir(cfg: config_mod.AntmanConfig, node: str) -> Path:
+    return Path(cfg.state_dir) / node / "jobs"
+
+
+def env_file(cfg: config_mod.AntmanConfig, node: str, job_id: str) -> Path:
+    return env_dir(cfg, node) / f"{job_id}.env"
+
+
+def _scontrol(args: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _job_fields(job_id: str) -> dict[str, str]:
+    """AdminComment and TresPerNode of one job; both are single tokens in `scontrol show job -o`."""
+    r = _scontrol(["show", "job", "-o", job_id])
+    if r.returncode:
+        raise RuntimeError(f"scontrol show job {job_id}: {r.stderr.strip()}")
+    out = {}
+    for key in ("AdminComment", "TresPerNode"):
+        m = re.search(rf"(?:^|\s){key}=(\S*)", r.stdout)
+        out[key] = m.group(1) if m and m.group(1) != "(null)" else ""
+    return out
+
+
+def _gpus_in_use(cfg: config_mod.AntmanConfig, node: str, skip_job: str) -> dict[int, int]:
+    """slurm-antman jobs per physical GPU, from the env files the Prolog wrote on this node."""
+    use: dict[int, int] = {}
+    for f in env_dir(cfg, node).glob("*.env"):
+        if f.stem == skip_job:
+            continue
+        for line in f.read_text().splitlines():
+            if line.startswith("ANTMAN_GPUS="):
+                for g in filter(None, line.split("=", 1)[1].split(",")):
+                    use[int(g)] = use.get(int(g), 0) + 1
+    return use
+
+
+def choose_gpus_fallback(n_gpus: int, count: int, in_use: dict[int, int]) -> list[int]:
+    """The rule used when no sidecar answers: the GPUs with the fewest slurm-antman jobs, lowest
+    index first on ties (deterministic, so a retried Prolog chooses the same)."""
+    order = sorted(range(n_gpus), key=lambda g: (in_use.get(g, 0), g))
+    return sorted(order[:count])
+
+
+def write_env_file(path: Path, values: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write("# written by `antman node prolog`; applied to every task by the SPANK plugin\n")
+        for k, v in values.items():
+            if "\n" in v:
+                raise ValueError(f"env value for {k} contains a newline")
+            f.write(f"{k}={v}\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
+    """Merge this node's GPUs into AdminComment. Several nodes of one job may do this at once, so
+    read back and retry until our entry is there."""
+    for _ in range(3):
+        current = parse_tag(_job_fields(job.job_id)["AdminComment"]) or tag
+        merged = current.with_gpus(job.node, tag.gpus.get(job.node, []))
+        r = _scontrol(["update", f"JobId={job.job_id}", f"AdminComment={merged.render()}"])
+        if r.returncode:
+            log.warning("job %s: cannot record GPUs in AdminComment: %s", job.job_id, r.stderr.strip())
+            return
+        check = parse_tag(_job_fields(job.job_id)["AdminComment"])
+        if check and check.gpus.get(job.node) == tag.gpus.get(job.node):
+            return
+    log.warning("job %s: AdminComment GPU entry for %s kept being overwritten", job.job_id, job.node)
+
+
+def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
+    job = JobContext.from_env(env)
+    s = cfg.slurm
+    # Most jobs on a mixed cluster are plain Slurm jobs: decide that without a controller round trip.
+    if job.spank_class is None and cfg.default_class.value == "none" and job.partition != s.opportunistic_partition:
+        return 0
+    fields = _job_fields(job.job_id)
+    tag = parse_tag(fields["AdminComment"])
+    if tag is None:
+        return 0
+    group = cfg.node_groups_by_host().get(job.node)
+    if group is None:
+        log.error("job %s: node %s is not in %s; leaving the job to plain Slurm", job.job_id, job.node, "antman.yaml")
+        return 0
+    if tag.job_class == "opportunistic":
+        m = re.search(_TRES_OPP.format(name=re.escape(s.opportunistic_gres)), fields["TresPerNode"])
+        count = int(m.group(1)) if m else 0
+    else:
+        count = len(job.slurm_gpus)
+    values = {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_CLASS": tag.job_class, "ANTMAN_NODE": job.node}
+    lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two Prologs must not both see a GPU as free
+        gpus, endpoint = _place(cfg, job, tag.job_class, count, group.gpus)
+        values["ANTMAN_GPUS"] = ",".join(map(str, gpus))
+        if endpoint:
+            values["ANTMAN_SIDECAR_ENDPOINT"] = endpoint
+        if tag.job_class == "opportunistic":
+            # Slurm bound no device for a count-only GRES: this is what makes the job see its GPU(s).
+            values["CUDA_VISIBLE_DEVICES"] = values["ANTMAN_GPUS"]
+            values["GPU_DEVICE_ORDINAL"] = values["ANTMAN_GPUS"]
+        write_env_file(env_file(cfg, job.node, job.job_id), values)
+    log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values["ANTMAN_GPUS"] or "-")
+    _record_gpus_in_slurm(job, tag.with_gpus(job.node, gpus))
+    return 0
+
+
+def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count: int,
+           n_gpus: int) -> tuple[list[int], str | None]:
+    from sidecar import client  # zmq is only needed on this path
+
+    physical = job.slurm_gpus if job_class != "opportunistic" else None
+    try:
+        reply = client.register_job(cfg.node_socket_dir(job.node), job.job_id, uid=job.uid, gid=job.gid,
+                                    user=job.user, job_class=job_class, gpus=count, physical_gpus=physical,
+                                    timeout_s=5.0)
+        if reply.note:
+            log.info("job %s: sidecar placement note: %s", job.job_id, reply.note)
+        return list(reply.gpus), reply.endpoint
+    except (client.SidecarUnreachable, client.SidecarError) as e:
+        log.warning("job %s: %s; using the fewest-jobs rule", job.job_id, e)
+    if physical is not None:
+        return physical, None
+    return choose_gpus_fallback(n_gpus, count, _gpus_in_use(cfg, job.node, job.job_id)), None
+
+
+def epilog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
+    job = JobContext.from_env(env)
+    f = env_file(cfg, job.node, job.job_id)
+    if not f.exists():
+        return 0
+    from sidecar import client
+
+    try:
+        client.retire_job(cfg.node_socket_dir(job.node), job.job_id, timeout_s=5.0)
+    except (client.SidecarUnreachable, client.SidecarError) as e:
+        log.warning("job %s: could not retire at the sidecar: %s", job.job_id, e)
+    f.unlink(missing_ok=True)
+    log.info("job %s on %s: retired", job.job_id, job.node)
+    return 0
+
+
+def _setup_logging(cfg: config_mod.AntmanConfig | None) -> None:
+    # slurmd discards a Prolog's output, so the hooks log to a file next to their state.
+    target = Path(cfg.state_dir if cfg else "/tmp") / "hooks.log"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(target)
+    except OSError:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"))
+    logging.getLogger("antman").addHandler(handler)
+    logging.getLogger("antman").setLevel(logging.INFO)
+
+
+def main(hook: str, config_path: str) -> int:
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as e:
+        _setup_logging(None)
+        log.error("%s: %s", hook, e)
+        return 0
+    _setup_logging(cfg)
+    env = dict(os.environ)
+    if "SLURM_JOB_ID" not in env:
+        log.error("%s run without SLURM_JOB_ID: not called by slurmd?", hook)
+        return 2
+    try:
+        return prolog(cfg, env) if hook == "prolog" else epilog(cfg, env)
+    except Exception:  # noqa: BLE001 - never drain a node over a slurm-antman bug
+        log.exception("%s for job %s failed; job left to plain Slurm", hook, env.get("SLURM_JOB_ID"))
+        return 0

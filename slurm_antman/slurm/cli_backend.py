@@ -1,0 +1,196 @@
+"""SlurmBackend over the Slurm commands (sbatch, squeue --json, scontrol, scancel, sinfo --json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from .backend import Options, SlurmBackend
+from .errors import (CommandFailed, JobNotFound, SlurmError, SlurmOutputError, SlurmUnavailable,
+                     SubmissionRejected)
+from .models import Job, Node
+from .parsing import filter_jobs, job_from_scontrol, jobs_from_squeue_json, nodes_from_sinfo_json
+
+DEFAULT_TIMEOUT_S = 30.0
+
+# Messages Slurm's client library prints when the controller cannot be reached.
+_UNAVAILABLE = re.compile(
+    r"Unable to contact slurm controller|Socket timed out|Connection refused|Zero Bytes were transmitted"
+    r"|Communication connection failure|Slurm backup controller in standby mode|Unable to establish",
+    re.IGNORECASE)
+_NOT_FOUND = re.compile(r"Invalid job id specified", re.IGNORECASE)
+_FIELD = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+_SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]{1,10}$|^\d{1,2}$")
+
+
+def _slurm_field(name: str) -> str:
+    """``admin_comment`` -> ``AdminComment``; Slurm names (``TimeLimit``) pass through."""
+    if not _FIELD.match(name):
+        raise ValueError(f"update field {name!r} is not a Slurm job field name")
+    return "".join(p[:1].upper() + p[1:] for p in name.split("_")) if "_" in name or name.islower() else name
+
+
+def _sbatch_options(options: Options) -> list[str]:
+    if isinstance(options, Mapping):
+        out = []
+        for k, v in options.items():
+            flag = "--" + str(k).replace("_", "-").lstrip("-")
+            if v is True:
+                out.append(flag)
+            elif v is not None and v is not False:
+                out.append(f"{flag}={v}")
+        return out
+    opts = list(options)
+    if isinstance(options, str) or any(not isinstance(o, str) for o in opts) or (opts and not opts[0].startswith("-")):
+        raise ValueError(f"sbatch options {options!r} must be a list of strings starting with an option "
+                         "(e.g. ['--gres=gpu:2', '-p', 'gpu']) or a mapping {'gres': 'gpu:2'}")
+    return opts
+
+
+class CliBackend(SlurmBackend):
+    """Runs the Slurm client commands with a timeout each.
+
+    ``env`` is the environment for every command (e.g. one with ``SLURM_CONF`` of a dev cluster);
+    ``gres_name`` is the GRES of physical GPUs (antman.yaml ``slurm.gpu_gres``).
+    """
+
+    def __init__(self, env: Optional[Mapping[str, str]] = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 gres_name: str = "gpu"):
+        self.env = dict(env) if env is not None else None
+        self.timeout = timeout
+        self.gres_name = gres_name
+
+    # -- running commands ------------------------------------------------------------------
+    def _run(self, argv: list[str], job_id: Optional[int] = None, input: Optional[str] = None,
+             env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+        run_env = dict(self.env if self.env is not None else os.environ)
+        if env:
+            run_env.update(env)
+        exe = shutil.which(argv[0], path=run_env.get("PATH"))
+        if exe is None:
+            raise SlurmUnavailable(f"{argv[0]} not found on PATH: are the Slurm client commands installed?", argv)
+        try:
+            r = subprocess.run([exe, *argv[1:]], env=run_env, input=input, capture_output=True, text=True,
+                               timeout=self.timeout, stdin=None if input is not None else subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise SlurmUnavailable(f"{argv[0]} did not finish within {self.timeout:g} s "
+                                   "(is slurmctld running and reachable?)", argv, err) from None
+        # scancel exits 0 on an unknown job id and only says so on stderr with --verbose.
+        if r.returncode != 0 or (argv[0] == "scancel" and "error:" in r.stderr):
+            self._raise(argv, r, job_id)
+        return r
+
+    @staticmethod
+    def _raise(argv: list[str], r: subprocess.CompletedProcess, job_id: Optional[int]) -> None:
+        err = r.stderr.strip() or r.stdout.strip()
+        lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(f"{argv[0]}: Terminating")]
+        message = "; ".join(lines) or f"{argv[0]} exited with status {r.returncode}"
+        if _UNAVAILABLE.search(err):
+            raise SlurmUnavailable(f"Slurm controller unavailable: {message}", argv, err, r.returncode)
+        if job_id is not None and _NOT_FOUND.search(err):
+            raise JobNotFound(job_id, argv, message, r.returncode)
+        if argv[0] == "sbatch":
+            raise SubmissionRejected(f"submission rejected: {message}", argv, err, r.returncode)
+        raise CommandFailed(f"{argv[0]} failed: {message}", argv, err, r.returncode)
+
+    @staticmethod
+    def _job_arg(job_id: int) -> str:
+        if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
+            raise ValueError(f"job id must be a positive integer, not {job_id!r}")
+        return str(job_id)
+
+    # -- SlurmBackend ----------------------------------------------------------------------
+    def submit(self, script: Union[str, Path, None] = None, *, wrap: Optional[str] = None,
+               script_text: Optional[str] = None, options: Options = (),
+               env: Optional[Mapping[str, str]] = None) -> int:
+        given = [x is not None for x in (script, wrap, script_text)]
+        if sum(given) != 1:
+            raise ValueError("submit needs exactly one of script (a file), wrap (a command) or script_text")
+        argv = ["sbatch", "--parsable", *_sbatch_options(options)]
+        if wrap is not None:
+            argv.append(f"--wrap={wrap}")
+        elif script is not None:
+            argv.append(str(script))
+        r = self._run(argv, input=script_text, env=env)
+        first = r.stdout.strip().splitlines()[-1:] or [""]
+        job_id = first[0].split(";")[0]  # --parsable prints "ID" or "ID;cluster"
+        if not job_id.isdigit():
+            raise SlurmOutputError(f"sbatch --parsable printed {r.stdout.strip()!r}, not a job id", argv, r.stderr)
+        return int(job_id)
+
+    def jobs(self, states: Optional[Iterable[str]] = None, users: Optional[Iterable[str]] = None) -> list[Job]:
+        argv = ["squeue", "--json"]
+        r = self._run(argv)
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError as e:
+            raise SlurmOutputError(f"squeue --json printed invalid JSON ({e})", argv, r.stderr) from None
+        if isinstance(doc, dict) and doc.get("errors"):
+            raise CommandFailed(f"squeue --json reported errors: {doc['errors']}", argv, r.stderr)
+        jobs = jobs_from_squeue_json(doc, self.gres_name)
+        return filter_jobs(jobs, states, users) if states is not None or users is not None else jobs
+
+    def job(self, job_id: int) -> Job:
+        argv = ["scontrol", "show", "job", "-o", "-d", self._job_arg(job_id)]
+        r = self._run(argv, job_id=job_id)
+        lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+        if not lines:
+            raise JobNotFound(job_id, argv, "scontrol printed nothing")
+        # An array job id prints one line per task; the first is the one asked for.
+        return job_from_scontrol(lines[0], self.gres_name)
+
+    def requeue(self, job_id: int, hold: bool = False) -> None:
+        self._run(["scontrol", "requeuehold" if hold else "requeue", self._job_arg(job_id)], job_id=job_id)
+
+    def hold(self, job_id: int) -> None:
+        self._run(["scontrol", "hold", self._job_arg(job_id)], job_id=job_id)
+
+    def release(self, job_id: int) -> None:
+        self._run(["scontrol", "release", self._job_arg(job_id)], job_id=job_id)
+
+    def update(self, job_id: int, **fields: Union[str, int]) -> None:
+        if not fields:
+            raise ValueError("update needs at least one field, e.g. update(42, TimeLimit=10)")
+        argv = ["scontrol", "update", f"JobId={self._job_arg(job_id)}"]
+        for k, v in fields.items():
+            name = _slurm_field(k)
+            if name.lower() == "jobid":
+                raise ValueError("JobId is the job to update, not a field to change")
+            text = str(v)
+            if "\n" in text or "\r" in text:
+                raise ValueError(f"update field {name}: value must be one line")
+            argv.append(f"{name}={text}")
+        self._run(argv, job_id=job_id)
+
+    def cancel(self, job_id: int, signal: Optional[str] = None) -> None:
+        argv = ["scancel", "--verbose"]
+        if signal is not None:
+            if not _SIGNAL.match(str(signal)):
+                raise ValueError(f"signal {signal!r} is not a signal name or number (e.g. USR1, SIGTERM, 10)")
+            argv += [f"--signal={signal}", "--full"]
+        argv.append(self._job_arg(job_id))
+        self._run(argv, job_id=job_id)
+
+    def nodes(self) -> list[Node]:
+        argv = ["sinfo", "--json"]
+        r = self._run(argv)
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError as e:
+            raise SlurmOutputError(f"sinfo --json printed invalid JSON ({e})", argv, r.stderr) from None
+        return nodes_from_sinfo_json(doc)
+
+
+def default_backend(env: Optional[Mapping[str, str]] = None, gres_name: str = "gpu",
+                    timeout: float = DEFAULT_TIMEOUT_S) -> SlurmBackend:
+    """The backend the CLI uses. Where a pyslurm backend is added, this is where to choose it."""
+    return CliBackend(env=env, timeout=timeout, gres_name=gres_name)
+
+
+__all__ = ["CliBackend", "default_backend", "SlurmError"]

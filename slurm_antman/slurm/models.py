@@ -1,0 +1,95 @@
+"""What the adapter hands out: jobs and nodes as plain dataclasses, whatever backend produced them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Optional
+
+# Slurm's base job states (job_state_string). Anything else a backend sees is kept as-is, upper case.
+TERMINAL_STATES = frozenset({
+    "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+    "OUT_OF_MEMORY",
+})
+ACTIVE_STATES = frozenset({
+    "PENDING", "RUNNING", "SUSPENDED", "COMPLETING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD",
+    "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD", "SPECIAL_EXIT",
+})
+
+ANTMAN_CLASSES = ("guaranteed", "opportunistic", "none")
+
+
+@dataclass
+class AntmanTag:
+    """The slurm-antman tag in AdminComment (docs/architecture.md: ``antman:class=CLASS[;gpus=...]``)."""
+
+    job_class: str = "none"
+    gpus_by_node: dict[str, list[int]] = field(default_factory=dict)
+    problem: Optional[str] = None  # why a present tag could not be read; the class is then "none"
+
+
+@dataclass
+class Job:
+    job_id: int
+    name: str
+    user: str
+    account: str
+    partition: str
+    state: str
+    reason: str
+    nodelist: str
+    nodes: list[str]
+    restarts: int
+    admin_comment: str
+    comment: str
+    antman_class: str
+    # Physical GPU indices per node: Slurm's GRES for guaranteed/none jobs, the Prolog's choice
+    # (AdminComment gpus=) for opportunistic jobs, whose GRES is count-only and has no indices.
+    gpus_by_node: dict[str, list[int]]
+    tres_per_node: str
+    submit_time: Optional[datetime]
+    start_time: Optional[datetime]
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def gpus(self) -> list[int]:
+        """Indices on all nodes, in node order (the per-node mapping is in ``gpus_by_node``)."""
+        return [i for n in self.nodes for i in self.gpus_by_node.get(n, [])] or \
+            [i for idx in self.gpus_by_node.values() for i in idx]
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def to_json(self) -> dict:
+        return {
+            "job_id": self.job_id, "name": self.name, "user": self.user, "account": self.account,
+            "partition": self.partition, "state": self.state, "reason": self.reason,
+            "nodelist": self.nodelist, "nodes": self.nodes, "restarts": self.restarts,
+            "admin_comment": self.admin_comment, "class": self.antman_class,
+            "gpus_by_node": self.gpus_by_node, "tres_per_node": self.tres_per_node,
+            "submit_time": self.submit_time.isoformat() if self.submit_time else None,
+            "start_time": self.start_time.isoformat() if self.start_time else None,
+        }
+
+
+@dataclass
+class Node:
+    name: str
+    state: str                      # base state, upper case: IDLE, MIXED, ALLOCATED, DOWN...
+    state_flags: list[str]          # DRAIN, NOT_RESPONDING, ...
+    gres: dict[str, int]            # configured: {"gpu": 4, "antman_opp": 8}
+    gres_used: dict[str, int]
+    partitions: list[str]
+    cpus: int
+    alloc_cpus: int
+    real_memory_mb: int
+    reason: str
+    raw: dict = field(default_factory=dict, repr=False)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name, "state": self.state, "state_flags": self.state_flags, "gres": self.gres,
+            "gres_used": self.gres_used, "partitions": self.partitions, "cpus": self.cpus,
+            "alloc_cpus": self.alloc_cpus, "real_memory_mb": self.real_memory_mb, "reason": self.reason,
+        }

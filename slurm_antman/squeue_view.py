@@ -1,0 +1,171 @@
+"""``antman squeue [--json] [--all]``: Slurm's jobs with their slurm-antman class, physical GPUs and
+the live numbers the node sidecars report (memory limit and use, compute share, iteration time).
+
+Slurm is the source of truth for jobs; the sidecars only add live numbers. A sidecar that does not
+answer leaves those numbers null: it never hides a job or fails the command.
+
+JSON: a list of objects. ``gpus`` is a flat list of physical GPU indices (null when the job is not
+running); on a multi-node job indices repeat across nodes, so ``gpus_by_node`` ({node: [idx]}) says
+which node each belongs to. Live fields of a multi-node job are combined over its nodes: memory
+summed, the smallest compute share, the slowest iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from .slurm import Job, default_backend
+from .slurm.models import TERMINAL_STATES
+
+# States in which a job holds its allocation, so its GPUs are meaningful.
+HOLDING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"})
+SIDECAR_TIMEOUT_S = 1.0
+DEFAULT_CONFIG = "/etc/slurm-antman/antman.yaml"
+
+
+def load_config(args: Optional[argparse.Namespace] = None) -> Any:
+    """The antman.yaml the views use, or None when none is installed (then: no sidecar numbers).
+
+    A config that was named explicitly (``--config`` / ANTMAN_CONFIG) and is broken is an error.
+    """
+    from . import config as cm
+
+    named = getattr(args, "config", None) or os.environ.get("ANTMAN_CONFIG")
+    path = Path(named or DEFAULT_CONFIG)
+    if not named and not path.exists():
+        return None
+    return cm.load(path)
+
+
+def sidecar_dir(cfg: Any, node: str) -> Optional[str]:
+    """Where ``node``'s sidecar control socket lives, if this host can reach it.
+
+    Several nodes on one host (the devcluster) each use ``SOCKET_DIR/NODE``; on a real node the
+    sidecar uses ``SOCKET_DIR`` itself, reachable only from that node.
+    """
+    from slurm_antman import protocol
+
+    root = cfg.sidecar.socket_dir
+    per_node = os.path.join(root, node)
+    if os.path.exists(protocol.control_path(per_node)):
+        return per_node
+    if node == socket.gethostname().split(".")[0] and os.path.exists(protocol.control_path(root)):
+        return root
+    return None
+
+
+def sidecar_states(cfg: Any, nodes: list[str], timeout_s: float = SIDECAR_TIMEOUT_S) -> dict[str, Any]:
+    """``node_state`` of each node's sidecar; nodes whose sidecar does not answer are left out."""
+    if cfg is None:
+        return {}
+    from sidecar import client
+
+    out: dict[str, Any] = {}
+    for node in dict.fromkeys(nodes):
+        d = sidecar_dir(cfg, node)
+        if d is None:
+            continue
+        try:
+            out[node] = client.node_state(d, timeout_s=timeout_s)
+        except Exception:  # noqa: BLE001 - unreachable, refusing or garbled: all mean "no live numbers"
+            continue
+    return out
+
+
+def _live(job: Job, states: dict[str, Any]) -> dict[str, Any]:
+    found = []
+    for node in job.nodes:
+        st = states.get(node)
+        if st is None:
+            continue
+        found.extend(js for js in st.jobs if js.job_id == str(job.job_id))
+    if not found:
+        return {"mem_limit_bytes": None, "mem_used_bytes": None, "compute_share": None, "iteration_ms": None}
+    limits = [js.mem_limit_bytes for js in found]
+    iters = [js.iteration_ms for js in found if js.iteration_ms is not None]
+    return {
+        "mem_limit_bytes": None if any(v is None for v in limits) else sum(limits),
+        "mem_used_bytes": sum(js.mem_used_bytes for js in found),
+        "compute_share": min(js.compute_share for js in found),
+        "iteration_ms": max(iters) if iters else None,
+    }
+
+
+def rows(jobs: list[Job], states: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for j in jobs:
+        holding = j.state in HOLDING_STATES
+        row = {
+            "job_id": j.job_id, "name": j.name, "user": j.user, "account": j.account,
+            "partition": j.partition, "class": j.antman_class, "state": j.state, "reason": j.reason,
+            "nodes": j.nodes, "gpus": j.gpus if holding else None,
+            "gpus_by_node": j.gpus_by_node if holding else None, "restarts": j.restarts,
+        }
+        row.update(_live(j, states) if holding else _live(j, {}))
+        out.append(row)
+    return out
+
+
+def collect(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cfg = load_config(args)
+    backend = default_backend(gres_name=cfg.slurm.gpu_gres if cfg else "gpu")
+    jobs = backend.jobs()
+    if not getattr(args, "all", False):
+        jobs = [j for j in jobs if j.state not in TERMINAL_STATES]
+    jobs.sort(key=lambda j: j.job_id)
+    nodes = [n for j in jobs if j.state in HOLDING_STATES for n in j.nodes]
+    return rows(jobs, sidecar_states(cfg, nodes))
+
+
+def _gib(v: Optional[int]) -> str:
+    return "-" if v is None else f"{v / 2**30:.1f}G"
+
+
+def _gpus_text(r: dict[str, Any]) -> str:
+    by_node = r["gpus_by_node"]
+    if not by_node:
+        return "-"
+    if len(by_node) == 1:
+        return ",".join(map(str, next(iter(by_node.values()))))
+    return " ".join(f"{n}:{'+'.join(map(str, idx))}" for n, idx in by_node.items())
+
+
+def console():
+    from rich.console import Console
+
+    tty = sys.stdout.isatty()
+    return Console(no_color=not tty, highlight=False, width=None if tty else 200, soft_wrap=not tty)
+
+
+def render_table(data: list[dict[str, Any]]) -> None:
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("JOBID", "USER", "NAME", "CLASS", "STATE", "PARTITION", "NODES/REASON", "GPUS", "RESTARTS",
+                "MEM USED/LIMIT", "SHARE", "ITER"):
+        t.add_column(col, no_wrap=True)
+    for r in data:
+        where = ",".join(r["nodes"]) if r["gpus"] is not None else f"({r['reason'] or 'None'})"
+        mem = "-" if r["mem_used_bytes"] is None else f"{_gib(r['mem_used_bytes'])}/{_gib(r['mem_limit_bytes'])}"
+        share = "-" if r["compute_share"] is None else f"{r['compute_share']:.2f}"
+        it = "-" if r["iteration_ms"] is None else f"{r['iteration_ms']:.1f}ms"
+        t.add_row(str(r["job_id"]), r["user"], r["name"][:20], r["class"], r["state"], r["partition"], where,
+                  _gpus_text(r), str(r["restarts"]), mem, share, it)
+    console().print(t)
+
+
+def main(args: argparse.Namespace) -> int:
+    data = collect(args)
+    if args.json:
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_table(data)
+    return 0
