@@ -1,0 +1,65 @@
+"""Node hooks and the AdminComment tag, without a cluster (the cluster tests cover them end to end)."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from slurm_antman import config
+from slurm_antman.jobtag import JobTag, TagError, parse_tag
+from slurm_antman.node_hooks import JobContext, _gpus_in_use, choose_gpus_fallback, env_file, write_env_file
+
+
+def test_tag_round_trip_and_merge():
+    tag = parse_tag("antman:class=opportunistic")
+    assert tag == JobTag("opportunistic")
+    merged = tag.with_gpus("node2", [3]).with_gpus("node1", [2, 0])
+    text = merged.render()
+    assert text == "antman:class=opportunistic;gpus=node1:0+2,node2:3"
+    assert parse_tag(text) == merged
+    assert merged.all_gpus == [0, 2, 3]
+
+
+@pytest.mark.parametrize("text", [None, "", "(null)", "user words", "antmanx"])
+def test_untagged_is_class_none(text):
+    assert parse_tag(text) is None
+
+
+@pytest.mark.parametrize("text", ["antman:class=best", "antman:class", "antman:class=guaranteed;gpus=n1:x",
+                                  "antman:class=guaranteed;gpus=n1"])
+def test_damaged_tag_raises(text):
+    with pytest.raises(TagError):
+        parse_tag(text)
+
+
+def test_fallback_rule_fewest_jobs_lowest_index():
+    assert choose_gpus_fallback(4, 1, {}) == [0]
+    assert choose_gpus_fallback(4, 1, {0: 2, 1: 1, 2: 1}) == [3]
+    assert choose_gpus_fallback(4, 2, {0: 1, 3: 1}) == [1, 2]
+    assert choose_gpus_fallback(2, 2, {0: 5, 1: 5}) == [0, 1]
+
+
+def test_env_file_atomic_root_only_writable_and_counted(tmp_path):
+    cfg = config.parse({"state_dir": str(tmp_path), "nodes": [{"name": "n1", "gpus": 4}]})
+    f = env_file(cfg, "n1", "42")
+    write_env_file(f, {"ANTMAN_CLASS": "opportunistic", "ANTMAN_GPUS": "2", "CUDA_VISIBLE_DEVICES": "2"})
+    lines = [l for l in f.read_text().splitlines() if not l.startswith("#")]
+    assert lines == ["ANTMAN_CLASS=opportunistic", "ANTMAN_GPUS=2", "CUDA_VISIBLE_DEVICES=2"]
+    mode = stat.S_IMODE(f.stat().st_mode)
+    assert mode & (stat.S_IWGRP | stat.S_IWOTH) == 0  # the SPANK plugin refuses group/world-writable files
+    write_env_file(env_file(cfg, "n1", "43"), {"ANTMAN_GPUS": "2,3"})
+    assert _gpus_in_use(cfg, "n1", skip_job="none") == {2: 2, 3: 1}
+    assert _gpus_in_use(cfg, "n1", skip_job="42") == {2: 1, 3: 1}
+    assert not list(f.parent.glob("*.tmp"))
+    with pytest.raises(ValueError):
+        write_env_file(f, {"X": "a\nEVIL=1"})
+
+
+def test_job_context_from_prolog_env():
+    ctx = JobContext.from_env({"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "node2", "SLURM_JOB_UID": "1000",
+                               "SLURM_JOB_USER": "ada", "SPANK_ANTMAN_CLASS": "auto",
+                               "SLURM_JOB_PARTITION": "gpu", "SLURM_JOB_GPUS": "1,3"})
+    assert (ctx.job_id, ctx.node, ctx.uid, ctx.user, ctx.spank_class) == ("7", "node2", 1000, "ada", "auto")
+    assert ctx.slurm_gpus == [1, 3]
+    assert JobContext.from_env({"SLURM_JOB_ID": "8"}).slurm_gpus == []
