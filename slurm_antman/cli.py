@@ -75,6 +75,12 @@ def _cmd_squeue(a: argparse.Namespace) -> int:
     return squeue_view.main(a)
 
 
+def _cmd_nodes(a: argparse.Namespace) -> int:
+    from . import nodes_view
+
+    return nodes_view.main(a)
+
+
 def _cmd_demo(a: argparse.Namespace) -> int:
     from . import demo
 
@@ -131,7 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     sq = sub.add_parser("squeue", help="jobs with their slurm-antman class and GPUs")
     sq.add_argument("--json", action="store_true")
     sq.add_argument("--all", action="store_true", help="include finished jobs Slurm still remembers")
+    sq.add_argument("--config", help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
     sq.set_defaults(func=_cmd_squeue)
+
+    no = sub.add_parser("nodes", help="nodes and GPUs: Slurm state, GRES, sidecar telemetry and jobs")
+    no.add_argument("--json", action="store_true")
+    no.add_argument("--config", help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
+    no.set_defaults(func=_cmd_nodes)
 
     de = sub.add_parser("demo", help="the guided demo on a local cluster")
     de.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")

@@ -108,3 +108,55 @@ def clean_cluster(cluster: ClusterHandle) -> ClusterHandle:
             break
         time.sleep(0.3)
     return cluster
+
+
+PLAIN_PORT_BASE = TEST_PORT_BASE + 500
+
+
+def drain(b, timeout: float = 20) -> None:
+    """Cancel every job and wait for them to end, so no job step outlives the cluster."""
+    from slurm_antman.slurm import JobNotFound, SlurmUnavailable
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            active = [j for j in b.jobs() if not j.finished]
+        except SlurmUnavailable:
+            return
+        if not active:
+            return
+        for j in active:
+            try:
+                b.cancel(j.job_id)
+            except JobNotFound:
+                pass
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="session")
+def plain_cluster(tmp_path_factory):
+    """A 2-node, 4-fake-GPU plain Slurm cluster (no slurm-antman stack) for the Slurm adapter tests."""
+    from slurm_antman.slurm import CliBackend
+
+    _require_slurm()
+    d = tmp_path_factory.mktemp("slurm-plain-cluster")
+    try:
+        cluster = dc.up(d, nodes=2, gpus=4, port_base=PLAIN_PORT_BASE, plain=True)
+        yield cluster
+        drain(CliBackend(env=cluster.env, timeout=30))
+    finally:
+        dc.down(d)
+
+
+@pytest.fixture
+def backend(plain_cluster):
+    from slurm_antman.slurm import CliBackend, JobNotFound
+
+    b = CliBackend(env=plain_cluster.env, timeout=30)
+    yield b
+    for j in b.jobs():
+        if not j.finished:
+            try:
+                b.cancel(j.job_id)
+            except JobNotFound:
+                pass

@@ -105,6 +105,20 @@ class CliBackend(SlurmBackend):
             raise ValueError(f"job id must be a positive integer, not {job_id!r}")
         return str(job_id)
 
+    def _json_errors(self, argv: list[str], errors: list) -> None:
+        """squeue/sinfo --json exit 0 with only "Unspecified error" when the controller is down; ask
+        ``scontrol ping`` so the error says what is wrong."""
+        text = "; ".join(f"{e.get('source', '?')}: {e.get('description', '')} ({e.get('error', '')})"
+                         if isinstance(e, dict) else str(e) for e in errors)
+        try:
+            ping = self._run(["scontrol", "ping"]).stdout.strip()
+        except SlurmError as e:
+            ping = e.stderr or e.message
+        if "DOWN" in ping or "UP" not in ping:
+            raise SlurmUnavailable(f"Slurm controller unavailable: {ping or 'scontrol ping failed'} "
+                                   f"({argv[0]} reported: {text})", argv, text)
+        raise CommandFailed(f"{argv[0]} --json reported errors: {text}", argv, text)
+
     # -- SlurmBackend ----------------------------------------------------------------------
     def submit(self, script: Union[str, Path, None] = None, *, wrap: Optional[str] = None,
                script_text: Optional[str] = None, options: Options = (),
@@ -132,7 +146,7 @@ class CliBackend(SlurmBackend):
         except json.JSONDecodeError as e:
             raise SlurmOutputError(f"squeue --json printed invalid JSON ({e})", argv, r.stderr) from None
         if isinstance(doc, dict) and doc.get("errors"):
-            raise CommandFailed(f"squeue --json reported errors: {doc['errors']}", argv, r.stderr)
+            self._json_errors(argv, doc["errors"])
         jobs = jobs_from_squeue_json(doc, self.gres_name)
         return filter_jobs(jobs, states, users) if states is not None or users is not None else jobs
 
@@ -184,6 +198,8 @@ class CliBackend(SlurmBackend):
             doc = json.loads(r.stdout)
         except json.JSONDecodeError as e:
             raise SlurmOutputError(f"sinfo --json printed invalid JSON ({e})", argv, r.stderr) from None
+        if isinstance(doc, dict) and doc.get("errors"):
+            self._json_errors(argv, doc["errors"])
         return nodes_from_sinfo_json(doc)
 
 

@@ -1,0 +1,205 @@
+"""Parsers of Slurm 22.05 output, on text captured from the devcluster (slurm-wlm 22.05.8)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slurm_antman.slurm.errors import SlurmOutputError
+from slurm_antman.slurm.parsing import (gres_counts, gres_indices, job_from_scontrol, job_from_squeue_json,
+                                        jobs_from_squeue_json, node_from_sinfo_json, normalise_state,
+                                        parse_admin_comment, parse_scontrol_line, filter_jobs)
+
+# `sbatch -J 'nasty name' --comment 'a b WorkDir=/x Command=y' --gres=gpu:2 --wrap 'sleep 120'`
+NASTY = (
+    "JobId=1 JobName=nasty name UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
+    "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+    "Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:01 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-11-20T23:41:51 EligibleTime=2026-11-20T23:41:51 AccrueTime=2026-11-20T23:41:51 "
+    "StartTime=2026-11-20T23:41:52 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-11-20T23:41:52 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:15656 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 NumTasks=1 "
+    "CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,node=1,billing=1 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+    "CoreSpec=* JOB_GRES=gpu:2   Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:2(IDX:0-1) MinCPUsNode=1 "
+    "MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 "
+    "Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp Comment=a b WorkDir=/x Command=y  "
+    "StdErr=/tmp/slurm-1.out StdIn=/dev/null StdOut=/tmp/slurm-1.out Power= TresPerNode=gres:gpu:2 "
+)
+
+# `sbatch -J multi -N2 --gres=gpu:1 --wrap 'sleep 120'`: one Nodes=/GRES= block per node.
+MULTI = (
+    "JobId=2 JobName=multi UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901758 Nice=0 "
+    "Account=(null) QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 "
+    "Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:01 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-11-20T23:41:51 EligibleTime=2026-11-20T23:41:51 AccrueTime=2026-11-20T23:41:51 "
+    "StartTime=2026-11-20T23:41:52 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-11-20T23:41:52 Scheduler=Main Partition=gpu AllocNode:Sid=localhost:15656 "
+    "ReqNodeList=(null) ExcNodeList=(null) NodeList=node[1-2] BatchHost=node1 NumNodes=2 NumCPUs=2 NumTasks=2 "
+    "CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=2,node=2,billing=2 Socks/Node=* NtasksPerN:B:S:C=0:0:*:* "
+    "CoreSpec=* JOB_GRES=gpu:2   Nodes=node1 CPU_IDs=1 Mem=0 GRES=gpu:1(IDX:2)   Nodes=node2 CPU_IDs=0 Mem=0 "
+    "GRES=gpu:1(IDX:0) MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 "
+    "OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp "
+    "StdErr=/tmp/slurm-2.out StdIn=/dev/null StdOut=/tmp/slurm-2.out Power= TresPerNode=gres:gpu:1 "
+)
+
+# A held job after the Prolog tagged it (`scontrol update JobId=3 AdminComment=...`), requeued once.
+TAGGED_PENDING = (
+    "JobId=3 JobName=held UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=0 Nice=0 Account=(null) "
+    "QOS=(null) JobState=PENDING Reason=JobHeldUser Dependency=(null) Requeue=1 Restarts=1 BatchFlag=1 "
+    "Reboot=0 ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-11-20T23:41:51 EligibleTime=Unknown AccrueTime=Unknown StartTime=Unknown EndTime=Unknown "
+    "Deadline=N/A SuspendTime=None SecsPreSuspend=0 LastSchedEval=2026-11-20T23:41:51 Scheduler=Main "
+    "Partition=gpu AllocNode:Sid=localhost:15656 ReqNodeList=(null) ExcNodeList=(null) NodeList= NumNodes=1 "
+    "NumCPUs=1 NumTasks=1 CPUs/Task=1 ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=4000M,node=1,billing=1 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) "
+    "DelayBoot=00:00:00 OverSubscribe=OK Contiguous=0 Licenses=(null) Network=(null) Command=(null) "
+    "WorkDir=/tmp AdminComment=antman:class=opportunistic;gpus=node1:0+1  StdErr=/tmp/slurm-3.out "
+    "StdIn=/dev/null StdOut=/tmp/slurm-3.out Power= "
+)
+
+SQUEUE_JOB_MULTI = json.loads(
+    '{"account": "", "admin_comment": "", "comment": "", "gres_detail": ["gpu:1(IDX:2)", "gpu:1(IDX:0)"], '
+    '"job_id": 2, "job_resources": {"nodes": "node[1-2]", "allocated_cores": 2, "allocated_hosts": 2, '
+    '"allocated_nodes": [{"sockets": {"1": {"cores": {"0": "allocated"}}}, "nodename": "node1", "cpus_used": 0, '
+    '"memory_used": 0, "memory_allocated": 0}, {"sockets": {"0": {"cores": {"0": "allocated"}}}, '
+    '"nodename": "node2", "cpus_used": 0, "memory_used": 0, "memory_allocated": 0}]}, "job_state": "RUNNING", '
+    '"name": "multi", "nodes": "node[1-2]", "partition": "gpu", "restart_cnt": 0, "start_time": 1795218112, '
+    '"state_reason": "None", "submit_time": 1795218111, "tres_per_node": "gres:gpu:1", "user_id": 0, '
+    '"user_name": "root"}')
+SQUEUE_JOB_OPP = json.loads(
+    '{"job_id": 3, "name": "held", "user_name": "root", "user_id": 0, "account": "", "partition": "gpu", '
+    '"job_state": "RUNNING", "state_reason": "None", "nodes": "node1", "restart_cnt": 0, '
+    '"admin_comment": "antman:class=opportunistic;gpus=node1:0+1", "comment": "", "gres_detail": [], '
+    '"job_resources": {"nodes": "node1", "allocated_cores": 1, "allocated_hosts": 1, "allocated_nodes": '
+    '[{"sockets": {"0": {"cores": {"0": "allocated"}}}, "nodename": "node1", "cpus_used": 0, "memory_used": 0, '
+    '"memory_allocated": 0}]}, "tres_per_node": "", "submit_time": 1795218111, "start_time": 1795218146}')
+SINFO_NODE = json.loads(
+    '{"name": "node1", "state": "mixed", "state_flags": [], "gres": "gpu:4,antman_opp:8", '
+    '"gres_used": "gpu:3,antman_opp:0", "partitions": ["gpu", "opportunistic"], "cpus": 4, "alloc_cpus": 2, '
+    '"real_memory": 4000, "reason": ""}')
+
+
+def test_free_text_values_keep_spaces_and_lookalike_keys():
+    fields = dict(parse_scontrol_line(NASTY))
+    assert fields["JobName"] == "nasty name"
+    assert fields["Comment"] == "a b WorkDir=/x Command=y"
+    assert fields["WorkDir"] == "/tmp"
+    assert fields["Command"] == "(null)"
+    assert fields["StdErr"] == "/tmp/slurm-1.out"
+    assert fields["Power"] == ""
+    assert fields["TresPerNode"] == "gres:gpu:2"
+
+
+@pytest.mark.parametrize("comment", [
+    "x StdErr=/evil StdIn=/e StdOut=/e Power= TresPerNode=gres:gpu:9",  # forges every later key
+    "UserId=evil(7) JobState=COMPLETED",                                  # keys that come earlier
+    "NewKey=1 Partition=debug",
+    "",
+])
+def test_comment_cannot_forge_fields(comment):
+    line = NASTY.replace("Comment=a b WorkDir=/x Command=y ", f"Comment={comment} ")
+    job = job_from_scontrol(line)
+    assert job.comment == comment
+    assert (job.user, job.state, job.partition, job.tres_per_node) == ("root", "RUNNING", "gpu", "gres:gpu:2")
+    assert job.raw["StdErr"] == "/tmp/slurm-1.out"
+
+
+def test_job_name_and_workdir_with_spaces():
+    line = NASTY.replace("JobName=nasty name", "JobName=a UserId=evil(5) b").replace(
+        "WorkDir=/tmp Comment", "WorkDir=/home/my dir/x y Comment")
+    job = job_from_scontrol(line)
+    assert job.name == "a UserId=evil(5) b"
+    assert job.user == "root"
+    assert job.raw["WorkDir"] == "/home/my dir/x y"
+
+
+def test_unknown_keys_of_a_newer_slurm_are_kept():
+    line = NASTY.replace("Power= ", "Power= Container=(null) ContainerID= ")
+    pairs = dict(parse_scontrol_line(line))
+    assert pairs["Container"] == "(null)" and pairs["ContainerID"] == ""
+    assert pairs["TresPerNode"] == "gres:gpu:2"
+
+
+def test_scontrol_job_with_gpus():
+    job = job_from_scontrol(NASTY)
+    assert (job.job_id, job.state, job.antman_class, job.restarts) == (1, "RUNNING", "none", 0)
+    assert job.gpus_by_node == {"node1": [0, 1]} and job.gpus == [0, 1]
+    assert job.account == "" and job.nodes == ["node1"]
+    assert job.start_time is not None and job.start_time.year == 2026
+
+
+def test_scontrol_multi_node_gres_blocks():
+    job = job_from_scontrol(MULTI)
+    assert job.nodes == ["node1", "node2"]
+    assert job.gpus_by_node == {"node1": [2], "node2": [0]}
+    assert job.gpus == [2, 0]
+
+
+def test_scontrol_tagged_opportunistic_pending():
+    job = job_from_scontrol(TAGGED_PENDING)
+    assert job.antman_class == "opportunistic"
+    assert job.admin_comment == "antman:class=opportunistic;gpus=node1:0+1"
+    assert (job.state, job.reason, job.restarts, job.nodes, job.start_time) == ("PENDING", "JobHeldUser", 1, [], None)
+
+
+def test_scontrol_garbage_is_a_clear_error():
+    with pytest.raises(SlurmOutputError, match="not a key=value line"):
+        parse_scontrol_line("slurm_load_jobs error: Invalid job id specified")
+    with pytest.raises(SlurmOutputError, match="JobId"):
+        job_from_scontrol("JobId=abc JobName=x")
+
+
+def test_squeue_json_multi_node_and_opportunistic():
+    multi = job_from_squeue_json(SQUEUE_JOB_MULTI)
+    assert multi.gpus_by_node == {"node1": [2], "node2": [0]}
+    assert (multi.user, multi.reason, multi.antman_class) == ("root", "", "none")
+    opp = job_from_squeue_json(SQUEUE_JOB_OPP)
+    assert opp.antman_class == "opportunistic" and opp.gpus_by_node == {"node1": [0, 1]}
+    jobs = jobs_from_squeue_json({"jobs": [SQUEUE_JOB_MULTI, SQUEUE_JOB_OPP]})
+    assert [j.job_id for j in filter_jobs(jobs, states=["running"], users=["root"])] == [2, 3]
+    assert filter_jobs(jobs, states=["PENDING"]) == []
+    with pytest.raises(SlurmOutputError, match="'jobs'"):
+        jobs_from_squeue_json({"meta": {}})
+
+
+def test_sinfo_json_node():
+    node = node_from_sinfo_json(SINFO_NODE)
+    assert (node.name, node.state, node.cpus, node.alloc_cpus) == ("node1", "MIXED", 4, 2)
+    assert node.gres == {"gpu": 4, "antman_opp": 8} and node.gres_used == {"gpu": 3, "antman_opp": 0}
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("gpu:2(IDX:0-1)", [0, 1]), ("gpu:1(IDX:2)", [2]), ("gpu:3(IDX:0,2-3)", [0, 2, 3]),
+    ("gpu:a100:2(IDX:4-5)", [4, 5]), ("antman_opp:1", []), ("gpu:1(IDX:1),antman_opp:1", [1]),
+    ("(null)", []), ("", []),
+])
+def test_gres_indices(spec, want):
+    assert gres_indices(spec) == want
+
+
+def test_gres_counts_typed_and_indexed():
+    assert gres_counts("gpu:a100:2(S:0-1),gpu:v100:1,antman_opp:8") == {"gpu": 3, "antman_opp": 8}
+    assert gres_counts("gpu:3(IDX:0-2)") == {"gpu": 3}
+
+
+@pytest.mark.parametrize("text,cls,gpus,problem", [
+    ("antman:class=guaranteed", "guaranteed", {}, None),
+    ("antman:class=opportunistic;gpus=node1:0+1,node2:3", "opportunistic", {"node1": [0, 1], "node2": [3]}, None),
+    ("", "none", {}, None), ("(null)", "none", {}, None), ("site note", "none", {}, None),
+    ("antman:class=root", "none", {}, "class 'root'"),
+    ("antman:class=opportunistic;gpus=node1:x", "opportunistic", {}, "NODE:IDX"),
+    ("antman:junk", "none", {}, "no '='"),
+])
+def test_admin_comment_tag(text, cls, gpus, problem):
+    tag = parse_admin_comment(text)
+    assert (tag.job_class, tag.gpus_by_node) == (cls, gpus)
+    assert (tag.problem is None) if problem is None else (problem in tag.problem)
+
+
+@pytest.mark.parametrize("raw,want", [
+    ("RUNNING", "RUNNING"), (["PENDING", "REQUEUED"], "PENDING"), ("CANCELLED by 0", "CANCELLED"),
+    ("completed", "COMPLETED"), ("", "UNKNOWN"), (None, "UNKNOWN"),
+])
+def test_normalise_state(raw, want):
+    assert normalise_state(raw) == want
