@@ -45,9 +45,11 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
     if not gpus:
         raise ValueError("this node has no GPUs to place an opportunistic job on")
     reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s) for g in gpus}
+    # Ties go to the highest index: Slurm hands out the physical gpu GRES lowest index first, so a
+    # guaranteed job whose Prolog has not registered yet most likely sits on a low one.
     fit = sorted((g for g in gpus if not reasons[g.index]),
                  key=lambda g: (-g.spare_bytes, g.guaranteed_jobs + g.opportunistic_jobs, g.utilization_avg,
-                                g.index))
+                                -g.index))
     if len(fit) >= count:
         return Placement([g.index for g in fit[:count]], "fit", "")
     rest = sorted((g for g in gpus if reasons[g.index]),

@@ -8,6 +8,8 @@ back). The tests use the same peer. It measures:
 - ``rtt_p50_us`` / ``rtt_p99_us``: a ``limits`` sent by the sidecar until its ``ack`` is back, with
   the job training (iterations of ~0.2 ms): transport both ways, the agent thread's hand-over, and
   the wait for the next iteration boundary, where limits are applied;
+  ``transport_rtt_p50_us`` / ``transport_rtt_p99_us`` are the same round trips less the time each
+  limit waited in the agent for the boundary (``rtt_loop_iteration_us`` is that loop's iteration);
 - ``propagation_iterations``: the worst ``ack.applied_iteration`` minus the iteration during which
   the limits arrived (1 means: applied from the next iteration on);
 - ``throttle_error``: the worst |duty cycle - share| over shares 0.25, 0.5, 0.75, the duty cycle
@@ -269,7 +271,7 @@ def _peer_main(path: str, conn: Any) -> None:
                         ack = peer.wait_type("ack", timeout=5.0, where=lambda b: b.seq == seq)
                     except TimeoutError:
                         continue
-                    rtts.append((ack.t - peer.sent_at[mid]) * 1e6)
+                    rtts.append((seq, (ack.t - peer.sent_at[mid]) * 1e6))
                     with peer._cond:
                         del peer.received[:]
                     time.sleep(0.002)
@@ -278,18 +280,29 @@ def _peer_main(path: str, conn: Any) -> None:
         peer.stop()
 
 
-def measure_rtt(agent: Any, conn: Any, samples: int) -> tuple[list[float], int]:
-    """limits -> ack round trips (µs) while the job trains; and the worst propagation in iterations."""
+def measure_rtt(agent: Any, conn: Any, samples: int) -> dict:
+    """limits -> ack round trips (µs) while the job trains, with and without the wait for the boundary.
+
+    perf_counter is CLOCK_MONOTONIC, the same clock in both processes, so the time a limit waited
+    in the agent for the iteration boundary can be taken out of the sidecar's round trip.
+    """
     iteration = _small_job(64, 2, 16)
+    t = time.perf_counter()
+    for _ in range(50):
+        iteration()
+    iteration_us = (time.perf_counter() - t) / 50 * 1e6
     conn.send(("rtt", samples))
     while not conn.poll():
         iteration()
-    rtts = conn.recv()
+    rtts = dict(conn.recv())
     worst = 0
-    for seq, received, applied in agent.acks:
+    transport = []
+    for seq, received, applied, waited in agent.acks:
         if received is not None:
             worst = max(worst, applied - received)
-    return rtts, worst
+        if seq in rtts and waited is not None:
+            transport.append(max(0.0, rtts[seq] - waited * 1e6))
+    return {"rtt": list(rtts.values()), "transport": transport, "propagation": worst, "iteration_us": iteration_us}
 
 
 def measure_throttle(agent: Any, shares: tuple[float, ...], iters: int, rounds: int) -> dict[float, float]:
@@ -348,7 +361,8 @@ def run(quick: bool = False) -> dict:
                 raise RuntimeError("the agent did not register with the bench sidecar")
             # One optimizer step applies the registered limits before measuring.
             _small_job(8, 1, 2)()
-            rtts, worst_prop = measure_rtt(agent, conn, 100 if quick else 300)
+            rtt = measure_rtt(agent, conn, 100 if quick else 300)
+            rtts, worst_prop = rtt["rtt"], rtt["propagation"]
             shares = (0.25, 0.5, 0.75)
             duty = measure_throttle(agent, shares, iters=10 if quick else 20, rounds=2 if quick else 3)
             overhead = measure_overhead(agent, iters=100 if quick else 200, rounds=4 if quick else 10)
@@ -367,6 +381,9 @@ def run(quick: bool = False) -> dict:
         "rtt_p50_us": round(_pct(rtts, 0.5), 1) if rtts else None,
         "rtt_p99_us": round(_pct(rtts, 0.99), 1) if rtts else None,
         "rtt_samples": len(rtts),
+        "rtt_loop_iteration_us": round(rtt["iteration_us"], 1),
+        "transport_rtt_p50_us": round(_pct(rtt["transport"], 0.5), 1) if rtt["transport"] else None,
+        "transport_rtt_p99_us": round(_pct(rtt["transport"], 0.99), 1) if rtt["transport"] else None,
         "propagation_iterations": worst_prop,
         "throttle_error": round(max(abs(duty[s] - s) for s in duty), 4),
         "throttle_duty": {str(s): round(d, 4) for s, d in duty.items()},

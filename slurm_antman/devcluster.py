@@ -79,8 +79,10 @@ class Cluster:
     def exports(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.slurm_conf), "ANTMAN_CONFIG": str(self.config_path)}
 
-    def run(self, args: list[str], check: bool = False, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(args, env=self.env, capture_output=True, text=True, check=check, timeout=timeout, **kw)
+    def run(self, args: list[str], check: bool = False, timeout: float = 60, env: dict | None = None,
+            **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(args, env=env or self.env, capture_output=True, text=True, check=check,
+                              timeout=timeout, **kw)
 
     def to_json(self) -> dict:
         return {
@@ -248,7 +250,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     _ensure_munged(cluster.procs)
     try:
-        cluster.procs.append(_spawn("slurmctld", [_which("slurmctld"), "-D", "-i"], env, d / "log" / "slurmctld.out"))
+        cluster.procs.append(_spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-i"], env, d / "log" / "slurmctld.out"))
         for h in cluster.nodes:
             cluster.procs.append(_spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
                                         d / "log" / f"slurmd-{h}.out"))

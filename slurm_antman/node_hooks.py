@@ -92,9 +92,10 @@ def _gpus_in_use(cfg: config_mod.AntmanConfig, node: str, skip_job: str) -> dict
 
 
 def choose_gpus_fallback(n_gpus: int, count: int, in_use: dict[int, int]) -> list[int]:
-    """The rule used when no sidecar answers: the GPUs with the fewest slurm-antman jobs, lowest
-    index first on ties (deterministic, so a retried Prolog chooses the same)."""
-    order = sorted(range(n_gpus), key=lambda g: (in_use.get(g, 0), g))
+    """The rule used when no sidecar answers: the GPUs with the fewest slurm-antman jobs, highest
+    index first on ties (Slurm gives guaranteed jobs the low ones first; deterministic, so a retried
+    Prolog chooses the same)."""
+    order = sorted(range(n_gpus), key=lambda g: (in_use.get(g, 0), -g))
     return sorted(order[:count])
 
 

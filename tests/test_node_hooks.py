@@ -33,9 +33,9 @@ def test_damaged_tag_raises(text):
         parse_tag(text)
 
 
-def test_fallback_rule_fewest_jobs_lowest_index():
-    assert choose_gpus_fallback(4, 1, {}) == [0]
-    assert choose_gpus_fallback(4, 1, {0: 2, 1: 1, 2: 1}) == [3]
+def test_fallback_rule_fewest_jobs_highest_index():
+    assert choose_gpus_fallback(4, 1, {}) == [3]
+    assert choose_gpus_fallback(4, 1, {1: 2, 2: 1, 3: 1}) == [0]
     assert choose_gpus_fallback(4, 2, {0: 1, 3: 1}) == [1, 2]
     assert choose_gpus_fallback(2, 2, {0: 5, 1: 5}) == [0, 1]
 

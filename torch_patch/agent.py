@@ -82,8 +82,9 @@ class Agent:
         self.throttle = Throttle(mode=throttle_mode, synchronize=sync)
         self.steps = StepCounter(self._boundary)
         self.applied_seq = 0
-        # (seq, iteration during which it arrived, applied_iteration): for tests and the bench
-        self.acks: list[tuple[int, Optional[int], int]] = []
+        # (seq, iteration during which it arrived, applied_iteration, seconds it waited in the
+        # agent for the boundary): for tests and the bench
+        self.acks: list[tuple[int, Optional[int], int, Optional[float]]] = []
         self._pending: Optional[LimitsUpdate] = None
         self._fallback_due = False
         self._lock = threading.Lock()
@@ -149,7 +150,7 @@ class Agent:
                 # A restarted sidecar's registered must still reset our seq, even if its first
                 # limits overtake it before the next boundary.
                 upd = LimitsUpdate(upd.seq, upd.mem_limit_bytes, upd.compute_share, upd.ref, True,
-                                   prev.throttle, upd.received_iteration)
+                                   prev.throttle, upd.received_iteration, upd.received_t)
             if upd.reset:
                 self._fallback_due = False
             self._pending = upd
@@ -261,7 +262,8 @@ class Agent:
             if upd.ref is not None and self.client is not None:
                 from slurm_antman.protocol import Ack
 
-                self.acks.append((upd.seq, upd.received_iteration, next_iteration))
+                waited = None if upd.received_t is None else time.perf_counter() - upd.received_t
+                self.acks.append((upd.seq, upd.received_iteration, next_iteration, waited))
                 self.client.send(Ack(seq=upd.seq, applied_iteration=next_iteration), ref=upd.ref)
         if fallback:
             job_class = (self.client.job_class if self.client is not None else None) or self.job_class

@@ -63,6 +63,7 @@ class LimitsUpdate:
     reset: bool = False  # a registered from a (maybe new) sidecar: its seq replaces ours
     throttle: Optional[str] = None
     received_iteration: Optional[int] = None
+    received_t: Optional[float] = None  # time.perf_counter() on arrival (CLOCK_MONOTONIC)
 
 
 @dataclass
@@ -244,7 +245,8 @@ class ProtocolClient(threading.Thread):
             if not self.connected:
                 return  # limits from a sidecar that has not (re)registered us: wait for registered
             self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
-                                         received_iteration=self._current_iteration()))
+                                         received_iteration=self._current_iteration(),
+                                         received_t=time.perf_counter()))
         elif isinstance(body, P.Preempt):
             self._on_preempt(PreemptNotice(body.deadline_unix, body.grace_s, body.reason))
         elif isinstance(body, P.Heartbeat):

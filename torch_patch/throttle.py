@@ -10,7 +10,7 @@ of an iteration is paid at the step boundary, so each iteration hits the share e
 
 The debt is measured busy time, and on a shared node busy time itself grows under throttling (the
 caches are cold after each idle period; on a CPU a 3 ms iteration runs ~50% slower right after a
-2 ms sleep). So once the job has run unthrottled iterations, their mean is the reference: an
+2 ms sleep). So once the job has run unthrottled iterations, their median is the reference: an
 iteration at share ``s`` is stretched to ``reference / s`` at the boundary (what was already idled
 inside the iteration counts), which is the duty cycle a co-located job actually sees. Without a
 reference (a job throttled from its first iteration) the measured-busy debt alone is used.
@@ -23,6 +23,8 @@ At share 1.0 no hook is installed at all, so an unthrottled job pays nothing.
 
 from __future__ import annotations
 
+import collections
+import statistics
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -34,8 +36,9 @@ MODES = ("launch", "iteration", "off")
 DEFAULT_QUANTUM_S = 0.001
 # Never sleep longer than this at one hook; the rest is paid at the next hook or the boundary.
 _MAX_SLEEP_S = 1.0
-# Weight of the newest unthrottled iteration in the reference (exponential moving average).
-_REF_ALPHA = 0.2
+# The reference is the median of the latest unthrottled iterations (robust to a slow outlier).
+_REF_SAMPLES = 15
+_REF_MIN_SAMPLES = 3
 
 
 class ThrottleError(ValueError):
@@ -79,7 +82,9 @@ class Throttle:
         self._idle_cap = float("inf")
         self._mark = clock()
         self._iter_start = self._mark
-        self.reference_s: Optional[float] = None  # mean unthrottled iteration time
+        self.reference_s: Optional[float] = None  # median unthrottled iteration time
+        self._unthrottled: collections.deque[float] = collections.deque(maxlen=_REF_SAMPLES)
+        self._skip_next = True
         self.busy_s = 0.0
         self.idle_s = 0.0
         self._handles: list[Any] = []
@@ -93,6 +98,9 @@ class Throttle:
         """Applies at once; callers apply it at an iteration boundary."""
         share = check_share(share)
         with self._lock:
+            if share < 1.0 and self._share >= 1.0 and len(self._unthrottled) >= _REF_MIN_SAMPLES:
+                self.reference_s = statistics.median(self._unthrottled)
+            self._skip_next = True
             self._share = share
             self._ratio = (1.0 - share) / share
             self._debt = 0.0
@@ -158,8 +166,10 @@ class Throttle:
             took = now - self._iter_start
             self._iter_start = now
             if self._share >= 1.0 and took > 0:
-                ref = self.reference_s
-                self.reference_s = took if ref is None else ref + _REF_ALPHA * (took - ref)
+                if self._skip_next:
+                    self._skip_next = False  # spans start-up or a share change: not a clean sample
+                else:
+                    self._unthrottled.append(took)
             return
         ref = self.reference_s
         if ref is None:
