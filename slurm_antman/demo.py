@@ -22,7 +22,7 @@ from rich.table import Table
 from . import devcluster as dc
 
 # A log or CI capture is not a terminal; rich would fold the tables at 80 columns there.
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 130)
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 class Demo:
@@ -53,7 +53,7 @@ class Demo:
         return {j["job_id"]: j for j in json.loads(r.stdout)}
 
     def show_queue(self, title: str) -> None:
-        r = self.c.run([sys.executable, "-m", "slurm_antman.cli", "squeue"], env={**self.c.env, "COLUMNS": "124"})
+        r = self.c.run([sys.executable, "-m", "slurm_antman.cli", "squeue"], env={**self.c.env, "COLUMNS": "154"})
         console.print(Panel(r.stdout.rstrip() or r.stderr.strip(), title=f"antman squeue: {title}", expand=False))
 
     def output(self, name: str) -> str:

@@ -222,6 +222,10 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         down(d)
     if nodes < 1 or gpus < 1:
         raise DevclusterError("--nodes and --gpus must be at least 1")
+    # A fresh cluster every time: job ids from 1, no sidecar job records or env files of jobs that
+    # ran on an earlier cluster in this directory.
+    for sub in ("state", "run", "antman-state"):
+        shutil.rmtree(d / sub, ignore_errors=True)
     for sub in ("etc", "dev", "state/ctld", "log", "run", "lib", "antman-state"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     for i in range(gpus):
@@ -294,6 +298,8 @@ def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:
     if cluster is None:
         return []
     stopped = []
+    if any(p.alive() for p in cluster.procs if p.name == "slurmctld"):
+        _cancel_all_jobs(cluster, timeout)
     order = sorted(cluster.procs, key=lambda p: {"munged": 2, "slurmctld": 1}.get(p.name, 0))
     for group in ([p for p in order if p.name != "munged"], [p for p in order if p.name == "munged"]):
         for p in group:
@@ -308,8 +314,72 @@ def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:
                 os.kill(p.pid, signal.SIGKILL)
             _reap(p.pid)
             stopped.append(f"{p.name} ({p.pid})")
+    # Steps outlive a stopped slurmd (slurmstepd daemonizes). Ours carry this cluster's SLURM_CONF.
+    for pid in _orphan_steps(cluster):
+        for victim in [pid, *_descendants(pid)]:
+            try:
+                os.kill(victim, signal.SIGKILL)
+                stopped.append(f"slurmstepd-tree ({victim})")
+            except ProcessLookupError:
+                pass
     _state_file(d).unlink(missing_ok=True)
     return stopped
+
+
+def _cancel_all_jobs(cluster: Cluster, timeout: float) -> None:
+    """Cancel every job while slurmctld and slurmd still run, so job steps end the normal way."""
+    r = cluster.run(["squeue", "-h", "-o", "%i"], timeout=30)
+    ids = r.stdout.split() if r.returncode == 0 else []
+    if not ids:
+        return
+    cluster.run(["scancel", *ids], timeout=30)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = cluster.run(["squeue", "-h", "-o", "%i"], timeout=30)
+        if r.returncode != 0 or not r.stdout.strip():
+            return
+        time.sleep(0.5)
+
+
+def _proc_children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def _descendants(pid: int) -> list[int]:
+    children = _proc_children()
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _orphan_steps(cluster: Cluster) -> list[int]:
+    want = f"SLURM_CONF={cluster.slurm_conf}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if not f.read().startswith(b"slurmstepd"):
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 def _reap(pid: int) -> None:
