@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from .errors import AntmanError
+
 
 def _default_config() -> str:
     return os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml")
@@ -171,13 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # noqa: BLE001 - one clear line for the admin, not a traceback
-        from .errors import AntmanError
-
-        if isinstance(e, AntmanError) or type(e).__name__.endswith("Error") and os.environ.get("ANTMAN_DEBUG") != "1":
-            print(f"antman {args.cmd}: {e}", file=sys.stderr)
-            return 1
-        raise
+    except AntmanError as e:  # an expected failure: one clear line, not a traceback
+        if os.environ.get("ANTMAN_DEBUG") == "1":
+            raise
+        print(f"antman {args.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

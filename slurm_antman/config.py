@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from . import hostlist
+from .errors import AntmanError
 
 _SLURM_NAME = r"^[A-Za-z][A-Za-z0-9_\-]*$"
 
@@ -162,7 +163,7 @@ class AntmanConfig(_Strict):
         return f"{self.sidecar.socket_dir.rstrip('/')}/{node}"
 
 
-class ConfigError(Exception):
+class ConfigError(AntmanError):
     """A config file that cannot be used; ``problems`` lists ``(field path, message)``."""
 
     def __init__(self, source: str, problems: list[tuple[str, str]]):

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from . import config as config_mod
+from .errors import AntmanError
 from .render import RenderOptions, write_all
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +30,7 @@ DEFAULT_PORT_BASE = 17817
 MUNGED = "/usr/sbin/munged"
 
 
-class DevclusterError(RuntimeError):
+class DevclusterError(AntmanError):
     pass
 
 
