@@ -44,7 +44,7 @@ class JobContext:
         gpus = [int(x) for x in re.findall(r"\d+", env.get("SLURM_JOB_GPUS", ""))]
         return cls(
             job_id=env["SLURM_JOB_ID"],
-            node=env.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0],
+            node=env.get("SLURMD_NODENAME") or _node_of_job(env["SLURM_JOB_ID"]),
             uid=int(env.get("SLURM_JOB_UID", "0")),
             gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
             user=env.get("SLURM_JOB_USER", ""),
@@ -52,6 +52,22 @@ class JobContext:
             partition=env.get("SLURM_JOB_PARTITION", ""),
             slurm_gpus=gpus,
         )
+
+
+def _node_of_job(job_id: str) -> str:
+    """The node when slurmd did not say: the SPANK plugin runs the Prolog from inside a job step,
+    where SLURMD_NODENAME does not exist yet. A one-node job's NodeList is the answer; otherwise
+    (or without a controller) the short hostname, which is the node name on a real cluster."""
+    try:
+        r = _scontrol(["show", "job", "-o", job_id])
+        m = re.search(r"(?:^|\s)NodeList=(\S+)", r.stdout) if r.returncode == 0 else None
+        if m and re.fullmatch(r"[A-Za-z0-9_.-]+", m.group(1)) and m.group(1) != "(null)":
+            return m.group(1)
+        log.warning("job %s: no SLURMD_NODENAME and NodeList %s is not one node; using the hostname",
+                    job_id, m.group(1) if m else "unknown")
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("job %s: no SLURMD_NODENAME and scontrol failed (%s); using the hostname", job_id, e)
+    return os.uname().nodename.split(".")[0]
 
 
 def env_dir(cfg: config_mod.AntmanConfig, node: str) -> Path:
@@ -134,6 +150,9 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     # Most jobs on a mixed cluster are plain Slurm jobs: decide that without a controller round trip.
     if job.spank_class is None and cfg.default_class.value == "none" and job.partition != s.opportunistic_partition:
         return 0
+    if env.get("ANTMAN_PROLOG_FROM_SPANK") == "1":
+        # slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential.
+        log.info("job %s on %s: env file missing at step start; Prolog run by the SPANK plugin", job.job_id, job.node)
     fields = _job_fields(job.job_id)
     tag = parse_tag(fields["AdminComment"])
     if tag is None:

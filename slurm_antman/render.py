@@ -41,7 +41,7 @@ def render_all(cfg: AntmanConfig, opts: RenderOptions = RenderOptions()) -> dict
         "gres.conf": gres_conf(cfg, src),
     }
     if opts.with_antman:
-        files["plugstack.conf.d/antman.conf"] = plugstack_conf(cfg, src)
+        files["plugstack.conf.d/antman.conf"] = plugstack_conf(cfg, opts)
         files["antman_settings.lua"] = job_submit_settings(cfg, src)
         for hook in ("prolog", "epilog"):
             files[f"antman-{hook}"] = hook_script(cfg, opts, hook)
@@ -124,8 +124,20 @@ def gres_conf(cfg: AntmanConfig, src: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plugstack_conf(cfg: AntmanConfig, src: str) -> str:
-    return HEADER.format(src=src) + f"required {cfg.plugin_path} state_dir={cfg.state_dir}\n"
+def plugstack_conf(cfg: AntmanConfig, opts: RenderOptions) -> str:
+    # prolog=: the plugin runs the Prolog itself when slurmd skipped it (a job preempted by requeue
+    # restarting on the same node). The plugin takes only an absolute path, and plugstack.conf
+    # splits arguments on white space, so any other hook_dir leaves that fallback out, said so.
+    args = [f"state_dir={cfg.state_dir}"]
+    note = ""
+    hook_dir = opts.hook_dir or "."
+    if hook_dir.startswith("/") and not any(c.isspace() for c in hook_dir):
+        args.append(f"prolog={hook_dir}/antman-prolog")
+    else:
+        note = (f"# no prolog=: hook_dir {hook_dir!r} is not an absolute path without spaces, so a preempted job"
+                " restarting on the same node runs without its env file\n")
+    args.append(f"opp_partition={cfg.slurm.opportunistic_partition}")
+    return HEADER.format(src=opts.config_path) + note + f"required {cfg.plugin_path} {' '.join(args)}\n"
 
 
 def _lua_str(v: str | None) -> str:

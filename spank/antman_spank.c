@@ -8,17 +8,24 @@
  *
  * Remote context (slurmstepd): applies the node-local env file
  * STATE_DIR/NODE/jobs/JOBID.env, written by the Prolog, to every task, and
- * exports ANTMAN_JOB_ID. The file is opened in task_init_privileged, while the
+ * exports ANTMAN_JOB_ID. When a slurm-antman job's file is missing, it first runs
+ * the Prolog hook itself, once per step: slurmd skips the Prolog when a job
+ * preempted by requeue restarts on the same node while its credential is still
+ * cached, but the Epilog of the first run did remove the file. The file is opened in task_init_privileged, while the
  * step still has root's rights (the Prolog may write it root-only), and read and
  * applied in task_init, which runs after Slurm has put its own GRES variables
  * (and SLURMD_NODENAME) into the task env, so CUDA_VISIBLE_DEVICES from the
  * file wins.
  */
+#define _GNU_SOURCE /* asprintf, pipe2 */
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <poll.h>
+#include <pwd.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,6 +33,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <slurm/spank.h>
@@ -34,7 +43,11 @@ SPANK_PLUGIN(antman, 1);
 
 #define ANTMAN_DEFAULT_STATE_DIR "/var/lib/slurm-antman"
 #define ANTMAN_ALLOWED_CLASSES "guaranteed, opportunistic, auto"
-#define ANTMAN_ALLOWED_ARGS "state_dir=PATH"
+#define ANTMAN_ALLOWED_ARGS "state_dir=PATH, prolog=PATH, opp_partition=NAME"
+/* slurmd gives a Prolog no PATH of the job's; this is what a root shell on the node has. */
+#define PROLOG_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#define PROLOG_TIMEOUT_S 30
+#define PROLOG_ENV_MAX 16
 
 /* A Prolog writes a handful of lines; anything far bigger is not ours. */
 #define ENV_FILE_MAX_BYTES (64 * 1024)
@@ -57,6 +70,8 @@ struct env_entry {
 
 static struct {
 	char state_dir[PATH_MAX];
+	char prolog[PATH_MAX];        /* hook to run when the env file is missing, "" = never */
+	char opp_partition[128];      /* a job in this partition is a slurm-antman job */
 	char job_class[32]; /* validated --antman value, "" when not given */
 	uid_t stepd_euid;   /* euid of slurmstepd, recorded before it drops to the user */
 	struct env_candidate candidates[MAX_NODE_DIRS]; /* opened while privileged */
@@ -127,22 +142,38 @@ static int antman_opt_class(int val, const char *optarg, int remote)
 	return ESPANK_SUCCESS;
 }
 
+/* Copies an absolute-path argument; "what" names it in the error. */
+static int path_arg(char *dst, size_t len, const char *what, const char *path)
+{
+	if (path[0] != '/') {
+		slurm_error("antman: plugstack.conf argument %s must be an absolute path, got '%s'", what, path);
+		return -1;
+	}
+	if (strlen(path) >= len) {
+		slurm_error("antman: plugstack.conf argument %s is too long (%zu bytes)", what, strlen(path));
+		return -1;
+	}
+	snprintf(dst, len, "%s", path);
+	return 0;
+}
+
 static int parse_plugin_args(int ac, char **av)
 {
 	for (int i = 0; i < ac; i++) {
 		if (strncmp(av[i], "state_dir=", 10) == 0) {
-			const char *path = av[i] + 10;
-			if (path[0] != '/') {
-				slurm_error("antman: plugstack.conf argument state_dir must be an absolute path, got '%s'",
-					    path);
+			if (path_arg(antman.state_dir, sizeof(antman.state_dir), "state_dir", av[i] + 10) < 0)
+				return -1;
+		} else if (strncmp(av[i], "prolog=", 7) == 0) {
+			if (path_arg(antman.prolog, sizeof(antman.prolog), "prolog", av[i] + 7) < 0)
+				return -1;
+		} else if (strncmp(av[i], "opp_partition=", 14) == 0) {
+			const char *name = av[i] + 14;
+			if (name[0] == '\0' || strlen(name) >= sizeof(antman.opp_partition)) {
+				slurm_error("antman: plugstack.conf argument opp_partition must be a partition name of 1 to %zu bytes, got '%s'",
+					    sizeof(antman.opp_partition) - 1, name);
 				return -1;
 			}
-			if (strlen(path) >= sizeof(antman.state_dir)) {
-				slurm_error("antman: plugstack.conf argument state_dir is too long (%zu bytes)",
-					    strlen(path));
-				return -1;
-			}
-			snprintf(antman.state_dir, sizeof(antman.state_dir), "%s", path);
+			snprintf(antman.opp_partition, sizeof(antman.opp_partition), "%s", name);
 		} else {
 			slurm_error("antman: unknown plugstack.conf argument '%s'; allowed: %s",
 				    av[i], ANTMAN_ALLOWED_ARGS);
@@ -190,19 +221,6 @@ static int init_post_opt_submit(spank_t sp)
 		return -1;
 	}
 	return 0;
-}
-
-int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
-{
-	(void)ac;
-	(void)av;
-	switch (spank_context()) {
-	case S_CTX_ALLOCATOR:
-	case S_CTX_LOCAL:
-		return init_post_opt_submit(sp);
-	default:
-		return 0;
-	}
 }
 
 static bool key_is_valid(const char *key, size_t len)
@@ -479,6 +497,264 @@ static int job_id_of(spank_t sp, uint32_t *job_id)
 		return -1;
 	}
 	return 0;
+}
+
+/* The job env value of name, or "" when the step has none. */
+static void job_getenv(spank_t sp, const char *name, char *buf, size_t len)
+{
+	if (spank_getenv(sp, name, buf, (int)len) != ESPANK_SUCCESS)
+		buf[0] = '\0';
+}
+
+/*
+ * Whether the Prolog already wrote this job's env file here. Without SLURMD_NODENAME (absent
+ * before tasks exist) any node directory counts: a real node has only its own, and only a
+ * development host running several slurmd can hold another node's file for the same job.
+ */
+static bool env_file_present(spank_t sp, uint32_t job_id)
+{
+	char node[NODENAME_MAX];
+	char path[PATH_MAX];
+	struct stat st;
+	struct dirent *de;
+	DIR *dir;
+	bool found = false;
+
+	job_getenv(sp, "SLURMD_NODENAME", node, sizeof(node));
+	if (node[0] && nodename_is_safe(node)) {
+		if (env_file_path(path, sizeof(path), node, job_id) < 0)
+			return true; /* cannot name it, so cannot write it either: do not run the hook */
+		return lstat(path, &st) == 0;
+	}
+	dir = opendir(antman.state_dir);
+	if (!dir)
+		return false;
+	while (!found && (de = readdir(dir))) {
+		if (!nodename_is_safe(de->d_name))
+			continue;
+		if (env_file_path(path, sizeof(path), de->d_name, job_id) == 0 && lstat(path, &st) == 0)
+			found = true;
+	}
+	closedir(dir);
+	return found;
+}
+
+/* The class the user asked for: the remote --antman callback, else the job control env. */
+static void requested_class(spank_t sp, char *buf, size_t len)
+{
+	if (antman.job_class[0]) {
+		snprintf(buf, len, "%s", antman.job_class);
+		return;
+	}
+	job_getenv(sp, "SLURM_SPANK_ANTMAN_CLASS", buf, len);
+	if (buf[0] && !class_is_valid(buf))
+		buf[0] = '\0';
+}
+
+struct prolog_env {
+	char *vars[PROLOG_ENV_MAX + 1];
+	size_t n;
+};
+
+static void prolog_env_add(struct prolog_env *e, const char *key, const char *value)
+{
+	char *var;
+
+	if (!value || !value[0] || e->n == PROLOG_ENV_MAX)
+		return;
+	if (asprintf(&var, "%s=%s", key, value) < 0)
+		return;
+	e->vars[e->n++] = var;
+	e->vars[e->n] = NULL;
+}
+
+static void prolog_env_free(struct prolog_env *e)
+{
+	for (size_t i = 0; i < e->n; i++)
+		free(e->vars[i]);
+	e->n = 0;
+}
+
+/* What slurmd puts in a Prolog's environment, as far as the step knows it. */
+static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class, struct prolog_env *e)
+{
+	char buf[1024];
+	uid_t uid = 0;
+	gid_t gid = 0;
+	struct passwd pw, *found = NULL;
+	char pwbuf[4096];
+
+	e->n = 0;
+	e->vars[0] = NULL;
+	snprintf(buf, sizeof(buf), "%u", job_id);
+	prolog_env_add(e, "SLURM_JOB_ID", buf);
+	if (spank_get_item(sp, S_JOB_UID, &uid) == ESPANK_SUCCESS) {
+		snprintf(buf, sizeof(buf), "%u", (unsigned)uid);
+		prolog_env_add(e, "SLURM_JOB_UID", buf);
+		if (getpwuid_r(uid, &pw, pwbuf, sizeof(pwbuf), &found) == 0 && found)
+			prolog_env_add(e, "SLURM_JOB_USER", pw.pw_name);
+	}
+	if (spank_get_item(sp, S_JOB_GID, &gid) == ESPANK_SUCCESS) {
+		snprintf(buf, sizeof(buf), "%u", (unsigned)gid);
+		prolog_env_add(e, "SLURM_JOB_GID", buf);
+	}
+	static const char *const from_job[] = {"SLURM_JOB_PARTITION", "SLURM_JOB_GPUS", "SLURMD_NODENAME", NULL};
+	for (size_t i = 0; from_job[i]; i++) {
+		job_getenv(sp, from_job[i], buf, sizeof(buf));
+		prolog_env_add(e, from_job[i], buf);
+	}
+	prolog_env_add(e, "SPANK_ANTMAN_CLASS", job_class);
+	/* The node's own slurm.conf, where slurmd was not started with the default one. */
+	prolog_env_add(e, "SLURM_CONF", getenv("SLURM_CONF"));
+	prolog_env_add(e, "PATH", PROLOG_PATH);
+	prolog_env_add(e, "ANTMAN_PROLOG_FROM_SPANK", "1");
+}
+
+/* Only async-signal-safe calls: slurmstepd has threads, and this is the child of its fork. */
+static void exec_prolog_child(char **envp, int report_fd)
+{
+	sigset_t none;
+	char *argv[] = {antman.prolog, NULL};
+	int err, devnull;
+
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	for (int sig = 1; sig < NSIG; sig++)
+		signal(sig, SIG_DFL);
+	setpgid(0, 0);
+	devnull = open("/dev/null", O_RDWR);
+	if (devnull >= 0) {
+		dup2(devnull, 0);
+		dup2(devnull, 1);
+		dup2(devnull, 2);
+	}
+	/* slurmstepd's sockets and files are none of the hook's business. */
+	for (int fd = 3; fd < 1024; fd++) {
+		if (fd != report_fd)
+			close(fd);
+	}
+	execve(antman.prolog, argv, envp);
+	err = errno;
+	if (write(report_fd, &err, sizeof(err)) < 0)
+		_exit(127);
+	_exit(127);
+}
+
+static double monotonic_s(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Runs the hook and waits for it, at most PROLOG_TIMEOUT_S. Every failure is logged only. */
+static void run_prolog(uint32_t job_id, char **envp)
+{
+	int report[2];
+	int exec_errno = 0;
+	int status = 0;
+	ssize_t got;
+	pid_t pid, r;
+	double deadline;
+
+	if (pipe2(report, O_CLOEXEC) < 0) {
+		slurm_error("antman: job %u: cannot run prolog %s: pipe: %m", job_id, antman.prolog);
+		return;
+	}
+	pid = fork();
+	if (pid < 0) {
+		slurm_error("antman: job %u: cannot run prolog %s: fork: %m", job_id, antman.prolog);
+		close(report[0]);
+		close(report[1]);
+		return;
+	}
+	if (pid == 0)
+		exec_prolog_child(envp, report[1]);
+	setpgid(pid, pid); /* also done by the child; whichever runs first makes the kill below reach both */
+	close(report[1]);
+	/* EOF as soon as execve succeeded (close-on-exec), an errno if it failed. */
+	do {
+		got = read(report[0], &exec_errno, sizeof(exec_errno));
+	} while (got < 0 && errno == EINTR);
+	close(report[0]);
+	if (got == (ssize_t)sizeof(exec_errno)) {
+		errno = exec_errno;
+		slurm_error("antman: job %u: cannot execute prolog %s: %m; tasks start without the env file",
+			    job_id, antman.prolog);
+		while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+			;
+		return;
+	}
+	deadline = monotonic_s() + PROLOG_TIMEOUT_S;
+	for (;;) {
+		r = waitpid(pid, &status, WNOHANG);
+		if (r == pid)
+			break;
+		if (r < 0 && errno != EINTR) {
+			slurm_error("antman: job %u: lost prolog %s (pid %d): %m", job_id, antman.prolog, (int)pid);
+			return;
+		}
+		if (monotonic_s() > deadline) {
+			kill(-pid, SIGKILL);
+			kill(pid, SIGKILL);
+			while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+				;
+			slurm_error("antman: job %u: prolog %s ran longer than %d s and was killed",
+				    job_id, antman.prolog, PROLOG_TIMEOUT_S);
+			return;
+		}
+		poll(NULL, 0, 20);
+	}
+	if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+		slurm_info("antman: job %u: env file was missing; ran prolog %s", job_id, antman.prolog);
+	else if (WIFEXITED(status))
+		slurm_error("antman: job %u: prolog %s exited with status %d", job_id, antman.prolog,
+			    WEXITSTATUS(status));
+	else
+		slurm_error("antman: job %u: prolog %s killed by signal %d", job_id, antman.prolog,
+			    WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+/*
+ * Once per step, as root, before any task exists: if this slurm-antman job has no env file here,
+ * slurmd skipped the Prolog (a requeued job restarting on a node that still caches its
+ * credential), so run it now; task_init_privileged then finds the file it wrote.
+ */
+static void init_post_opt_remote(spank_t sp)
+{
+	uint32_t job_id;
+	char job_class[32];
+	char partition[128];
+	struct prolog_env env;
+
+	if (antman.prolog[0] == '\0' || job_id_of(sp, &job_id) < 0)
+		return;
+	requested_class(sp, job_class, sizeof(job_class));
+	job_getenv(sp, "SLURM_JOB_PARTITION", partition, sizeof(partition));
+	if (job_class[0] == '\0' && !(antman.opp_partition[0] && strcmp(partition, antman.opp_partition) == 0))
+		return;
+	if (env_file_present(sp, job_id))
+		return;
+	build_prolog_env(sp, job_id, job_class, &env);
+	run_prolog(job_id, env.vars);
+	prolog_env_free(&env);
+}
+
+int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	switch (spank_context()) {
+	case S_CTX_ALLOCATOR:
+	case S_CTX_LOCAL:
+		return init_post_opt_submit(sp);
+	case S_CTX_REMOTE:
+		init_post_opt_remote(sp);
+		return 0;
+	default:
+		return 0;
+	}
 }
 
 int slurm_spank_task_init_privileged(spank_t sp, int ac, char **av)

@@ -144,3 +144,71 @@ def test_native_preemption_requeues_and_resumes(clean_cluster, tmp_path):
     text = c.wait_output(opp, r"restart=1", timeout=60)
     m = re.search(r"START at=(\d+) restart=1", text)
     assert m and int(m.group(1)) >= saved  # resumed from the checkpoint, not from zero
+
+
+RESTART_SCRIPT = """#!/bin/bash
+echo "RUN restart=${SLURM_RESTART_COUNT:-0} CLASS=${ANTMAN_CLASS:-} CVD=${CUDA_VISIBLE_DEVICES:-} EP=${ANTMAN_SIDECAR_ENDPOINT:-} NODE=$SLURMD_NODENAME"
+sleep 120
+"""
+
+
+def _run_line(text: str, restart: int) -> dict[str, str]:
+    line = next(l for l in text.splitlines() if l.startswith(f"RUN restart={restart} "))
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+def test_preempted_job_restarting_on_same_node_keeps_its_env(clean_cluster):
+    """slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential,
+    while the Epilog of the first run removed the env file: the SPANK plugin runs the Prolog instead."""
+    c = clean_cluster
+    hooks_log = c.c.dir / "antman-state" / "hooks.log"
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", "-c", "4", "--open-mode=append",
+                   script=RESTART_SCRIPT)
+    first = _run_line(c.wait_output(opp, r"^RUN restart=0 "), 0)
+    assert first["CLASS"] == "opportunistic" and re.fullmatch(r"[0-3]", first["CVD"]), first
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node1", "-c", "4", wrap="sleep 60")
+    c.wait_state(g, {"RUNNING"}, timeout=60)
+    assert c.show(opp)["Restarts"] == "1"
+    c.run(["scancel", str(g)])
+    c.run(["scontrol", "update", f"JobId={opp}", "StartTime=now"])
+    again = _run_line(c.wait_output(opp, r"^RUN restart=1 ", timeout=60), 1)
+    assert again["NODE"] == "node1"
+    assert again["CLASS"] == "opportunistic", again
+    assert re.fullmatch(r"[0-3]", again["CVD"]), again  # exactly one physical GPU
+    assert again["EP"].startswith("ipc://") and f"/jobs/{opp}/" in again["EP"], again
+    # The restart really took the path slurmd leaves out, and the plugin filled it in.
+    assert f"job {opp} on node1: env file missing at step start; Prolog run by the SPANK plugin" in (
+        hooks_log.read_text())
+
+
+STEP_SCRIPT = """#!/bin/bash
+echo BATCH
+while [ ! -f {flag} ]; do sleep 0.2; done
+srun -n1 bash -c 'echo "STEP CLASS=${{ANTMAN_CLASS:-}} CVD=${{CUDA_VISIBLE_DEVICES:-}}"'
+"""
+
+
+def test_missing_env_file_with_unusable_prolog_is_logged_and_step_runs(clean_cluster, tmp_path):
+    """A later step that finds no env file runs the hook; when it cannot be executed, the step still starts."""
+    c = clean_cluster
+    plugstack = c.c.dir / "etc" / "plugstack.conf.d" / "antman.conf"
+    original = plugstack.read_text()
+    flag = tmp_path / "go"
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", script=STEP_SCRIPT.format(flag=flag))
+    c.wait_output(jid, r"^BATCH")
+    env_file = c.c.dir / "antman-state" / "node1" / "jobs" / f"{jid}.env"
+    assert env_file.exists()
+    try:
+        # slurmstepd reads plugstack.conf at every step start: the next step sees this hook path.
+        plugstack.write_text(re.sub(r"prolog=\S+", "prolog=/nonexistent/antman-prolog", original))
+        env_file.unlink()
+        flag.write_text("")
+        text = c.wait_output(jid, r"^STEP ", timeout=30)
+    finally:
+        plugstack.write_text(original)
+    # The step's task started (its ANTMAN_CLASS is the batch script's, which srun passes on).
+    assert re.search(r"^STEP CLASS=", text, re.M), text
+    assert not env_file.exists()  # nothing wrote the file: the hook never ran
+    log = (c.c.dir / "log" / "slurmd-node1.log").read_text()
+    assert (f"antman: job {jid}: cannot execute prolog /nonexistent/antman-prolog: No such file or directory"
+            in log)

@@ -63,3 +63,28 @@ def test_job_context_from_prolog_env():
     assert (ctx.job_id, ctx.node, ctx.uid, ctx.user, ctx.spank_class) == ("7", "node2", 1000, "ada", "auto")
     assert ctx.slurm_gpus == [1, 3]
     assert JobContext.from_env({"SLURM_JOB_ID": "8"}).slurm_gpus == []
+
+
+def test_node_without_slurmd_nodename_and_no_controller_is_the_hostname(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))
+    ctx = JobContext.from_env({"SLURM_JOB_ID": "7", "ANTMAN_PROLOG_FROM_SPANK": "1"})
+    assert ctx.node == os.uname().nodename.split(".")[0]
+
+
+@pytest.mark.cluster
+def test_node_without_slurmd_nodename_comes_from_the_job(clean_cluster, monkeypatch):
+    """What the SPANK plugin's Prolog run gets: no SLURMD_NODENAME, so the one node of the job."""
+    c = clean_cluster
+    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])
+    jid = c.sbatch("-w", "node2", wrap="sleep 30")
+    c.wait_state(jid, {"RUNNING"})
+    assert JobContext.from_env({"SLURM_JOB_ID": str(jid)}).node == "node2"
+    # slurmd's own value still wins, without asking the controller.
+    assert JobContext.from_env({"SLURM_JOB_ID": str(jid), "SLURMD_NODENAME": "node1"}).node == "node1"
+    two = c.sbatch("-N", "2", wrap="sleep 30")
+    c.wait_state(two, {"RUNNING"})
+    import os
+
+    assert JobContext.from_env({"SLURM_JOB_ID": str(two)}).node == os.uname().nodename.split(".")[0]

@@ -56,8 +56,21 @@ def test_gres_plugstack_and_settings(cfg):
     assert "NodeName=a[1-2] Name=gpu File=/dev/nvidia[0-7]" in gres
     assert "NodeName=a[1-2] Name=antman_opp Count=24" in gres
     assert "NodeName=b1 Name=gpu File=/dev/nv[0-1]" in gres
+    # No absolute hook_dir: the plugin gets no prolog= (it would refuse a relative one) and says why.
+    plug = files["plugstack.conf.d/antman.conf"].splitlines()
+    assert plug[-1] == "required /opt/antman/antman_spank.so state_dir=/var/lib/antman opp_partition=opportunistic"
+    assert plug[-2].startswith("# no prolog=: hook_dir '.'")
+
+
+def test_plugstack_names_the_prolog_for_restarts(cfg):
+    files = render_all(cfg, RenderOptions(hook_dir="/usr/libexec/antman"))
     assert files["plugstack.conf.d/antman.conf"].splitlines()[-1] == (
-        "required /opt/antman/antman_spank.so state_dir=/var/lib/antman")
+        "required /opt/antman/antman_spank.so state_dir=/var/lib/antman "
+        "prolog=/usr/libexec/antman/antman-prolog opp_partition=opportunistic")
+    # The same hook slurm.conf names as the Prolog.
+    assert "Prolog=/usr/libexec/antman/antman-prolog" in files["antman.slurm.conf"]
+    spaced = render_all(cfg, RenderOptions(hook_dir="/opt/my hooks"))["plugstack.conf.d/antman.conf"]
+    assert "prolog=" not in spaced.splitlines()[-1]
 
 
 def test_settings_lua_is_what_the_script_reads(cfg, tmp_path):

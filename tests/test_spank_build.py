@@ -229,8 +229,11 @@ def test_no_option_sets_no_class(slurm_conf) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ("statedir=/x", "unknown plugstack.conf argument 'statedir=/x'; allowed: state_dir=PATH"),
+        ("statedir=/x", "unknown plugstack.conf argument 'statedir=/x'; allowed: state_dir=PATH, prolog=PATH, "
+                        "opp_partition=NAME"),
         ("state_dir=relative/dir", "state_dir must be an absolute path, got 'relative/dir'"),
+        ("prolog=etc/antman-prolog", "prolog must be an absolute path, got 'etc/antman-prolog'"),
+        ("opp_partition=", "opp_partition must be a partition name of 1 to 127 bytes, got ''"),
     ],
 )
 def test_bad_plugin_argument_fails_loading(slurm_conf, args: str, message: str) -> None:
@@ -241,3 +244,13 @@ def test_bad_plugin_argument_fails_loading(slurm_conf, args: str, message: str) 
     res = _run(["sbatch", "--antman=auto", "--wrap", "true"], env=env)
     assert res.returncode != 0
     assert "Failed to initialize plugin stack" in res.stderr
+
+
+@needs_slurm_clients
+def test_restart_fallback_arguments_are_accepted(slurm_conf, tmp_path: Path) -> None:
+    env = slurm_conf(_unused_port(), plugin_args=f"state_dir={tmp_path}/state prolog=/usr/libexec/antman/antman-prolog "
+                                                 "opp_partition=opportunistic")
+    res = _run(["sbatch", "--help"], env=env)
+    assert res.returncode == 0, res.stderr
+    assert "--antman=CLASS" in " ".join(res.stdout.split())
+    assert "plugstack.conf argument" not in res.stderr
