@@ -214,7 +214,10 @@ def _spawn(name: str, argv: list[str], env: dict, log: Path) -> Proc:
 
 
 def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port_base: int = DEFAULT_PORT_BASE,
-       plain: bool = False, timeout: float = 90, sidecars: bool = True) -> Cluster:
+       plain: bool = False, timeout: float = 90, sidecars: bool = True, extra_slurm_conf: str = "",
+       extra_etc_files: dict[str, str] | None = None) -> Cluster:
+    """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
+    slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them)."""
     d = Path(d).resolve()
     existing = load(d)
     if existing and all(p.alive() for p in existing.procs if p.name != "munged"):
@@ -243,7 +246,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     opts = RenderOptions(config_path=str(d / "antman.yaml"), hook_dir=str(d / "etc"),
                          slurm_conf=str(cluster.slurm_conf), with_antman=not plain, node_params=node_params)
     write_all(cfg, d / "etc", opts)
-    (d / "etc" / "slurm.conf").write_text(_base_slurm_conf(d, port_base, not plain))
+    (d / "etc" / "slurm.conf").write_text(_base_slurm_conf(d, port_base, not plain) + extra_slurm_conf)
+    for name, text in (extra_etc_files or {}).items():
+        (d / "etc" / name).write_text(text)
     if plain:
         (d / "etc" / "plugstack.conf").write_text("# plain Slurm: no SPANK plugins\n")
     else:
