@@ -98,7 +98,11 @@ def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
         from . import bench_control
 
         return bench_control.main(rest)
-    print(f"antman bench: unknown benchmark {a.what!r}; allowed: submit, control", file=sys.stderr)
+    if a.what == "coordinator":
+        from . import bench_coordinator
+
+        return bench_coordinator.main(rest)
+    print(f"antman bench: unknown benchmark {a.what!r}; allowed: submit, control, coordinator", file=sys.stderr)
     return 2
 
 

@@ -105,6 +105,10 @@ class Opportunistic(_Strict):
         default=0.8, gt=0, le=1, description="A GPU busier than this takes no new opportunistic job."
     )
     utilization_window_s: float = Field(default=10.0, gt=0, description="Averaging window for utilisation.")
+    queue_to_opportunistic_s: Optional[float] = Field(
+        default=None, ge=0,
+        description="A guaranteed job held over its tenant's quota this long runs opportunistic meanwhile "
+                    "(upgraded once quota frees). Unset: it waits for quota.")
 
 
 class Sidecar(_Strict):
@@ -122,6 +126,53 @@ class Sidecar(_Strict):
 class Coordinator(_Strict):
     endpoint: str = Field(default="tcp://127.0.0.1:17900", description="Where sidecars report.")
     key_file: Optional[str] = Field(default=None, description="Shared secret for sidecar reports.")
+    key_dir: Optional[str] = Field(
+        default=None,
+        description="ZeroMQ CURVE keys made by `antman keys init`: coordinator.key(_secret), "
+                    "sidecars/NODE.key (the public keys allowed to connect), nodes/NODE.key_secret. "
+                    "Unset: sidecars run without an uplink.")
+    node_secret_key: Optional[str] = Field(
+        default=None,
+        description="Where a sidecar finds its secret key; '{node}' is replaced by the node name. "
+                    "Default: KEY_DIR/nodes/{node}.key_secret.")
+    report_interval_s: float = Field(default=2.0, gt=0, le=3600,
+                                     description="Seconds between a sidecar's reports to the coordinator.")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        # Only transports that CURVE can protect and that a sidecar can reach.
+        if not re.match(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc:///\S+)$", v):
+            raise ValueError(f"{v!r} is not a ZeroMQ endpoint; allowed: tcp://HOST:PORT or ipc:///PATH")
+        return v
+
+    @field_validator("node_secret_key")
+    @classmethod
+    def _template(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and "{node}" not in v and not v.endswith(".key_secret"):
+            raise ValueError(f"{v!r} must contain '{{node}}' (one key per node) or name a .key_secret file")
+        return v
+
+    def secret_key_path(self, node: str) -> Optional[str]:
+        """The node sidecar's CURVE secret key file, or None when no keys are configured."""
+        if self.node_secret_key is not None:
+            return self.node_secret_key.replace("{node}", node)
+        if self.key_dir is None:
+            return None
+        return str(Path(self.key_dir) / "nodes" / f"{node}.key_secret")
+    # -- the coordinator daemon (engineer D) --
+    audit_log: str = Field(default="/var/log/slurm-antman/coordinator-audit.jsonl",
+                           description="Append-only JSON-lines record of every coordinator decision.")
+    cycle_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between decision cycles.")
+    queue_to_opportunistic_s: Optional[float] = Field(
+        default=None, gt=0,
+        description="A guaranteed job over its tenant's quota that waited this long runs opportunistic "
+                    "meanwhile; unset: it waits for quota.")
+    quota_file: Optional[str] = Field(
+        default=None, description="antman_quota.lua next to job_submit.lua: tenant quota use, rewritten by "
+                                  "the coordinator every cycle so job_submit.lua resolves auto at submission.")
+    stale_report_s: float = Field(default=30.0, gt=0,
+                                  description="A sidecar report older than this counts as no report.")
 
 
 class AntmanConfig(_Strict):

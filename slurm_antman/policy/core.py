@@ -1,0 +1,52 @@
+"""The policy core: one pure function from a snapshot and the remembered state to decisions.
+
+Order inside a cycle: preemption first (a guaranteed job is waiting), then quotas (classes, holds,
+upgrades), then placement (opportunistic GRES counts). A job gets at most one decision per cycle.
+
+Decisions that follow from the snapshot alone (classes, holds, upgrades, slot counts) would repeat
+every cycle until Slurm shows them done; ``state.issued`` suppresses such a repeat for
+``params.reissue_after_s``, so the same snapshot and state twice give no duplicate. If executing one
+fails, the daemon calls ``state.forget(decision)`` to retry it on the next cycle.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from . import placement, preemption, quota
+from .decisions import Decision
+from .model import CoordinatorState, Issued, PolicyParams, Snapshot
+
+
+def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tuple[list[Decision], CoordinatorState]:
+    now = snap.now
+    jobs = {j.job_id: j for j in snap.jobs}
+    nodes = {n.name: n for n in snap.nodes}
+
+    pre = preemption.step(now, snap.needs, state, params, jobs, nodes)
+
+    skip = pre.touched | pre.preempting.keys() | pre.requeued.keys()
+    derived: list[Decision] = quota.step(now, jobs.values(), snap.quotas, params, skip, nodes)
+
+    need_gpus: dict[str, set[int]] = {}
+    for need in snap.needs:
+        need_gpus.setdefault(need.node, set()).add(need.gpu)
+    derived.extend(placement.step(snap.nodes, jobs.values(), params, need_gpus))
+
+    decisions: list[Decision] = list(pre.decisions)
+    issued: dict[str, Issued] = {}
+    for d in derived:
+        prev = state.issued.get(d.key)
+        sig = d.signature
+        if prev is not None and prev.signature == sig and now - prev.at_unix < params.reissue_after_s:
+            issued[d.key] = prev
+            continue
+        issued[d.key] = Issued(sig, now)
+        decisions.append(d)
+
+    new_state = CoordinatorState(
+        preempting=MappingProxyType(pre.preempting),
+        requeued=MappingProxyType(pre.requeued),
+        issued=MappingProxyType(issued),
+    )
+    return decisions, new_state

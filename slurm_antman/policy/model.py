@@ -1,0 +1,216 @@
+"""What the policy core sees (a :class:`Snapshot`), how it is tuned (:class:`PolicyParams`) and what it
+remembers between cycles (:class:`CoordinatorState`).
+
+Everything here is a frozen value: the daemon builds a snapshot from Slurm and the sidecar reports, the
+trace simulator builds one from its own model, and both hand it to ``core.decide``. Times are plain
+Unix seconds chosen by the caller (the core never reads a clock), so a test or a replay is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
+
+# Slurm states in which a job holds its allocation (and so its tenant's quota).
+HOLDING_STATES = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED"})
+
+REQUESTED = ("guaranteed", "opportunistic", "auto", "none")
+JOB_CLASSES = ("guaranteed", "opportunistic", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    """One physical GPU as its node's sidecar last reported it."""
+
+    index: int
+    mem_total_bytes: int
+    mem_used_bytes: int
+    util: float  # 0..1
+    guaranteed_jobs: tuple[str, ...] = ()
+    opportunistic_jobs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    name: str
+    gpus: tuple[GpuView, ...]
+    opp_slots_configured: int  # the count antman.yaml renders into slurm.conf
+    opp_slots_in_slurm: int  # the count slurmctld has now (what SetOppSlots changes)
+    last_report_unix: Optional[float]  # None: no sidecar heard from, the GPU figures mean nothing
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    job_id: str
+    account: str
+    user: str
+    state: str  # Slurm's: PENDING, RUNNING, COMPLETING, ...
+    requested: str  # what the user asked: guaranteed | opportunistic | auto | none
+    job_class: str  # current: guaranteed | opportunistic | none
+    gpus: int
+    node: Optional[str]
+    submit_unix: float
+    start_unix: Optional[float]
+    restarts: int
+    last_checkpoint_unix: Optional[float]
+    held_for_quota: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptNeed:
+    """A sidecar's request: guaranteed job ``job_id`` on (node, gpu) needs room that shrinking cannot free."""
+
+    node: str
+    gpu: int
+    job_id: str
+    reason: str
+    since_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    now: float
+    jobs: tuple[JobView, ...]
+    nodes: tuple[NodeView, ...]
+    quotas: Mapping[str, int]  # account -> guaranteed GPUs it may hold at once
+    needs: tuple[PreemptNeed, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyParams:
+    grace_s: float
+    slots_per_gpu: int
+    util_threshold: float
+    min_opp_mem_bytes: int
+    headroom_bytes: int
+    queue_to_opportunistic_s: Optional[float] = None  # None: a guaranteed job over quota waits
+    # Quota of an account antman.yaml lists no tenant for; None: such accounts are not limited.
+    default_quota: Optional[int] = None
+    # A snapshot-derived decision (class, hold, slots, upgrade) that Slurm does not reflect yet is not
+    # repeated before this many seconds: the executor may simply not have been seen through yet.
+    reissue_after_s: float = 60.0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "PolicyParams":
+        """From an ``AntmanConfig`` (typed loosely so the core does not import the config model)."""
+        mib = 1024 * 1024
+        return cls(
+            grace_s=float(cfg.grace_time_s),
+            slots_per_gpu=int(cfg.opportunistic.slots_per_gpu),
+            util_threshold=float(cfg.opportunistic.utilization_threshold),
+            min_opp_mem_bytes=int(cfg.sidecar.min_opportunistic_memory_mb) * mib,
+            headroom_bytes=int(cfg.sidecar.memory_headroom_mb) * mib,
+            queue_to_opportunistic_s=getattr(cfg.opportunistic, "queue_to_opportunistic_s", None),
+        )
+
+
+def quotas_from_config(cfg: Any) -> Mapping[str, int]:
+    return MappingProxyType({t.account: int(t.guaranteed_gpus) for t in cfg.tenants})
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """A notice sent to ``job_id``; at ``deadline_unix`` it is requeued unless it restarted or ended."""
+
+    job_id: str
+    node: str
+    decided_unix: float
+    deadline_unix: float
+    restarts_at_decision: int
+    reason: str
+    gpu: int = -1  # the GPU of the need it answers
+    for_job_id: str = ""  # the guaranteed job that needed the room
+
+
+@dataclass(frozen=True, slots=True)
+class Requeued:
+    """A job we requeued; it gets MakeEligible once when it is seen PENDING with a higher restart count."""
+
+    job_id: str
+    node: str
+    gpu: int
+    for_job_id: str
+    requeued_unix: float
+    restarts_at_decision: int
+    made_eligible: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Issued:
+    """A snapshot-derived decision already emitted: ``signature`` says what, ``at_unix`` when."""
+
+    signature: str
+    at_unix: float
+
+
+def _frozen(m: Mapping | None) -> Mapping:
+    return MappingProxyType(dict(m or {}))
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorState:
+    """What the core remembers between cycles. The daemon persists it (``to_json``) so that a
+    restarted coordinator neither sends a notice twice nor requeues a job twice."""
+
+    preempting: Mapping[str, Preemption] = field(default_factory=lambda: _frozen(None))
+    requeued: Mapping[str, Requeued] = field(default_factory=lambda: _frozen(None))
+    issued: Mapping[str, Issued] = field(default_factory=lambda: _frozen(None))
+
+    @classmethod
+    def empty(cls) -> "CoordinatorState":
+        return cls()
+
+    def forget(self, decision: Any) -> "CoordinatorState":
+        """The state as if ``decision`` had not been emitted: for the daemon when executing it failed,
+        so the next cycle tries again at once."""
+        kind = decision.kind
+        if kind == "preempt_notice":
+            return replace(self, preempting=_frozen({k: v for k, v in self.preempting.items() if k != decision.job_id}))
+        if kind == "requeue":
+            req = self.requeued.get(decision.job_id)
+            if req is None:
+                return self
+            back = Preemption(req.job_id, req.node, req.requeued_unix, req.requeued_unix, req.restarts_at_decision,
+                              decision.reason, req.gpu, req.for_job_id)
+            return replace(
+                self,
+                preempting=_frozen({**self.preempting, req.job_id: back}),
+                requeued=_frozen({k: v for k, v in self.requeued.items() if k != req.job_id}),
+            )
+        if kind == "make_eligible":
+            req = self.requeued.get(decision.job_id)
+            if req is None:
+                return self
+            return replace(self, requeued=_frozen({**self.requeued, req.job_id: replace(req, made_eligible=False)}))
+        key = decision.key
+        return replace(self, issued=_frozen({k: v for k, v in self.issued.items() if k != key}))
+
+    def to_json(self) -> dict:
+        return {
+            "version": 1,
+            "preempting": [_fields(p) for p in self.preempting.values()],
+            "requeued": [_fields(r) for r in self.requeued.values()],
+            "issued": {k: _fields(v) for k, v in self.issued.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "CoordinatorState":
+        """Raises ValueError naming the broken entry, so a damaged state file is reported, not guessed at."""
+        if not isinstance(data, Mapping) or data.get("version") != 1:
+            raise ValueError("coordinator state: expected a mapping with version 1")
+        try:
+            pre = [Preemption(**p) for p in data.get("preempting", [])]
+            req = [Requeued(**r) for r in data.get("requeued", [])]
+            iss = {str(k): Issued(**v) for k, v in dict(data.get("issued", {})).items()}
+        except TypeError as e:
+            raise ValueError(f"coordinator state: malformed entry: {e}") from None
+        return cls(
+            preempting=_frozen({p.job_id: p for p in pre}),
+            requeued=_frozen({r.job_id: r for r in req}),
+            issued=_frozen(iss),
+        )
+
+
+def _fields(obj: Any) -> dict:
+    return {name: getattr(obj, name) for name in obj.__slots__}

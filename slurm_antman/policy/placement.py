@@ -1,0 +1,68 @@
+"""Opportunistic capacity in Slurm: each reporting node's count-only GRES follows what its GPUs can take."""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping
+
+from .decisions import SetOppSlots
+from .model import HOLDING_STATES, GpuView, JobView, NodeView, PolicyParams
+
+
+def gpu_qualifies(g: GpuView, params: PolicyParams) -> bool:
+    spare = g.mem_total_bytes - g.mem_used_bytes
+    return (spare >= params.min_opp_mem_bytes + params.headroom_bytes and g.util < params.util_threshold
+            and len(g.guaranteed_jobs) <= 1)
+
+
+def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
+    """Opportunistic GRES Slurm has allocated per node (one per GPU of each opportunistic job)."""
+    used: dict[str, int] = {}
+    for j in jobs:
+        if j.job_class == "opportunistic" and j.node is not None and j.state in HOLDING_STATES:
+            used[j.node] = used.get(j.node, 0) + j.gpus
+    return used
+
+
+def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpus: Collection[int]) -> tuple[int, dict]:
+    """The GRES count for ``node``: slots Slurm has allocated plus the free slots of qualifying GPUs.
+
+    Slurm subtracts its own allocations from the count, so the count must include them. Jobs Slurm
+    placed that the sidecar does not show yet take free slots first, so nothing is handed out twice.
+    """
+    free = 0
+    reported = 0
+    qualifying = 0
+    slots = params.slots_per_gpu
+    need_mem = params.min_opp_mem_bytes + params.headroom_bytes
+    threshold = params.util_threshold
+    # The hot loop of a cycle (every GPU of the cluster): gpu_qualifies() inlined.
+    for g in node.gpus:
+        n_opp = len(g.opportunistic_jobs)
+        reported += n_opp
+        if (g.util < threshold and g.mem_total_bytes - g.mem_used_bytes >= need_mem
+                and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus):
+            qualifying += 1
+            if n_opp < slots:
+                free += slots - n_opp
+    unseen = max(0, slurm_in_use - reported)
+    total = slurm_in_use + max(0, free - unseen)
+    return total, {"free_slots": free, "slurm_in_use": slurm_in_use, "reported_in_use": reported,
+                   "unseen": unseen, "gpus_qualifying": qualifying,
+                   "gpus_with_need": sorted(busy_gpus)}
+
+
+def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyParams,
+         need_gpus: Mapping[str, set[int]]) -> list[SetOppSlots]:
+    in_use = opp_in_use_by_node(jobs)
+    out: list[SetOppSlots] = []
+    for n in nodes:
+        if n.last_report_unix is None:
+            continue  # nothing measured: slurmctld keeps the configured count
+        total, inputs = node_slots(n, params, in_use.get(n.name, 0), need_gpus.get(n.name, ()))
+        if total != n.opp_slots_in_slurm:
+            inputs.update(in_slurm=n.opp_slots_in_slurm, report_unix=n.last_report_unix)
+            out.append(SetOppSlots(n.name, total, reason=(
+                f"{inputs['gpus_qualifying']} GPUs with room have {inputs['free_slots']} free slots, Slurm has "
+                f"{inputs['slurm_in_use']} allocated: count {total}, Slurm has {n.opp_slots_in_slurm}"),
+                inputs=inputs))
+    return out

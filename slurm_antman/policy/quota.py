@@ -1,0 +1,112 @@
+"""Tenant quotas: resolve ``auto``, hold guaranteed jobs that would exceed their tenant's quota (or send
+them opportunistic after a wait), release holds, and upgrade running opportunistic jobs.
+
+One pass in submission order over everything that wants guaranteed GPUs, pending or running
+opportunistic alike, so freed quota goes to whoever asked first.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping, Optional
+
+from .decisions import Decision, HoldForQuota, ReleaseHold, SetClass, Upgrade
+from .model import HOLDING_STATES, GpuView, JobView, NodeView, PolicyParams
+
+WANTS_GUARANTEED = frozenset({"guaranteed", "auto"})
+
+
+def usage_by_account(jobs: Collection[JobView]) -> dict[str, int]:
+    """GPUs each account holds as guaranteed right now (jobs that have their allocation)."""
+    used: dict[str, int] = {}
+    for j in jobs:
+        if j.job_class == "guaranteed" and j.state in HOLDING_STATES:
+            used[j.account] = used.get(j.account, 0) + j.gpus
+    return used
+
+
+def _reported_gpus(job: JobView, nodes: Mapping[str, NodeView]) -> list[GpuView]:
+    """The GPUs the sidecar of the job's node shows it on (none when that node does not report)."""
+    node = nodes.get(job.node) if job.node is not None else None
+    if node is None or node.last_report_unix is None:
+        return []
+    return [g for g in node.gpus if job.job_id in g.opportunistic_jobs]
+
+
+def _fifo(job: JobView) -> tuple:
+    return (job.submit_unix, len(job.job_id), job.job_id)
+
+
+def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], params: PolicyParams,
+         skip: Collection[str], nodes: Mapping[str, NodeView]) -> list[Decision]:
+    used = usage_by_account(jobs)
+    candidates = [
+        j for j in jobs
+        if j.job_id not in skip and (
+            (j.state == "PENDING" and (j.requested in WANTS_GUARANTEED or j.held_for_quota))
+            or (j.state == "RUNNING" and j.job_class == "opportunistic" and j.requested in WANTS_GUARANTEED))
+    ]
+    candidates.sort(key=_fifo)
+    out: list[Decision] = []
+    for j in candidates:
+        quota: Optional[int] = quotas.get(j.account, params.default_quota)
+        have = used.get(j.account, 0)
+        fits = quota is None or have + j.gpus <= quota
+        inputs = {"account": j.account, "quota": quota, "quota_used": have, "gpus": j.gpus,
+                  "requested": j.requested, "job_class": j.job_class, "state": j.state,
+                  "held_for_quota": j.held_for_quota, "submit_unix": j.submit_unix, "now": now}
+        if j.state == "RUNNING":
+            d = _upgrade(j, fits, quota, have, _reported_gpus(j, nodes) if fits else None, inputs)
+        else:
+            d = _pending(now, j, fits, quota, have, params, inputs)
+        if d is not None:
+            out.append(d)
+        if fits and (j.state == "PENDING" and j.requested in WANTS_GUARANTEED or isinstance(d, Upgrade)):
+            used[j.account] = have + j.gpus
+    return out
+
+
+def _quota_text(account: str, quota: Optional[int], have: int, gpus: int) -> str:
+    return f"tenant {account}: {have} of {quota} guaranteed GPUs in use, this job needs {gpus}"
+
+
+def _pending(now: float, j: JobView, fits: bool, quota: Optional[int], have: int, params: PolicyParams,
+             inputs: dict) -> Optional[Decision]:
+    held = j.held_for_quota
+    if j.requested not in WANTS_GUARANTEED:
+        return ReleaseHold(j.job_id, reason=f"the job asked for {j.requested}, which needs no quota",
+                           inputs=inputs) if held else None
+    text = "no quota configured" if quota is None else _quota_text(j.account, quota, have, j.gpus)
+    if fits:
+        if j.job_class != "guaranteed":
+            return SetClass(j.job_id, "guaranteed", reason=f"within quota ({text})", inputs=inputs,
+                            release_hold=held)
+        return ReleaseHold(j.job_id, reason=f"quota is free again ({text})", inputs=inputs) if held else None
+    if j.requested == "auto":
+        if j.job_class != "opportunistic":
+            return SetClass(j.job_id, "opportunistic", reason=f"auto over quota ({text})", inputs=inputs,
+                            release_hold=held)
+        return ReleaseHold(j.job_id, reason="auto job runs opportunistic", inputs=inputs) if held else None
+    if j.job_class == "opportunistic":
+        # Already sent opportunistic after its wait: it is upgraded once it runs and quota frees.
+        return ReleaseHold(j.job_id, reason="runs opportunistic meanwhile", inputs=inputs) if held else None
+    waited = now - j.submit_unix
+    q2o = params.queue_to_opportunistic_s
+    if q2o is not None and waited >= q2o:
+        return SetClass(j.job_id, "opportunistic",
+                        reason=f"over quota ({text}) and waited {waited:.0f} s >= {q2o:g} s: runs opportunistic meanwhile",
+                        inputs={**inputs, "waited_s": waited}, release_hold=held)
+    if held:
+        return None
+    return HoldForQuota(j.job_id, reason=f"guaranteed job would exceed its tenant's quota ({text})", inputs=inputs)
+
+
+def _upgrade(j: JobView, fits: bool, quota: Optional[int], have: int, gpus: Optional[list[GpuView]],
+             inputs: dict) -> Optional[Decision]:
+    if not fits or not gpus:
+        return None  # no quota, or the sidecar has not shown where it runs: cannot tell it shares nothing
+    if any(g.guaranteed_jobs for g in gpus):
+        return None
+    text = "no quota configured" if quota is None else _quota_text(j.account, quota, have, j.gpus)
+    return Upgrade(j.job_id, reason=f"tenant has quota again ({text}) and no guaranteed job shares its GPUs",
+                   inputs={**inputs, "gpus_shared_with": [list(g.opportunistic_jobs) for g in gpus],
+                           "gpu_indices": [g.index for g in gpus]})

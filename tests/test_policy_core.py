@@ -1,0 +1,403 @@
+"""The coordinator's policy core on hand-built snapshots: one test per rule of the interface."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from slurm_antman import config as cfgmod
+from slurm_antman.policy import (
+    CoordinatorState, HoldForQuota, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass,
+    SetOppSlots, Upgrade, decide,
+)
+from slurm_antman.policy.builders import NOW, PARAMS, gpu, job, need, node, snap
+
+EMPTY = CoordinatorState.empty()
+
+
+def run(s, state=EMPTY, params=PARAMS):
+    return decide(s, state, params)
+
+
+def kinds(decisions):
+    return sorted((d.kind, d.key) for d in decisions)
+
+
+# --- quotas and auto -------------------------------------------------------------------------------
+
+
+def test_auto_within_quota_stays_or_becomes_guaranteed():
+    running = job("1", state="RUNNING", job_class="guaranteed", gpus=1)
+    tagged_guaranteed = job("2", requested="auto", submit=5)  # job_submit.lua's provisional class
+    tagged_opp = job("3", requested="auto", job_class="opportunistic", submit=6)
+    ds, _ = run(snap([running, tagged_guaranteed, tagged_opp], quotas={"a": 3}))
+    assert ds == [SetClass("3", "guaranteed")]
+    assert ds[0].inputs["quota"] == 3 and ds[0].inputs["quota_used"] == 2
+
+
+def test_auto_over_quota_becomes_opportunistic_in_submission_order():
+    running = job("1", state="RUNNING", job_class="guaranteed", gpus=1)
+    older = job("10", requested="auto", submit=5)
+    newer = job("9", requested="auto", submit=7)
+    ds, _ = run(snap([running, newer, older], quotas={"a": 2}))
+    assert ds == [SetClass("9", "opportunistic")]
+    assert "over quota" in ds[0].reason
+
+
+def test_auto_of_other_tenant_is_not_charged_to_this_one():
+    ds, _ = run(snap([job("1", account="b", state="RUNNING", job_class="guaranteed", gpus=4),
+                      job("2", requested="auto")], quotas={"a": 1, "b": 4}))
+    assert ds == []
+
+
+def test_guaranteed_over_quota_is_held_once():
+    running = job("1", state="RUNNING", job_class="guaranteed", gpus=2)
+    ds, _ = run(snap([running, job("2", gpus=1)], quotas={"a": 2}))
+    assert ds == [HoldForQuota("2")]
+    assert "exceed" in ds[0].reason
+    ds, _ = run(snap([running, job("2", gpus=1, held=True)], quotas={"a": 2}))
+    assert ds == []
+
+
+def test_hold_released_when_quota_frees():
+    ds, _ = run(snap([job("1", state="COMPLETED", job_class="guaranteed", gpus=2), job("2", held=True)],
+                     quotas={"a": 2}))
+    assert ds == [ReleaseHold("2")]
+
+
+def test_release_goes_to_the_earliest_submitted():
+    ds, _ = run(snap([job("5", held=True, submit=2, gpus=2), job("4", held=True, submit=1, gpus=2)],
+                     quotas={"a": 3}))
+    assert ds == [ReleaseHold("4")]
+
+
+def test_pending_guaranteed_counts_against_quota_of_later_jobs():
+    ds, _ = run(snap([job("1", submit=1, gpus=2), job("2", submit=2, gpus=1)], quotas={"a": 2}))
+    assert ds == [HoldForQuota("2")]
+
+
+def test_queue_to_opportunistic_after_the_wait_only():
+    params = dataclasses.replace(PARAMS, queue_to_opportunistic_s=600.0)
+    running = job("1", state="RUNNING", job_class="guaranteed", gpus=1)
+    waited = job("2", held=True, submit=NOW - 700)
+    fresh = job("3", submit=NOW - 100)
+    ds, _ = run(snap([running, waited, fresh], quotas={"a": 1}), params=params)
+    assert kinds(ds) == [("hold_for_quota", "job:3"), ("set_class", "job:2")]
+    sc = next(d for d in ds if d.kind == "set_class")
+    assert sc.to_class == "opportunistic" and sc.release_hold is True and sc.inputs["waited_s"] == 700
+
+
+def test_guaranteed_sent_opportunistic_returns_when_quota_frees():
+    ds, _ = run(snap([job("2", requested="guaranteed", job_class="opportunistic")], quotas={"a": 1}))
+    assert ds == [SetClass("2", "guaranteed")]
+
+
+def test_unknown_account_unlimited_unless_default_quota():
+    s = snap([job("1", account="z", gpus=8)], quotas={"a": 1})
+    assert run(s)[0] == []
+    ds, _ = run(s, params=dataclasses.replace(PARAMS, default_quota=0))
+    assert ds == [HoldForQuota("1")]
+
+
+def test_hold_of_a_job_that_wants_no_quota_is_released():
+    ds, _ = run(snap([job("1", requested="opportunistic", held=True)], quotas={"a": 0}))
+    assert ds == [ReleaseHold("1")]
+
+
+# --- placement -------------------------------------------------------------------------------------
+
+
+def _placement_node(in_slurm: int, reported=NOW - 1):
+    return node("n1", (
+        gpu(0),  # 2 free
+        gpu(1, used_gib=10, o=("o1",)),  # 1 free
+        gpu(2, util=0.9),  # too busy
+        gpu(3, used_gib=79.0),  # 1 GiB spare < 1 GiB + 0.5 GiB headroom
+    ), configured=8, in_slurm=in_slurm, reported=reported)
+
+
+def test_opp_slots_count_free_plus_allocated():
+    o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
+    ds, _ = run(snap([o1], [_placement_node(8)]))
+    assert ds == [SetOppSlots("n1", 4)]
+    assert ds[0].inputs["free_slots"] == 3 and ds[0].inputs["slurm_in_use"] == 1
+
+
+def test_opp_slots_only_on_change():
+    o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
+    assert run(snap([o1], [_placement_node(4)]))[0] == []
+
+
+def test_opp_slots_untouched_for_nodes_without_report():
+    assert run(snap([], [_placement_node(8, reported=None)]))[0] == []
+
+
+def test_gpu_with_two_guaranteed_jobs_or_a_need_takes_no_opportunistic():
+    n = node("n1", (gpu(0, g=("g1", "g2")), gpu(1, g=("g3",)), gpu(2, g=("g4",))), configured=6, in_slurm=6)
+    g3 = job("g3", state="RUNNING", job_class="guaranteed")
+    ds, _ = run(snap([g3], [n], needs=[need("g3", gpu_index=1)]))
+    assert ds == [SetOppSlots("n1", 2)]  # only GPU 2
+
+
+def test_slurm_allocations_the_sidecar_has_not_seen_take_free_slots_first():
+    o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
+    o2 = job("o2", state="RUNNING", requested="opportunistic", node="n1")  # not in the report yet
+    ds, _ = run(snap([o1, o2], [_placement_node(8)]))
+    assert ds == [SetOppSlots("n1", 4)]  # 2 allocated + (3 free - 1 unseen)
+
+
+# --- upgrade ---------------------------------------------------------------------------------------
+
+
+def _opp_running(job_id="o1", requested="auto", **kw):
+    return job(job_id, state="RUNNING", requested=requested, job_class="opportunistic", node="n1", **kw)
+
+
+def test_upgrade_when_quota_and_gpu_alone():
+    n = node("n1", (gpu(0, o=("o1",)), gpu(1)))
+    ds, _ = run(snap([_opp_running()], [n], quotas={"a": 1}))
+    assert ds == [Upgrade("o1"), SetOppSlots("n1", 4)]
+    assert ds[0].inputs["gpu_indices"] == [0] and "quota again" in ds[0].reason
+
+
+@pytest.mark.parametrize("case", ["guaranteed_shares_gpu", "no_quota", "asked_opportunistic", "not_reported"])
+def test_no_upgrade(case):
+    gpus = (gpu(0, o=("o1",), g=("g1",) if case == "guaranteed_shares_gpu" else ()),)
+    n = node("n1", gpus, in_slurm=99, reported=None if case == "not_reported" else NOW - 1)
+    jobs = [_opp_running(requested="opportunistic" if case == "asked_opportunistic" else "auto")]
+    if case == "no_quota":
+        jobs.append(job("g9", state="RUNNING", job_class="guaranteed", node="n2"))
+    ds, _ = run(snap(jobs, [n], quotas={"a": 1}))
+    assert not any(d.kind == "upgrade" for d in ds)
+
+
+def test_upgrade_uses_quota_so_only_one_of_two_fits():
+    n = node("n1", (gpu(0, o=("o1",)), gpu(1, o=("o2",))), in_slurm=2)
+    ds, _ = run(snap([_opp_running("o1", submit=1), _opp_running("o2", submit=2),
+                      job("o3", state="RUNNING", requested="opportunistic", node="n1")], [n], quotas={"a": 1}))
+    assert [d for d in ds if d.kind == "upgrade"] == [Upgrade("o1")]
+
+
+# --- preemption ------------------------------------------------------------------------------------
+
+
+def _preempt_setup(*opp_jobs, restarts_of=None):
+    g = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
+    n = node("n1", (gpu(0, g=("g1",), o=tuple(j.job_id for j in opp_jobs)),), configured=2,
+             in_slurm=len(opp_jobs))
+    return [g, *opp_jobs], [n]
+
+
+def test_victim_is_the_one_losing_fewest_gpu_seconds():
+    old_ckpt = _opp_running("o1", requested="opportunistic", start=NOW - 5000, ckpt=NOW - 2000)
+    new_ckpt = _opp_running("o2", requested="opportunistic", start=NOW - 9000, ckpt=NOW - 100)
+    jobs, nodes = _preempt_setup(old_ckpt, new_ckpt)
+    ds, st = run(snap(jobs, nodes, needs=[need("g1")]))
+    assert ds == [PreemptNotice("o2", "n1", 30.0)]
+    assert ds[0].inputs["lost_gpu_seconds"] == 100 and set(ds[0].inputs["candidates"]) == {"o1", "o2"}
+    assert st.preempting["o2"].deadline_unix == NOW + 30 and st.preempting["o2"].for_job_id == "g1"
+
+
+def test_lost_gpu_seconds_weigh_gpu_count():
+    two = _opp_running("o1", requested="opportunistic", gpus=2, ckpt=NOW - 500)  # 1000 GPU-s
+    one = _opp_running("o2", requested="opportunistic", gpus=1, ckpt=NOW - 600)  # 600 GPU-s
+    jobs, nodes = _preempt_setup(two, one)
+    ds, _ = run(snap(jobs, nodes, needs=[need("g1")]))
+    assert [d for d in ds if d.kind == "preempt_notice"] == [PreemptNotice("o2", "n1", 30.0)]
+
+
+def test_victim_tie_goes_to_the_youngest():
+    older = _opp_running("o1", requested="opportunistic", start=NOW - 900, ckpt=NOW - 60)
+    younger = _opp_running("o2", requested="opportunistic", start=NOW - 300, ckpt=NOW - 60)
+    jobs, nodes = _preempt_setup(older, younger)
+    assert run(snap(jobs, nodes, needs=[need("g1")]))[0] == [PreemptNotice("o2", "n1", 30.0)]
+
+
+def _notice_then(victim_after, at: float, **snap_kw):
+    victim = _opp_running("o1", requested="opportunistic", start=NOW - 100)
+    jobs, nodes = _preempt_setup(victim)
+    ds, st = run(snap(jobs, nodes, needs=[need("g1")]))
+    assert ds == [PreemptNotice("o1", "n1", 30.0)]
+    later_jobs = [jobs[0], victim_after(victim)] if victim_after else [jobs[0]]
+    return run(snap(later_jobs, nodes, needs=[need("g1")], now=at, **snap_kw), st)
+
+
+def test_requeue_after_the_deadline_exactly_once():
+    same = lambda v: v  # noqa: E731
+    ds, st = _notice_then(same, NOW + 29.9)
+    assert ds == [] and "o1" in st.preempting
+    ds, st = run(snap(*_preempt_setup(_opp_running("o1", requested="opportunistic", start=NOW - 100)),
+                      needs=[need("g1")], now=NOW + 30), st)
+    assert ds == [Requeue("o1")]
+    assert "o1" not in st.preempting and st.requeued["o1"].restarts_at_decision == 0
+    # Slurm has not shown the requeue yet: nothing is sent again, not even a new notice for the need.
+    ds2, st2 = run(snap(*_preempt_setup(_opp_running("o1", requested="opportunistic", start=NOW - 100)),
+                        needs=[need("g1")], now=NOW + 45), st)
+    assert ds2 == [] and "o1" in st2.requeued
+
+
+@pytest.mark.parametrize("after", [
+    lambda v: dataclasses.replace(v, restarts=1),  # restarted meanwhile (e.g. by Slurm itself)
+    lambda v: dataclasses.replace(v, state="COMPLETED"),
+    lambda v: dataclasses.replace(v, job_class="guaranteed"),
+    None,  # gone from Slurm
+])
+def test_no_requeue_when_the_job_restarted_or_ended(after):
+    ds, st = _notice_then(after, NOW + 60)
+    assert not any(d.kind == "requeue" for d in ds)
+    assert "o1" not in st.requeued
+    # Only a new incarnation still on the needed GPU may get a fresh notice, never the old deadline.
+    assert "o1" not in st.preempting or st.preempting["o1"].decided_unix == NOW + 60
+
+
+def _requeued_state():
+    victim = _opp_running("o1", requested="opportunistic", start=NOW - 100)
+    jobs, nodes = _preempt_setup(victim)
+    _, st = run(snap(jobs, nodes, needs=[need("g1")]))
+    ds, st = run(snap(jobs, nodes, needs=[need("g1")], now=NOW + 30), st)
+    assert ds == [Requeue("o1")]
+    return jobs, st
+
+
+def test_make_eligible_once_after_requeue():
+    jobs, st = _requeued_state()
+    pending = job("o1", state="PENDING", requested="opportunistic", restarts=1, submit=0)
+    n = node("n1", (gpu(0, g=("g1",)),), configured=2, in_slurm=2)
+    ds, st = run(snap([jobs[0], pending], [n], now=NOW + 31), st)
+    assert [d for d in ds if d.kind != "set_opp_slots"] == [MakeEligible("o1")]
+    ds, st = run(snap([jobs[0], pending], [n], now=NOW + 32), st)
+    assert not any(d.kind == "make_eligible" for d in ds)
+    running_again = dataclasses.replace(pending, state="RUNNING", node="n1", start_unix=NOW + 33)
+    _, st = run(snap([jobs[0], running_again], [n], now=NOW + 34), st)
+    assert dict(st.requeued) == {} and dict(st.preempting) == {}
+
+
+def test_pending_without_our_requeue_gets_no_make_eligible():
+    ds, _ = run(snap([job("o1", state="PENDING", requested="opportunistic", restarts=3)]))
+    assert ds == []
+
+
+def test_need_stays_served_while_the_sidecar_still_shows_the_victim():
+    jobs, st = _requeued_state()
+    pending = job("o1", state="PENDING", requested="opportunistic", restarts=1)
+    o2 = _opp_running("o2", requested="opportunistic")
+    g1 = jobs[0]
+    stale = node("n1", (gpu(0, g=("g1",), o=("o1", "o2")),), configured=2, in_slurm=1)
+    ds, st = run(snap([g1, pending, o2], [stale], needs=[need("g1")], now=NOW + 31), st)
+    assert not any(d.kind == "preempt_notice" for d in ds)
+    fresh = node("n1", (gpu(0, g=("g1",), o=("o2",)),), configured=2, in_slurm=1)
+    ds, st = run(snap([g1, pending, o2], [fresh], needs=[need("g1")], now=NOW + 32), st)
+    assert [d for d in ds if d.kind == "preempt_notice"] == [PreemptNotice("o2", "n1", 30.0)]
+
+
+def test_never_preempts_guaranteed_or_for_a_non_guaranteed_job():
+    g1 = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
+    g2 = job("g2", state="RUNNING", job_class="guaranteed", node="n1")
+    n = node("n1", (gpu(0, g=("g1",), o=("g2",)),), configured=2, in_slurm=0)  # a confused report
+    assert not run(snap([g1, g2], [n], needs=[need("g1")]))[0]
+    o1 = _opp_running("o1", requested="opportunistic")
+    o2 = _opp_running("o2", requested="opportunistic")
+    n = node("n1", (gpu(0, o=("o1", "o2")),), configured=2, in_slurm=2)
+    assert run(snap([o1, o2], [n], needs=[need("o1"), need("unknown")]))[0] == []
+
+
+def test_two_needs_on_one_gpu_take_two_victims():
+    g1 = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
+    g2 = job("g2", state="RUNNING", job_class="guaranteed", node="n1")
+    o1, o2 = _opp_running("o1", requested="opportunistic"), _opp_running("o2", requested="opportunistic")
+    n = node("n1", (gpu(0, g=("g1", "g2"), o=("o1", "o2")),), configured=2, in_slurm=2)
+    ds, _ = run(snap([g1, g2, o1, o2], [n], needs=[need("g1"), need("g2"), need("g1")]))
+    assert sorted(d.job_id for d in ds if d.kind == "preempt_notice") == ["o1", "o2"]
+
+
+# --- idempotence and state ---------------------------------------------------------------------------
+
+
+def _busy_snapshot(now=NOW):
+    jobs = [job("1", state="RUNNING", job_class="guaranteed", gpus=2), job("2", submit=1), job("3", requested="auto"),
+            _opp_running("o1", requested="opportunistic", start=NOW - 50)] + _preempt_setup()[0][:1]
+    n = node("n1", (gpu(0, g=("g1",), o=("o1",)), gpu(1)), configured=4, in_slurm=4)
+    return snap(jobs, [n], quotas={"a": 2}, needs=[need("g1")], now=now)
+
+
+def test_same_snapshot_and_state_twice_gives_no_duplicates():
+    s = _busy_snapshot()
+    ds1, st1 = run(s)
+    assert kinds(ds1) == [("hold_for_quota", "job:2"), ("preempt_notice", "job:o1"), ("set_class", "job:3"),
+                          ("set_opp_slots", "node:n1")]
+    ds2, st2 = run(s, st1)
+    assert ds2 == []
+    assert run(s, st2)[0] == []
+
+
+def test_unreflected_decision_is_repeated_after_reissue_time():
+    s = _busy_snapshot()
+    ds1, st1 = run(s)
+    later = dataclasses.replace(s, now=NOW + PARAMS.reissue_after_s + 1, needs=())
+    ds2, _ = run(later, st1)
+    assert {("hold_for_quota", "job:2"), ("set_class", "job:3")} <= set(kinds(ds2))
+
+
+def test_forget_retries_a_failed_decision():
+    s = _busy_snapshot()
+    ds1, st1 = run(s)
+    failed = next(d for d in ds1 if d.kind == "set_class")
+    notice = next(d for d in ds1 if d.kind == "preempt_notice")
+    ds2, _ = run(s, st1.forget(failed).forget(notice))
+    assert kinds(ds2) == [("preempt_notice", "job:o1"), ("set_class", "job:3")]
+
+
+def test_state_survives_json_round_trip():
+    _, st = run(_busy_snapshot())
+    _, st = run(_busy_snapshot(NOW + 31), st)
+    text = json.dumps(st.to_json())
+    back = CoordinatorState.from_json(json.loads(text))
+    assert back == st and "o1" in back.requeued
+    assert run(_busy_snapshot(NOW + 32), back)[0] == run(_busy_snapshot(NOW + 32), st)[0]
+
+
+@pytest.mark.parametrize("bad", [[], {"version": 2}, {"version": 1, "preempting": [{"job_id": "1"}]}])
+def test_damaged_state_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="coordinator state"):
+        CoordinatorState.from_json(bad)
+
+
+def test_decisions_are_recorded_for_the_audit_log():
+    ds, _ = run(_busy_snapshot())
+    for d in ds:
+        rec = json.loads(json.dumps(d.as_record()))
+        assert rec["kind"] == d.kind and rec["reason"] and isinstance(rec["inputs"], dict) and rec["inputs"]
+
+
+def test_params_from_config():
+    cfg = cfgmod.parse({"nodes": [{"name": "n[1-2]", "gpus": 4}], "grace_time_s": 45,
+                        "opportunistic": {"queue_to_opportunistic_s": 900},
+                        "tenants": [{"account": "a", "guaranteed_gpus": 3}]})
+    p = PolicyParams.from_config(cfg)
+    assert p.grace_s == 45 and p.slots_per_gpu == cfg.opportunistic.slots_per_gpu
+    assert p.queue_to_opportunistic_s == 900
+    assert PolicyParams.from_config(cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}]})).queue_to_opportunistic_s is None
+    assert p.min_opp_mem_bytes == cfg.sidecar.min_opportunistic_memory_mb * 2 ** 20
+    from slurm_antman.policy import quotas_from_config
+    assert dict(quotas_from_config(cfg)) == {"a": 3}
+
+
+def test_policy_core_is_pure():
+    """No I/O, clock, subprocess or network in the core: the simulator and the daemon share it."""
+    import ast
+    import pathlib
+
+    import slurm_antman.policy as pkg
+
+    forbidden = {"os", "time", "datetime", "subprocess", "socket", "zmq", "pathlib", "shutil", "io", "logging"}
+    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for n in ast.walk(tree):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else (
+                [n.module or ""] if isinstance(n, ast.ImportFrom) else [])
+            for name in names:
+                assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+                assert n.func.id not in ("open", "print", "input"), f"{path.name} calls {n.func.id}()"
