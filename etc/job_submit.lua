@@ -8,8 +8,9 @@ Classifies every job and applies the AntMan policy at submission:
     (none | guaranteed | opportunistic); "none" leaves the job to plain Slurm, untagged.
     A job that gets its class only from default_class and asks for no GPU stays untouched:
     a CPU-only job has nothing to share.
-  * auto resolves to settings.auto_class (guaranteed | opportunistic). The coordinator will
-    resolve auto by tenant quota in a later release; until then the site picks one class.
+  * auto resolves to settings.auto_class (guaranteed | opportunistic) and the tag records the
+    request (antman:class=CLASS;req=auto), so the coordinator can re-resolve it by tenant quota
+    while the job is pending.
   * guaranteed keeps the physical GPU GRES and is tagged AdminComment=antman:class=guaranteed.
     It may not ask for the opportunistic partition.
   * opportunistic has its GPU requests (--gres/--gpus-per-node, and on one node also --gpus,
@@ -346,6 +347,42 @@ local function make_guaranteed(job_desc, s)
   info("%s: class guaranteed", job_label(job_desc))
 end
 
+-- Tenant quota use, written by the coordinator every cycle (antman_quota.lua next to this file:
+-- return { accounts = { research = { quota = 4, used = 3 } } }). Slurm 22.05 cannot move a pending
+-- job's GRES request from gpu to the opportunistic GRES (the old request stays), so auto must be
+-- resolved here, at submission; the file may lag a cycle behind, which the coordinator's quota
+-- holds and upgrades correct.
+local QUOTA_PATH = script_dir() .. "/antman_quota.lua"
+
+local function load_quota()
+  local chunk = loadfile(QUOTA_PATH)
+  if not chunk then return nil end
+  setfenv(chunk, {})
+  local ok, q = pcall(chunk)
+  if not ok or type(q) ~= "table" or type(q.accounts) ~= "table" then return nil end
+  return q
+end
+
+local function resolve_auto(job_desc, s)
+  local q = load_quota()
+  if q == nil then return s.auto_class, "no quota file from the coordinator; site auto_class" end
+  local account = job_desc.account
+  local t = type(account) == "string" and q.accounts[account] or nil
+  if t == nil or type(t.quota) ~= "number" or type(t.used) ~= "number" then
+    return s.auto_class, string.format("account %s has no quota entry; site auto_class", tostring(account))
+  end
+  local want = 0
+  for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
+    if e.name == s.gpu_gres then want = want + (e.count or 1) end
+  end
+  if want == 0 then want = 1 end
+  if t.used + want <= t.quota then
+    return "guaranteed", string.format("tenant %s: %d of %d GPUs in use, needs %d", account, t.used, t.quota, want)
+  end
+  return "opportunistic", string.format("tenant %s over quota: %d of %d GPUs in use, needs %d", account,
+    t.used, t.quota, want)
+end
+
 local function classify(job_desc, s)
   local requested = class_from_env(job_desc.spank_job_env)
   local class = requested
@@ -353,8 +390,9 @@ local function classify(job_desc, s)
     class = s.default_class
     if class ~= "none" and not requests_gpu(job_desc, s) then class = "none" end
   elseif class == "auto" then
-    class = s.auto_class
-    info("%s: class auto resolved to %s", job_label(job_desc), class)
+    local why
+    class, why = resolve_auto(job_desc, s)
+    info("%s: class auto resolved to %s (%s)", job_label(job_desc), class, why)
   elseif class ~= "guaranteed" and class ~= "opportunistic" then
     reject("unknown class %q in ANTMAN_CLASS; allowed: guaranteed, opportunistic, auto", class)
   end
@@ -363,6 +401,8 @@ local function classify(job_desc, s)
     return
   end
   if class == "guaranteed" then make_guaranteed(job_desc, s) else make_opportunistic(job_desc, s) end
+  -- the coordinator resolves auto by tenant quota; it must know the user left the choice open
+  if requested == "auto" then job_desc.admin_comment = job_desc.admin_comment .. ";req=auto" end
 end
 
 ---------------------------------------------------------------------------------------------

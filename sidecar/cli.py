@@ -15,6 +15,7 @@ from .daemon import Sidecar, SidecarOptions
 from .endpoints import EndpointError
 from .local_policy import MiB, PolicyParams
 from .telemetry import TelemetryError, open_telemetry
+from .uplink import uplink_options
 
 log = logging.getLogger("antman.sidecar")
 
@@ -42,7 +43,8 @@ def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
 
 
 def build(conf: cfgmod.AntmanConfig, node: str, socket_dir: Optional[str] = None,
-          telemetry: Optional[str] = None, tick_s: Optional[float] = None) -> Sidecar:
+          telemetry: Optional[str] = None, tick_s: Optional[float] = None, uplink: bool = True) -> Sidecar:
+    """A sidecar for ``node``; with ``uplink`` it reports to the coordinator when keys are configured."""
     groups = conf.node_groups_by_host()
     group = groups.get(node)
     if group is None:
@@ -58,7 +60,7 @@ def build(conf: cfgmod.AntmanConfig, node: str, socket_dir: Optional[str] = None
         utilization_threshold=conf.opportunistic.utilization_threshold,
         utilization_window_s=conf.opportunistic.utilization_window_s,
         tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
-        params=policy_params(conf))
+        params=policy_params(conf), uplink=uplink_options(conf, node) if uplink else None)
     return Sidecar(opt, tele)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import zmq
@@ -25,6 +25,7 @@ from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams,
 from .placement import GpuLoad, choose_gpus
 from .ratelimit import RateLimitedLog
 from .telemetry import GpuSample, ProcessSample, ReportedLoad, Telemetry, UtilizationWindow
+from .uplink import Uplink, UplinkOptions
 
 log = logging.getLogger("antman.sidecar")
 
@@ -44,6 +45,7 @@ class SidecarOptions:
     tick_s: float = 1.0
     opportunistic_throttle: str = "launch"
     params: PolicyParams = PolicyParams()
+    uplink: Optional[UplinkOptions] = None  # None: no coordinator; the sidecar notifies preemptions itself
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Sidecar:
         self._stop = threading.Event()
         self._dirty = False
         self._rlog = RateLimitedLog(log)
+        self._uplink: Optional[Uplink] = None
+        self._report_now = False
         self.started = threading.Event()
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -109,6 +113,10 @@ class Sidecar:
         self._control.bind(p.ipc(self.dir.control_path))
         self.dir.secure_control()
         self._poller.register(self._control, zmq.POLLIN)
+        if self.opt.uplink is not None:
+            self._uplink = Uplink(self._ctx, self.opt.uplink, self.opt.node)
+            self._uplink.open()
+            self._poller.register(self._uplink.socket, zmq.POLLIN)
         self._sample(time.time())
         for rec in self.dir.saved_jobs():
             try:
@@ -132,6 +140,8 @@ class Sidecar:
                 self._send(job.socket, a, p.Bye(reason="sidecar stopping"))
             if job.socket is not None:
                 job.socket.close(0)
+        if self._uplink is not None:
+            self._uplink.close()
         if self._control is not None:
             self._control.close(0)
         self._ctx.term()
@@ -153,6 +163,9 @@ class Sidecar:
                     self._tick(time.time(), mono)
                 elif self._dirty:
                     self._run_policy(time.time())
+                if self._uplink is not None and (self._report_now or self._uplink.report_due(mono)):
+                    self._report_now = False
+                    self._uplink.send_report(self._node_report(), time.monotonic())
         finally:
             self.close()
 
@@ -167,6 +180,8 @@ class Sidecar:
             try:
                 if sock is self._control:
                     self._on_control(frames)
+                elif self._uplink is not None and sock is self._uplink.socket:
+                    self._on_coordinator(frames)
                 else:
                     job = self._sock_job.get(sock)
                     if job is not None:
@@ -287,8 +302,9 @@ class Sidecar:
 
     def _send_preempt(self, job: Job, agent: Agent) -> None:
         assert job.preempt is not None
+        grace = max(0.0, job.preempt.deadline_unix - job.preempt.requested_unix)
         self._send(job.socket, agent, p.Preempt(deadline_unix=job.preempt.deadline_unix,
-                                                grace_s=self.opt.grace_s, reason=job.preempt.reason))
+                                                grace_s=grace, reason=job.preempt.reason))
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -442,6 +458,12 @@ class Sidecar:
             job = self.jobs.get(req.job_id)
             if job is None:
                 continue
+            if self._uplink is not None:
+                # The coordinator chooses the victim cluster-wide and requeues it; it answers with a
+                # preempt_notice, which is what the agent gets.
+                log.warning("job %s: preemption REQUEST to the coordinator: %s", job.job_id, req.reason)
+                self._report_now = True
+                continue
             job.preempt = req
             log.warning("job %s: PREEMPTION requested (deadline in %.0f s): %s", job.job_id,
                         req.deadline_unix - now, req.reason)
@@ -496,3 +518,87 @@ class Sidecar:
                for j in self.jobs.values() if j.preempt is not None]
         return p.NodeStateReply(node=self.opt.node, telemetry=self.telemetry.kind,
                                 sidecar_version=slurm_antman.__version__, gpus=gpus, jobs=jobs, preemptions=pre)
+
+    # --- coordinator uplink -----------------------------------------------------------------
+
+    def _node_report(self) -> p.NodeReport:
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        gpus = [p.ReportGpu(index=s.index, mem_total_bytes=s.memory_total_bytes, mem_used_bytes=s.memory_used_bytes,
+                            util=min(1.0, max(0.0, self.util.average(s.index))),
+                            jobs=[j.job_id for j in self.jobs.values() if s.index in j.gpus])
+                for s in self.gpu_samples]
+        jobs = []
+        for j in self.jobs.values():
+            reports = [a.report.iteration_ms for a in j.agents.values() if a.report is not None]
+            jobs.append(p.ReportJob(
+                job_id=j.job_id, job_class=j.job_class, gpus=list(j.gpus), mem_limit_bytes=j.limits.mem_limit_bytes,
+                mem_used_bytes=sum(self._agent_mem(a, proc_mem) for a in j.agents.values()) if j.agents else None,
+                compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
+                last_checkpoint_unix=None))  # agents do not report checkpoints (yet): the job's start counts
+        pre = [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason, since_unix=r.requested_unix)
+               for r in self.policy_state.preempted.values() if r.job_id in self.jobs]
+        return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,
+                            preempt_requests=pre)
+
+    def _on_coordinator(self, frames: list[bytes]) -> None:
+        assert self._uplink is not None
+        msg = self._uplink.receive(frames)
+        if msg is None:
+            return
+        b = msg.body
+        try:
+            if isinstance(b, p.JobClassUpdate):
+                self._set_class(b)
+            elif isinstance(b, p.PreemptNotice):
+                self._coordinator_preempt(b)
+            elif isinstance(b, p.Bye):
+                log.info("the coordinator said bye: %s", b.reason[:200])
+        except p.ProtocolError as e:
+            self._uplink.reply_error(e.code, e.message, msg.id)
+
+    def _known(self, job_id: str, what: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise p.ProtocolError(p.ErrorCode.unknown_job,
+                                  f"{what}: job {job_id} is not registered on node {self.opt.node}")
+        return job
+
+    def _set_class(self, b: p.JobClassUpdate) -> None:
+        job = self._known(b.job_id, "job_class_update")
+        self._report_now = True
+        if job.job_class == b.job_class:
+            return
+        log.warning("job %s: class %s -> %s (coordinator)", job.job_id, job.job_class, b.job_class)
+        job.job_class = b.job_class
+        if b.job_class == "guaranteed":
+            job.preempt = None
+            self.policy_state = replace(self.policy_state, preempted={
+                k: v for k, v in self.policy_state.preempted.items() if k != job.job_id})
+        self.dir.save_job(job.job_id, job.record())
+        self._run_policy(time.time())
+
+    def _coordinator_preempt(self, b: p.PreemptNotice) -> None:
+        job = self._known(b.job_id, "preempt_notice")
+        if job.job_class != "opportunistic":
+            raise p.ProtocolError(p.ErrorCode.bad_value, f"preempt_notice: job {job.job_id} is {job.job_class} on "
+                                  f"node {self.opt.node}; only opportunistic jobs are preempted")
+        self._report_now = True
+        if job.preempt is not None:
+            return  # a repeated notice keeps the first deadline
+        now = time.time()
+        gpu = job.gpus[0] if job.gpus else 0
+        req = PreemptRequest(job.job_id, gpu, b.reason, now, now + b.grace_s)
+        job.preempt = req
+        # The coordinator's victim answers every request on its GPUs; the local policy asks again if
+        # the room it frees is not enough.
+        on_its_gpus = set(job.gpus)
+        kept = {k: v for k, v in self.policy_state.preempted.items()
+                if v.gpu not in on_its_gpus or (k in self.jobs and self.jobs[k].preempt is not None)}
+        kept[job.job_id] = req
+        self.policy_state = replace(self.policy_state, preempted=kept)
+        log.warning("job %s: PREEMPTION notice from the coordinator (requeue in %.0f s): %s", job.job_id,
+                    b.grace_s, b.reason)
+        for a in job.agents.values():
+            self._send_preempt(job, a)
+        self._run_policy(now)
+

@@ -106,10 +106,18 @@ def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
     return 2
 
 
-def _cmd_sidecar(rest: list[str]) -> int:
-    from sidecar import cli as sidecar_cli
+def _cmd_explain(a: argparse.Namespace) -> int:
+    from .coordinator import explain
 
-    return sidecar_cli.main(rest)
+    return explain.run(a)
+
+
+# Daemons and tools with their own argument parsers: `antman NAME ARGS...` hands ARGS over untouched.
+_PASSTHROUGH = {
+    "sidecar": ("sidecar.cli", "the per-node daemon"),
+    "coordinator": ("slurm_antman.coordinator.daemon", "the cluster coordinator (beside slurmctld)"),
+    "keys": ("slurm_antman.coordinator.keys", "CURVE keys for the sidecar-coordinator link"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,15 +169,24 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("what")
     be.set_defaults(func=None)
 
-    sub.add_parser("sidecar", help="the per-node daemon", add_help=False)
+    ex = sub.add_parser("explain", help="why the coordinator did what it did to a job (audit log)")
+    from .coordinator import explain
+
+    explain.add_arguments(ex)
+    ex.set_defaults(func=_cmd_explain)
+
+    for name, (_, text) in _PASSTHROUGH.items():
+        sub.add_parser(name, help=text, add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Subcommands with their own parsers get the rest of the line untouched.
-    if argv[:1] == ["sidecar"]:
-        return _cmd_sidecar(argv[1:])
+    if argv[:1] and argv[0] in _PASSTHROUGH:
+        import importlib
+
+        return importlib.import_module(_PASSTHROUGH[argv[0]][0]).main(argv[1:])
     if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
         return _cmd_bench(argparse.Namespace(what=argv[1]), argv[2:])
     args = build_parser().parse_args(argv)

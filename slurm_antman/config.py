@@ -125,7 +125,6 @@ class Sidecar(_Strict):
 
 class Coordinator(_Strict):
     endpoint: str = Field(default="tcp://127.0.0.1:17900", description="Where sidecars report.")
-    key_file: Optional[str] = Field(default=None, description="Shared secret for sidecar reports.")
     key_dir: Optional[str] = Field(
         default=None,
         description="ZeroMQ CURVE keys made by `antman keys init`: coordinator.key(_secret), "

@@ -116,8 +116,32 @@ def _which(name: str) -> str:
     return path
 
 
-def dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: str) -> dict:
-    """The antman.yaml of a devcluster: same model as a site's, paths under the cluster directory."""
+COORDINATOR_PORT_OFFSET = 90
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``; mappings merge key by key, anything else replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: str,
+               port_base: int = DEFAULT_PORT_BASE, overrides: dict | None = None) -> dict:
+    """The antman.yaml of a devcluster: same model as a site's, paths under the cluster directory.
+    ``overrides`` (same shape as antman.yaml) is merged on top, e.g. ``{"grace_time_s": 5}``; a
+    mapping under ``nodes`` applies to the one node group (``{"nodes": {"gpu_memory_mb": 2048}}``)."""
+    raw = _base_dev_config(d, nodes, gpus, cpus, antman_command, port_base)
+    if overrides:
+        node_over = overrides.get("nodes")
+        if isinstance(node_over, dict):
+            overrides = {**overrides, "nodes": [_merge(raw["nodes"][0], node_over)]}
+        raw = _merge(raw, overrides)
+    return raw
+
+
+def _base_dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: str, port_base: int) -> dict:
     return {
         "cluster_name": "antmandev",
         "default_class": "none",
@@ -132,6 +156,14 @@ def dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: str) -
             "gpu_files": str(d / "dev" / (f"nvidia[0-{gpus - 1}]" if gpus > 1 else "nvidia0")),
         }],
         "tenants": [{"account": "research", "guaranteed_gpus": gpus}, {"account": "product", "guaranteed_gpus": gpus}],
+        "coordinator": {
+            "endpoint": f"tcp://127.0.0.1:{port_base + COORDINATOR_PORT_OFFSET}",
+            "key_dir": str(d / "keys"),
+            "report_interval_s": 1.0,
+            "audit_log": str(d / "log" / "coordinator-audit.jsonl"),
+            "quota_file": str(d / "etc" / "antman_quota.lua"),
+            "cycle_s": 1.0,
+        },
     }
 
 
@@ -215,9 +247,12 @@ def _spawn(name: str, argv: list[str], env: dict, log: Path) -> Proc:
 
 def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port_base: int = DEFAULT_PORT_BASE,
        plain: bool = False, timeout: float = 90, sidecars: bool = True, extra_slurm_conf: str = "",
-       extra_etc_files: dict[str, str] | None = None) -> Cluster:
+       extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
+       overrides: dict | None = None) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
-    slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them)."""
+    slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
+    ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
+    ``overrides``: antman.yaml fields on top of the devcluster's (see ``dev_config``)."""
     d = Path(d).resolve()
     existing = load(d)
     if existing and all(p.alive() for p in existing.procs if p.name != "munged"):
@@ -238,7 +273,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
             os.mknod(dev, 0o666 | 0o020000, os.makedev(1, 3))
 
     antman_command = f"{sys.executable} -m slurm_antman.cli"
-    raw = dev_config(d, nodes, gpus, cpus, antman_command)
+    raw = dev_config(d, nodes, gpus, cpus, antman_command, port_base, overrides)
     (d / "antman.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     cfg = config_mod.load(d / "antman.yaml")
     cluster = Cluster(d, cfg.nodes[0].hosts, gpus, port_base, plain)
@@ -264,6 +299,13 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         for h in cluster.nodes:
             cluster.procs.append(_spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
                                         d / "log" / f"slurmd-{h}.out"))
+        if not plain and (sidecars or coordinator):
+            from .coordinator import keys as coord_keys
+
+            # `antman keys init` for this cluster: the coordinator admits exactly these sidecars
+            coord_keys.init_keys(cfg.coordinator.key_dir, cluster.nodes)
+        if coordinator and not plain:
+            cluster.procs.append(start_coordinator(cluster, env))
         if sidecars and not plain:
             for h in cluster.nodes:
                 cluster.procs.append(_spawn(
@@ -277,6 +319,21 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         down(d)
         raise
     return cluster
+
+
+def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:
+    """Start (or, after a kill, restart) the coordinator daemon; its log goes to log/coordinator.log."""
+    if env is None:
+        env = cluster.env
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return _spawn("coordinator", [sys.executable, "-m", "slurm_antman.coordinator.daemon", "--config",
+                                  str(cluster.config_path)], env, cluster.dir / "log" / "coordinator.log")
+
+
+def replace_proc(cluster: Cluster, proc: Proc) -> None:
+    """Record ``proc`` in place of the process of the same name (after a restart), so ``down`` stops it."""
+    cluster.procs = [p for p in cluster.procs if p.name != proc.name] + [proc]
+    _state_file(cluster.dir).write_text(json.dumps(cluster.to_json(), indent=2))
 
 
 def wait_ready(cluster: Cluster, timeout: float) -> None:

@@ -1,4 +1,10 @@
-"""The slurm-antman tag in a job's AdminComment: ``antman:class=CLASS[;gpus=NODE:I+J,NODE:K]``.
+"""The slurm-antman tag in a job's AdminComment:
+``antman:class=CLASS[;req=REQUESTED][;hold=quota][;gpus=NODE:I+J,NODE:K]``.
+
+``req`` is what the user asked for when it differs from the class (``auto``, or a guaranteed job the
+coordinator turned opportunistic); without it the request was the class itself. ``hold=quota`` marks
+a job the coordinator holds because its tenant is over quota, so a restarted coordinator (or anyone
+reading squeue) can tell that hold from a user's or admin's own. Unknown fields are kept verbatim.
 
 AdminComment is the place because only admins (slurmctld's job_submit plugin, the root Prolog) may
 write it: a user cannot forge a class, and every Slurm tool can show it.
@@ -7,10 +13,13 @@ write it: a user cannot forge a class, and every Slurm tool can show it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PREFIX = "antman:"
 CLASSES = ("guaranteed", "opportunistic")
+REQUESTS = ("guaranteed", "opportunistic", "auto")
+HOLDS = ("quota",)
+_KNOWN = ("class", "req", "hold", "gpus")
 _NODE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -22,14 +31,39 @@ class TagError(ValueError):
 class JobTag:
     job_class: str
     gpus: dict[str, list[int]] = field(default_factory=dict)
+    requested: str | None = None   # None: the user asked for job_class itself
+    hold: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()  # fields a newer release wrote; kept, not interpreted
+
+    @property
+    def request(self) -> str:
+        """What the user asked for: guaranteed, opportunistic or auto."""
+        return self.requested or self.job_class
 
     def with_gpus(self, node: str, gpus: list[int]) -> "JobTag":
         merged = dict(self.gpus)
         merged[node] = sorted(gpus)
-        return JobTag(self.job_class, merged)
+        return replace(self, gpus=merged)
+
+    def with_class(self, job_class: str) -> "JobTag":
+        if job_class not in CLASSES:
+            raise TagError(f"class {job_class!r} is not one of {', '.join(CLASSES)}")
+        # the first request is the one to remember: a later class change is the coordinator's doing
+        return replace(self, job_class=job_class, requested=self.request if self.request != job_class else None)
+
+    def with_hold(self, hold: str | None) -> "JobTag":
+        if hold is not None and hold not in HOLDS:
+            raise TagError(f"hold {hold!r} is not one of {', '.join(HOLDS)}")
+        return replace(self, hold=hold)
 
     def render(self) -> str:
         out = f"{PREFIX}class={self.job_class}"
+        if self.requested and self.requested != self.job_class:
+            out += f";req={self.requested}"
+        if self.hold:
+            out += f";hold={self.hold}"
+        for k, v in self.extra:
+            out += f";{k}={v}"
         if self.gpus:
             out += ";gpus=" + ",".join(f"{n}:{'+'.join(map(str, g))}" for n, g in sorted(self.gpus.items()))
         return out
@@ -62,4 +96,11 @@ def parse_tag(admin_comment: str | None) -> JobTag | None:
                 gpus[node] = [int(i) for i in idx.split("+")] if idx else []
             except ValueError:
                 raise TagError(f"AdminComment {admin_comment!r}: bad GPU index in {entry!r}") from None
-    return JobTag(cls, gpus)
+    req = fields.get("req") or None
+    if req is not None and req not in REQUESTS:
+        raise TagError(f"AdminComment {admin_comment!r}: req must be one of {', '.join(REQUESTS)}")
+    hold = fields.get("hold") or None
+    if hold is not None and hold not in HOLDS:
+        raise TagError(f"AdminComment {admin_comment!r}: hold must be one of {', '.join(HOLDS)}")
+    extra = tuple((k, v) for k, v in fields.items() if k not in _KNOWN)
+    return JobTag(cls, gpus, None if req == cls else req, hold, extra)

@@ -1,5 +1,5 @@
-"""The slurm-antman ZeroMQ protocol, version 1: messages between the node sidecar, the in-job agents
-and the node's control clients (Prolog, Epilog, CLI). docs/protocol.md is the specification; this
+"""The slurm-antman ZeroMQ protocol, version 1: messages between the node sidecar, the in-job agents,
+the node's control clients (Prolog, Epilog, CLI) and the cluster coordinator. docs/protocol.md is the specification; this
 module is its one implementation, shared by every side.
 
 A message is two ZeroMQ frames: the marker ``b"ANTMAN"`` and a UTF-8 JSON envelope
@@ -34,6 +34,8 @@ AGENT_SOCKET_NAME = "agent.sock"
 ENDPOINT_ENV = "ANTMAN_SIDECAR_ENDPOINT"
 
 JOB_ID_RE = re.compile(r"^[0-9]{1,10}$")
+# Slurm node names; they also become key file names on the coordinator.
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
 ENVELOPE_KEYS = frozenset(("v", "type", "id", "ts", "ref", "body"))
 MAX_ID_LEN = 128
 
@@ -291,10 +293,75 @@ class NodeStateReply(Body):
     preemptions: list = _f(list[PreemptState])
 
 
+# --- uplink: coordinator ROUTER (CURVE server) <-> one DEALER per node sidecar (CURVE client) --------
+
+
+@_dc
+class ReportGpu:
+    index: int = _f(int, ge=0)
+    mem_total_bytes: int = _bytes_()
+    mem_used_bytes: int = _bytes_()
+    util: float = _f(float, ge=0.0, le=1.0)
+    jobs: list = _f(list[str], pattern=JOB_ID_RE)
+
+
+@_dc
+class ReportJob:
+    job_id: str = _job_id()
+    job_class: str = _f(str, choices=JOB_CLASSES)
+    gpus: list = _f(list[int], ge=0)
+    mem_limit_bytes: Optional[int] = _bytes_(nullable=True)
+    mem_used_bytes: Optional[int] = _bytes_(nullable=True)
+    compute_share: float = _f(float, gt=0.0, le=1.0)
+    iteration_ms: Optional[float] = _f(float, ge=0.0, nullable=True)
+    last_checkpoint_unix: Optional[float] = _f(float, ge=0.0, nullable=True)
+
+
+@_dc
+class ReportPreemptRequest:
+    job_id: str = _job_id()
+    gpu: int = _f(int, ge=0)
+    reason: str = _text()
+    since_unix: float = _f(float, ge=0.0)
+
+
+@_dc
+class NodeReport(Body):
+    TYPE: ClassVar[str] = "node_report"
+    node: str = _f(str, pattern=NODE_NAME_RE)
+    telemetry: str = _f(str, choices=TELEMETRY_KINDS)
+    gpus: list = _f(list[ReportGpu])
+    jobs: list = _f(list[ReportJob])
+    preempt_requests: list = _f(list[ReportPreemptRequest])
+
+
+@_dc
+class NodeReportAck(Body):
+    TYPE: ClassVar[str] = "node_report_ack"
+    node: str = _f(str, pattern=NODE_NAME_RE)
+    received_unix: float = _f(float, ge=0.0)
+
+
+@_dc
+class JobClassUpdate(Body):
+    TYPE: ClassVar[str] = "job_class_update"
+    job_id: str = _job_id()
+    job_class: str = _f(str, choices=JOB_CLASSES)
+
+
+@_dc
+class PreemptNotice(Body):
+    TYPE: ClassVar[str] = "preempt_notice"
+    job_id: str = _job_id()
+    grace_s: float = _f(float, ge=0.0, le=86400.0)
+    reason: str = _text()
+
+
 BODY_TYPES: dict[str, type[Body]] = {
     cls.TYPE: cls for cls in (
         Register, Registered, Report, Limits, Ack, Preempt, Heartbeat, Error, Bye,
         JobRegister, JobRegisterReply, JobRetire, JobRetireReply, NodeState, NodeStateReply,
+        NodeReport, NodeReportAck, JobClassUpdate, PreemptNotice,
     )
 }
 
@@ -304,6 +371,9 @@ SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "heartbeat", "e
 CONTROL_REQUESTS = frozenset({"job_register", "job_retire", "node_state", "heartbeat"})
 CONTROL_REPLIES = frozenset({"job_register_reply", "job_retire_reply", "node_state_reply",
                              "heartbeat", "error"})
+SIDECAR_TO_COORDINATOR = frozenset({"node_report", "heartbeat", "error", "bye"})
+COORDINATOR_TO_SIDECAR = frozenset({"node_report_ack", "job_class_update", "preempt_notice", "heartbeat",
+                                    "error", "bye"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,7 +523,7 @@ def _build(cls: type, data: dict, where: str) -> Any:
     return cls(**kwargs)
 
 
-for _cls in (*BODY_TYPES.values(), GpuState, JobState, PreemptState):
+for _cls in (*BODY_TYPES.values(), GpuState, JobState, PreemptState, ReportGpu, ReportJob, ReportPreemptRequest):
     _spec(_cls)
 
 

@@ -218,10 +218,15 @@ def test_no_flag_cpu_job_stays_plain_under_any_default(tmp_path: Path) -> None:
     assert "admin_comment" not in jd and "partition" not in jd
 
 
-def test_auto_uses_auto_class(tmp_path: Path) -> None:
+def test_auto_uses_auto_class_and_records_the_request(tmp_path: Path) -> None:
     jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1"), settings={"auto_class": "opportunistic"}))
-    assert jd["admin_comment"] == "antman:class=opportunistic"
+    assert jd["admin_comment"] == "antman:class=opportunistic;req=auto"
     jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1")))
+    assert jd["admin_comment"] == "antman:class=guaranteed;req=auto"
+
+
+def test_explicit_class_has_no_req_field(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1")))
     assert jd["admin_comment"] == "antman:class=guaranteed"
 
 
@@ -230,7 +235,7 @@ def test_auto_without_auto_class_follows_architecture_rule(tmp_path: Path) -> No
     del s["auto_class"]
     jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1"),
                       settings_text="return " + lua_literal(s)))
-    assert jd["admin_comment"] == "antman:class=opportunistic"
+    assert jd["admin_comment"] == "antman:class=opportunistic;req=auto"
 
 
 def test_unknown_class_rejected_naming_allowed_values(tmp_path: Path) -> None:
@@ -374,3 +379,18 @@ def test_modify_of_other_jobs_passes_without_settings(tmp_path: Path) -> None:
     out = run(tmp_path, desc(time_limit=5), settings={}, call="modify",
               job_rec={"job_id": 9, "admin_comment": "antman:class=guaranteed"})
     accepted(out)
+
+
+def test_auto_resolved_by_coordinator_quota_file(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "antman_quota.lua").write_text(
+        'return { accounts = { ["research"] = { quota = 2, used = 1 }, ["product"] = { quota = 1, used = 1 } } }\n')
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1", account="research")))
+    assert jd["admin_comment"] == "antman:class=guaranteed;req=auto"
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:2", account="research")))
+    assert jd["admin_comment"] == "antman:class=opportunistic;req=auto" and jd["tres_per_node"] == "gres:antman_opp:2"
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1", account="product")))
+    assert jd["admin_comment"] == "antman:class=opportunistic;req=auto"
+    # an account the file does not list falls back to the site's auto_class
+    jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1", account="other")))
+    assert jd["admin_comment"] == "antman:class=guaranteed;req=auto"

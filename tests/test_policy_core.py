@@ -295,7 +295,7 @@ def test_need_stays_served_while_the_sidecar_still_shows_the_victim():
 def test_never_preempts_guaranteed_or_for_a_non_guaranteed_job():
     g1 = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
     g2 = job("g2", state="RUNNING", job_class="guaranteed", node="n1")
-    n = node("n1", (gpu(0, g=("g1",), o=("g2",)),), configured=2, in_slurm=0)  # a confused report
+    n = node("n1", (gpu(0, g=("g1",), o=("g2",)),), configured=2, in_slurm=1)  # a confused report
     assert not run(snap([g1, g2], [n], needs=[need("g1")]))[0]
     o1 = _opp_running("o1", requested="opportunistic")
     o2 = _opp_running("o2", requested="opportunistic")
@@ -401,3 +401,31 @@ def test_policy_core_is_pure():
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
                 assert n.func.id not in ("open", "print", "input"), f"{path.name} calls {n.func.id}()"
+
+
+def test_opp_slots_never_zero_so_submissions_are_not_rejected():
+    # A node whose only GPU is full: no free slot, nothing allocated. Slurm 22.05 would reject new
+    # opportunistic submissions outright at count 0, so the count stays at 1.
+    full = node("n1", (gpu(0, g=("g1",), used_gib=79.9),), configured=2, in_slurm=2)
+    g1 = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
+    ds, _ = run(snap([g1], [full]))
+    assert [(d.node, d.slots) for d in ds if isinstance(d, SetOppSlots)] == [("n1", 1)]
+
+
+def test_make_eligible_survives_the_completing_step_after_requeue():
+    """Slurm shows the higher restart count while the requeued job is still COMPLETING (its Epilog
+    runs); the job only then turns PENDING, and must still be made eligible then."""
+    g = job("g1", state="RUNNING", job_class="guaranteed", node="n1", start=NOW - 100)
+    o = job("o1", state="RUNNING", requested="opportunistic", node="n1", start=NOW - 50)
+    n = node("n1", (gpu(0, g=("g1",), o=("o1",)),), configured=2, in_slurm=2)
+    ds, st = run(snap([g, o], [n], needs=[need("g1")]))
+    assert [d.kind for d in ds if d.kind == "preempt_notice"] == ["preempt_notice"]
+    later = NOW + PARAMS.grace_s + 1
+    ds, st = decide(snap([g, o], [n], now=later), st, PARAMS)
+    assert any(d.kind == "requeue" for d in ds)
+    completing = dataclasses.replace(o, state="COMPLETING", restarts=1)
+    ds, st = decide(snap([g, completing], [n], now=later + 1), st, PARAMS)
+    assert not any(d.kind == "make_eligible" for d in ds)
+    pending = dataclasses.replace(o, state="PENDING", restarts=1, node=None)
+    ds, st = decide(snap([g, pending], [n], now=later + 2), st, PARAMS)
+    assert [d.job_id for d in ds if d.kind == "make_eligible"] == ["o1"]

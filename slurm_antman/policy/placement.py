@@ -23,6 +23,9 @@ def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
     return used
 
 
+MIN_SLOTS_PER_NODE = 1
+
+
 def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpus: Collection[int]) -> tuple[int, dict]:
     """The GRES count for ``node``: slots Slurm has allocated plus the free slots of qualifying GPUs.
 
@@ -45,7 +48,11 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
             if n_opp < slots:
                 free += slots - n_opp
     unseen = max(0, slurm_in_use - reported)
-    total = slurm_in_use + max(0, free - unseen)
+    # Never 0: slurmctld 22.05 rejects at submission ("Requested node configuration is not
+    # available") a GRES request that no node is configured to satisfy, instead of queueing it. So
+    # a node without room still admits one opportunistic job, which the sidecar then shrinks or has
+    # preempted; the alternative would be to lose submissions.
+    total = max(MIN_SLOTS_PER_NODE, slurm_in_use + max(0, free - unseen))
     return total, {"free_slots": free, "slurm_in_use": slurm_in_use, "reported_in_use": reported,
                    "unseen": unseen, "gpus_qualifying": qualifying,
                    "gpus_with_need": sorted(busy_gpus)}

@@ -96,7 +96,11 @@ def _advance_requeued(state: CoordinatorState, jobs: Mapping[str, JobView], out:
                 out.touched.add(r.job_id)
                 r = replace(r, made_eligible=True)
             out.requeued[r.job_id] = r
-        # Any other state with a higher restart count: it runs again (or is on its way), we are done.
+        elif job.state not in ("RUNNING", "CONFIGURING"):
+            # COMPLETING (its Epilog still runs) or REQUEUED: Slurm counted the restart before the
+            # job is PENDING again; keep watching so it still gets its MakeEligible.
+            out.requeued[r.job_id] = r
+        # Running again: we are done with it.
 
 
 def _served(out: PreemptionOutcome, nodes: Mapping[str, NodeView]) -> set[tuple[str, int, str]]:

@@ -1,0 +1,274 @@
+"""The coordinator daemon: every ``coordinator.cycle_s`` it builds a snapshot from Slurm and the
+sidecars' reports, runs the policy core, carries the decisions out, and writes each to the audit log.
+
+Restart safety: the policy's CoordinatorState is written to the audit log after every cycle that
+changed it, and a restarted daemon starts from the last one written, replaying the decisions logged
+after it. The executor re-checks Slurm before every action (a Requeue only while the job's restart
+count is the one seen at the decision), so a cycle cut short by SIGKILL and run again does nothing
+twice. A failed decision is audited with its error and retried on the next cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Any, Callable, Optional
+
+from slurm_antman import config as cfgmod
+from slurm_antman import protocol as p
+from slurm_antman.policy import (HOLDING_STATES, CoordinatorState, PolicyParams, Preemption, Requeued,
+                                 decide)
+from slurm_antman.slurm import CliBackend, SlurmError
+
+from . import audit, snapshot_builder
+from .executor import Executor
+
+log = logging.getLogger("antman.coordinator")
+
+
+def params_from_config(cfg: cfgmod.AntmanConfig) -> PolicyParams:
+    params = PolicyParams.from_config(cfg)
+    if cfg.coordinator.queue_to_opportunistic_s is not None:
+        params = replace(params, queue_to_opportunistic_s=cfg.coordinator.queue_to_opportunistic_s)
+    return params
+
+
+def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:
+    """The state a killed coordinator had: its last ``state`` record plus the preemption decisions
+    carried out after it. Returns (state, number of records replayed)."""
+    state = CoordinatorState.empty()
+    after: list[dict] = []
+    for rec in audit.read(path):
+        if rec["kind"] == "state":
+            try:
+                state = CoordinatorState.from_json(rec["state"])
+                after = []
+            except (ValueError, KeyError) as e:
+                log.warning("audit log %s: unreadable state record at %s: %s", path, rec.get("ts"), e)
+        elif rec.get("outcome") == "ok":
+            after.append(rec)
+    pre = dict(state.preempting)
+    req = dict(state.requeued)
+    for rec in after:
+        job_id = str(rec.get("job_id", ""))
+        params = rec.get("params") or {}
+        inputs = rec.get("inputs") or {}
+        ts = float(rec.get("ts", 0.0))
+        if rec["kind"] == "preempt_notice" and job_id not in pre:
+            pre[job_id] = Preemption(job_id, str(params.get("node", "")), ts,
+                                     ts + float(params.get("grace_s", grace_s)), int(rec.get("restarts") or 0),
+                                     str(rec.get("reason", "")), int(inputs.get("gpu", -1)),
+                                     str(inputs.get("for_job_id", "")))
+        elif rec["kind"] == "requeue" and job_id in pre:
+            was = pre.pop(job_id)
+            req[job_id] = Requeued(job_id, was.node, was.gpu, was.for_job_id, ts, was.restarts_at_decision)
+        elif rec["kind"] == "make_eligible" and job_id in req:
+            req[job_id] = replace(req[job_id], made_eligible=True)
+    state = replace(state, preempting=MappingProxyType(pre), requeued=MappingProxyType(req))
+    return state, len(after)
+
+
+def quota_use(snap: Any) -> dict[str, int]:
+    """GPUs each account holds or is about to hold as guaranteed (running, or pending and not held)."""
+    used: dict[str, int] = {}
+    for j in snap.jobs:
+        if j.job_class != "guaranteed":
+            continue
+        if j.state in HOLDING_STATES or (j.state == "PENDING" and not j.held_for_quota):
+            used[j.account] = used.get(j.account, 0) + j.gpus
+    return used
+
+
+def quota_lua(snap: Any) -> str:
+    used = quota_use(snap)
+    rows = "".join(f'    ["{a}"] = {{ quota = {int(q)}, used = {used.get(a, 0)} }},\n'
+                   for a, q in sorted(snap.quotas.items()))
+    return "-- written by the slurm-antman coordinator every cycle; read by job_submit.lua\n" \
+           f"return {{ accounts = {{\n{rows}}} }}\n"
+
+
+class Coordinator:
+    def __init__(self, cfg: cfgmod.AntmanConfig, backend: Optional[CliBackend] = None, hub: Any = None,
+                 clock: Callable[[], float] = time.time):
+        self.cfg = cfg
+        self.backend = backend or CliBackend(gres_name=cfg.slurm.gpu_gres)
+        self.hub = hub
+        self.clock = clock
+        self.params = params_from_config(cfg)
+        self.audit = audit.AuditLog(cfg.coordinator.audit_log)
+        self.executor = Executor(self.backend, cfg, hub, clock)
+        self.state = CoordinatorState.empty()
+        self.reports: dict[str, Any] = {}
+        self._class_sent: dict[tuple[str, str], float] = {}
+        self._persisted: Optional[dict] = None
+        self._quota_text: Optional[str] = None
+        self._stop = threading.Event()
+        self.cycles = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.state, replayed = restore_state(self.cfg.coordinator.audit_log, self.params.grace_s)
+        self._persisted = self.state.to_json()
+        if self.hub is not None:
+            self.hub.start()
+        self.audit.append({"ts": round(self.clock(), 3), "kind": "coordinator", "event": "start",
+                           "preempting": sorted(self.state.preempting), "requeued": sorted(self.state.requeued),
+                           "replayed": replayed, "uplink": self.hub is not None})
+        log.info("coordinator started: %d preemption(s) in progress, %d requeued job(s) remembered; audit log %s",
+                 len(self.state.preempting), len(self.state.requeued), self.cfg.coordinator.audit_log)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        if self.hub is not None:
+            self.hub.close()
+        self.audit.append({"ts": round(self.clock(), 3), "kind": "coordinator", "event": "stop"})
+        self.audit.close()
+
+    def serve_forever(self) -> None:
+        next_cycle = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                wait = max(0.0, next_cycle - time.monotonic())
+                if self.hub is not None:
+                    self._take(self.hub.poll(min(wait, 0.2)))
+                else:
+                    self._stop.wait(min(wait, 0.2))
+                if time.monotonic() >= next_cycle:
+                    next_cycle = time.monotonic() + self.cfg.coordinator.cycle_s
+                    self.run_cycle()
+        finally:
+            self.close()
+
+    def _take(self, reports: list) -> None:
+        for r in reports:
+            self.reports[r.node] = r
+
+    # -- one cycle ---------------------------------------------------------------------------
+    def run_cycle(self) -> list[tuple[Any, Any]]:
+        """One decision cycle; returns (decision, outcome) pairs. Never raises for Slurm trouble."""
+        self.cycles += 1
+        now = self.clock()
+        try:
+            jobs = self.backend.jobs()
+            nodes = self.backend.nodes()
+        except SlurmError as e:
+            log.warning("cycle skipped: cannot read Slurm: %s", e)
+            return []
+        snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now)
+        try:
+            decisions, new_state = decide(snap, self.state, self.params)
+        except Exception:  # noqa: BLE001 - a policy bug must not end the daemon; the state is kept
+            log.exception("policy core failed on this cycle's snapshot")
+            return []
+        done = []
+        for d in decisions:
+            outcome = self.executor.execute(d, new_state)
+            rec = audit.decision_record(d, outcome.outcome, self.clock(), outcome.error, outcome.detail)
+            if outcome.restarts is not None:
+                rec["restarts"] = outcome.restarts
+            self.audit.append(rec)
+            level = logging.WARNING if outcome.failed else logging.INFO
+            log.log(level, "%s %s: %s [%s%s]", d.kind, getattr(d, "job_id", getattr(d, "node", "")), d.reason,
+                    outcome.outcome, f": {outcome.error}" if outcome.error else "")
+            if outcome.failed:
+                new_state = new_state.forget(d)
+            done.append((d, outcome))
+        self.state = new_state
+        self._persist()
+        self._write_quota(snap)
+        self._sync_classes(jobs)
+        return done
+
+    def _write_quota(self, snap: Any) -> None:
+        path = self.cfg.coordinator.quota_file
+        if not path:
+            return
+        text = quota_lua(snap)
+        if text == self._quota_text:
+            return
+        try:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)  # job_submit.lua reads it at any moment: whole or not at all
+            self._quota_text = text
+        except OSError as e:
+            log.warning("cannot write the quota file %s: %s", path, e)
+
+    def _persist(self) -> None:
+        data = self.state.to_json()
+        if data != self._persisted:
+            self.audit.append({"ts": round(self.clock(), 3), "kind": "state", "state": data})
+            self._persisted = data
+
+    def _sync_classes(self, jobs: list) -> None:
+        """A running job Slurm calls guaranteed that its sidecar still treats as opportunistic (an
+        upgrade whose message was lost, or a sidecar restart) gets its job_class_update again."""
+        if self.hub is None:
+            return
+        running = {str(j.job_id): j.antman_class for j in jobs if j.state == "RUNNING"}
+        for node, rep in self.reports.items():
+            for rj in rep.jobs:
+                want = running.get(rj.job_id)
+                if want != "guaranteed" or rj.job_class == want:
+                    continue
+                key = (node, rj.job_id)
+                if self._class_sent.get(key) == rep.received_unix:
+                    continue  # once per report: the next report shows whether it took
+                self._class_sent[key] = rep.received_unix
+                if self.hub.send(node, p.JobClassUpdate(job_id=rj.job_id, job_class=want)):
+                    log.info("job %s: re-sent job_class_update %s to %s", rj.job_id, want, node)
+
+
+def make_hub(cfg: cfgmod.AntmanConfig) -> Any:
+    if cfg.coordinator.key_dir is None:
+        log.warning("coordinator.key_dir is not set: no sidecar uplink; quotas and classes only "
+                    "(no placement from measurements, no preemption)")
+        return None
+    from .hub import SidecarHub
+
+    return SidecarHub(cfg)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="antman coordinator", description="the cluster coordinator daemon")
+    ap.add_argument("--config", default=None, help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import os
+
+    a = _parser().parse_args(argv)
+    logging.basicConfig(level=a.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    path = a.config or os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml")
+    try:
+        cfg = cfgmod.load(path)
+    except cfgmod.ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    try:
+        hub = make_hub(cfg)
+        coord = Coordinator(cfg, hub=hub)
+        coord.start()
+    except Exception as e:  # noqa: BLE001 - one clear line for the admin
+        print(f"antman coordinator: cannot start: {e}", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: coord.stop())
+    coord.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

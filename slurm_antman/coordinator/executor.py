@@ -1,0 +1,280 @@
+"""Carries out policy decisions in Slurm (and over the sidecar uplink).
+
+Every step reads the job or node back from Slurm first and does nothing when Slurm already shows
+the result, or when the job has moved on (finished, started, requeued by someone else). That makes
+each decision idempotent, which is what lets a restarted coordinator replay a cycle safely: a
+Requeue whose job's restart count already went up is skipped, never sent twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+from slurm_antman import protocol as p
+from slurm_antman.config import AntmanConfig
+from slurm_antman.jobtag import JobTag, TagError, parse_tag
+from slurm_antman.policy import (CoordinatorState, HoldForQuota, MakeEligible, PreemptNotice, ReleaseHold,
+                                 Requeue, SetClass, SetOppSlots, Upgrade)
+from slurm_antman.slurm import CliBackend, SlurmError
+from slurm_antman.slurm.models import Job
+
+log = logging.getLogger("antman.coordinator.executor")
+
+HELD_BY_ADMIN = "JobHeldAdmin"
+# `#SBATCH --signal=[{R|B}:]SIG[@TIME]` (sbatch(1)); submitit and Lightning write it this way.
+_SIGNAL_LINE = re.compile(r"^#SBATCH\s+--signal[= ]\s*(?:(?P<flags>[RB]+):)?(?P<sig>[A-Za-z0-9]+)(?:@\d+)?\s*$",
+                          re.M)
+
+
+class Hub(Protocol):
+    def send(self, node: str, body: p.Body) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    outcome: str                  # ok | skipped | error
+    detail: str = ""
+    error: Optional[str] = None
+    restarts: Optional[int] = None  # the job's Slurm restart count when the decision was carried out
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome == "error"
+
+
+def ok(detail: str = "", restarts: Optional[int] = None) -> Outcome:
+    return Outcome("ok", detail, None, restarts)
+
+
+def skipped(detail: str, restarts: Optional[int] = None) -> Outcome:
+    return Outcome("skipped", detail, None, restarts)
+
+
+def failed(error: str) -> Outcome:
+    return Outcome("error", "", error)
+
+
+def gres_count(tres: str, names: tuple[str, ...]) -> int:
+    """GPUs per node in a TresPerNode string (``gres:gpu:2`` / ``gres:gpu:a100:2`` / ``gpu:2``)."""
+    total = 0
+    for entry in filter(None, (tres or "").split(",")):
+        parts = entry.removeprefix("gres:").split(":")
+        if parts[0] in names:
+            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return total
+
+
+def retarget_tres(tres: str, from_names: tuple[str, ...], to_name: str) -> str:
+    """TresPerNode with every GPU-like entry folded into one ``gres:TO:N`` (a GPU type is dropped:
+    opportunistic slots are untyped)."""
+    count = gres_count(tres, from_names)
+    kept = [e for e in filter(None, (tres or "").split(",")) if e.removeprefix("gres:").split(":")[0] not in from_names]
+    return ",".join([*kept, f"gres:{to_name}:{max(count, 1)}"])
+
+
+def job_signal(script: str) -> Optional[tuple[str, bool]]:
+    """The ``--signal`` a batch script asks for: (signal, batch shell only)."""
+    m = None
+    for m in _SIGNAL_LINE.finditer(script):
+        pass  # sbatch lets the last one win
+    if m is None:
+        return None
+    sig = m.group("sig").upper()
+    return sig.removeprefix("SIG") if not sig.isdigit() else sig, "B" in (m.group("flags") or "")
+
+
+class Executor:
+    """``execute(decision, state)`` -> :class:`Outcome`; never raises for a Slurm or sidecar failure."""
+
+    def __init__(self, backend: CliBackend, config: AntmanConfig, hub: Optional[Hub] = None,
+                 clock: Callable[[], float] = None):  # type: ignore[assignment]
+        import time
+
+        self.backend = backend
+        self.cfg = config
+        self.hub = hub
+        self.clock = clock or time.time
+        names = config.slurm
+        self.gpu_names = (names.gpu_gres, names.opportunistic_gres)
+
+    # -- entry point -------------------------------------------------------------------------
+    def execute(self, decision: Any, state: Optional[CoordinatorState] = None) -> Outcome:
+        handler = getattr(self, "_" + decision.kind, None)
+        if handler is None:
+            return failed(f"no executor for decision kind {decision.kind!r}")
+        try:
+            return handler(decision, state)
+        except SlurmError as e:
+            return failed(str(e))
+        except (TagError, ValueError) as e:
+            return failed(f"{type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - a bug costs one decision (audited), not the daemon
+            log.exception("executing %s failed", decision.kind)
+            return failed(f"internal error: {type(e).__name__}: {e}")
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _job(self, job_id: str) -> Job:
+        return self.backend.job(int(job_id))
+
+    @staticmethod
+    def _tag(job: Job) -> JobTag:
+        tag = parse_tag(job.admin_comment)
+        if tag is None:
+            raise TagError(f"job {job.job_id} carries no slurm-antman tag in AdminComment "
+                           f"({job.admin_comment or 'empty'}); it is plain Slurm and not the coordinator's to change")
+        return tag
+
+    def _scontrol(self, *args: str, job_id: Optional[int] = None) -> None:
+        self.backend._run(["scontrol", *args], job_id=job_id)  # shares the adapter's error mapping
+
+    def _send(self, node: str, body: p.Body) -> bool:
+        if self.hub is None:
+            return False
+        try:
+            return self.hub.send(node, body)
+        except Exception as e:  # noqa: BLE001 - an uplink problem must not stop a Slurm action
+            log.warning("sending %s to node %s failed: %s", body.TYPE, node, e)
+            return False
+
+    # -- decisions ---------------------------------------------------------------------------
+    def _set_class(self, d: SetClass, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "PENDING":
+            return skipped(f"job is {job.state}, no longer pending; its class stays {job.antman_class}")
+        tag = self._tag(job)
+        held = tag.hold == "quota"
+        if tag.job_class == d.to_class and not (d.release_hold and held):
+            return skipped(f"already {d.to_class}")
+        s = self.cfg.slurm
+        new_tag = tag.with_class(d.to_class)
+        if d.release_hold:
+            new_tag = new_tag.with_hold(None)
+        fields: dict[str, Any] = {"AdminComment": new_tag.render()}
+        if tag.job_class != d.to_class:
+            if d.to_class == "opportunistic":
+                fields.update(TresPerNode=retarget_tres(job.tres_per_node, self.gpu_names, s.opportunistic_gres),
+                              Partition=s.opportunistic_partition, Requeue=1)
+                if s.opportunistic_qos:
+                    fields["QOS"] = s.opportunistic_qos
+            else:
+                fields.update(TresPerNode=retarget_tres(job.tres_per_node, self.gpu_names, s.gpu_gres),
+                              Partition=s.guaranteed_partition)
+        self.backend.update(job.job_id, **fields)
+        if d.release_hold and job.reason == HELD_BY_ADMIN:
+            self.backend.release(job.job_id)
+        return ok(" ".join(f"{k}={v}" for k, v in fields.items()))
+
+    def _hold_for_quota(self, d: HoldForQuota, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "PENDING":
+            return skipped(f"job is {job.state}, no longer pending")
+        tag = self._tag(job)
+        if tag.hold == "quota" and job.reason == HELD_BY_ADMIN:
+            return skipped("already held for quota")
+        # One RPC: Priority=0 is Slurm's admin hold, and the tag says whose hold it is.
+        comment = tag.with_hold("quota").render()
+        self.backend.update(job.job_id, Priority=0, AdminComment=comment)
+        return ok(f"Priority=0 AdminComment={comment}")
+
+    def _release_hold(self, d: ReleaseHold, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        tag = self._tag(job)
+        done = []
+        if job.state == "PENDING" and job.reason == HELD_BY_ADMIN and tag.hold == "quota":
+            self.backend.release(job.job_id)
+            done.append("released")
+        if tag.hold is not None:
+            comment = tag.with_hold(None).render()
+            self.backend.update(job.job_id, AdminComment=comment)
+            done.append(f"AdminComment={comment}")
+        return ok(", ".join(done)) if done else skipped("not held for quota")
+
+    def _set_opp_slots(self, d: SetOppSlots, state: Any) -> Outcome:
+        opp = self.cfg.slurm.opportunistic_gres
+        node = next((n for n in self.backend.nodes() if n.name == d.node), None)
+        if node is None:
+            return failed(f"node {d.node} is not in sinfo")
+        current = node.gres.get(opp)
+        if current == d.slots:
+            return skipped(f"{opp} already {d.slots}")
+        raw = str(node.raw.get("gres") or "")
+        entries = [e for e in raw.split(",") if e and e.split(":")[0] != opp and not e.startswith("(")]
+        # sinfo may append "(S:0-1)" socket info to a GPU entry; scontrol does not take it back
+        entries = [re.sub(r"\(.*?\)", "", e) for e in entries]
+        gres = ",".join([*entries, f"{opp}:{d.slots}"])
+        self._scontrol("update", f"NodeName={d.node}", f"Gres={gres}")
+        return ok(f"Gres={gres} (was {opp}:{current})")
+
+    def _upgrade(self, d: Upgrade, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "RUNNING":
+            return skipped(f"job is {job.state}, not running")
+        tag = self._tag(job)
+        nodes = job.nodes or list(tag.gpus)
+        if tag.job_class == "guaranteed":
+            return skipped("already guaranteed", job.restarts)
+        # The sidecar first: if it cannot be told, nothing changes and the next cycle tries again,
+        # rather than Slurm calling a job guaranteed that its node still throttles.
+        unreached = [n for n in nodes if not self._send(n, p.JobClassUpdate(job_id=d.job_id, job_class="guaranteed"))]
+        if unreached:
+            return failed(f"sidecar of node(s) {', '.join(unreached)} not reachable; job stays opportunistic")
+        comment = tag.with_class("guaranteed").render()
+        self.backend.update(job.job_id, AdminComment=comment)
+        return ok(f"AdminComment={comment}; job_class_update sent to {', '.join(nodes)}", job.restarts)
+
+    def _preempt_notice(self, d: PreemptNotice, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "RUNNING":
+            return skipped(f"job is {job.state}, not running", job.restarts)
+        sent = self._send(d.node, p.PreemptNotice(job_id=d.job_id, grace_s=float(d.grace_s), reason=d.reason[:1000]))
+        notes = [f"preempt_notice {'sent to' if sent else 'NOT delivered to'} {d.node}'s sidecar"]
+        sig = self._signal_of(job)
+        if sig is not None:
+            name, batch_only = sig
+            argv = ["scancel", f"--signal={name}", "--batch" if batch_only else "--full", str(job.job_id)]
+            self.backend._run(argv, job_id=job.job_id)
+            notes.append(f"signal {name} sent to the {'batch step' if batch_only else 'job'}")
+        else:
+            # No --signal of its own: no early SIGTERM either. A job killed by it before the deadline
+            # would end (not be requeued) and be lost; Slurm's requeue sends SIGTERM itself.
+            notes.append("job has no --signal; Slurm's requeue will send SIGTERM")
+        notes.append(f"requeue in {d.grace_s:g} s")
+        return ok("; ".join(notes), job.restarts)
+
+    def _signal_of(self, job: Job) -> Optional[tuple[str, bool]]:
+        try:
+            r = self.backend._run(["scontrol", "write", "batch_script", str(job.job_id), "-"], job_id=job.job_id)
+        except SlurmError as e:
+            log.info("job %s: cannot read its batch script for --signal: %s", job.job_id, e)
+            return None
+        return job_signal(r.stdout)
+
+    @staticmethod
+    def _expected_restarts(job_id: str, state: Any) -> Optional[int]:
+        for table in ("requeued", "preempting"):
+            entry = getattr(state, table, {}).get(job_id) if state is not None else None
+            if entry is not None:
+                return int(entry.restarts_at_decision)
+        return None
+
+    def _requeue(self, d: Requeue, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        expected = self._expected_restarts(d.job_id, state)
+        if expected is not None and job.restarts != expected:
+            return skipped(f"restart count is {job.restarts}, was {expected} at the decision: "
+                           "already requeued, not again", job.restarts)
+        if job.state not in ("RUNNING", "SUSPENDED", "CONFIGURING"):
+            return skipped(f"job is {job.state}; nothing to requeue", job.restarts)
+        self.backend.requeue(job.job_id)
+        return ok(f"scontrol requeue (Restarts {job.restarts} -> {job.restarts + 1})", job.restarts)
+
+    def _make_eligible(self, d: MakeEligible, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "PENDING":
+            return skipped(f"job is {job.state}", job.restarts)
+        # A requeued job waits ~121 s (Reason=BeginTime); StartTime=now lifts that at once.
+        self.backend.update(job.job_id, StartTime="now")
+        return ok("StartTime=now", job.restarts)

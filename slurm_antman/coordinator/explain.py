@@ -1,0 +1,95 @@
+"""``antman explain JOBID [--json]``: the coordinator's decisions about one job, in order, with why.
+
+Reads only the audit log, so it works while the coordinator is down and shows history Slurm has
+already forgotten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Iterable, Optional
+
+from slurm_antman import config as cfgmod
+
+from . import audit
+
+_VERBS = {
+    "set_class": "class set to {to_class}",
+    "hold_for_quota": "held: tenant over quota",
+    "release_hold": "hold released",
+    "upgrade": "upgraded to guaranteed (no restart)",
+    "preempt_notice": "preemption notice (grace {grace_s:g} s) on {node}",
+    "requeue": "requeued",
+    "make_eligible": "made eligible again at once",
+}
+
+
+def records_for(job_id: str, records: Iterable[dict]) -> list[dict]:
+    return [r for r in records if str(r.get("job_id", "")) == job_id and r.get("kind") in _VERBS]
+
+
+def _line(r: dict) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(r.get("ts", 0))))
+    try:
+        what = _VERBS[r["kind"]].format(**(r.get("params") or {}), node=r.get("node", "?"))
+    except (KeyError, ValueError):
+        what = r["kind"]
+    out = f"{when}  {what}"
+    if r.get("outcome") != "ok":
+        out += f"  [{r.get('outcome')}: {r.get('error') or r.get('detail') or ''}]"
+    out += f"\n    why: {r.get('reason') or '(no reason recorded)'}"
+    inputs = r.get("inputs") or {}
+    if inputs:
+        out += "\n    based on: " + ", ".join(f"{k}={v}" for k, v in inputs.items())
+    if r.get("outcome") == "ok" and r.get("detail"):
+        out += f"\n    done: {r['detail']}"
+    return out
+
+
+def explain(job_id: str, audit_path: str, as_json: bool = False) -> tuple[str, int]:
+    """(text to print, exit status): 0 with decisions, 1 when the log has none about the job."""
+    recs = records_for(job_id, audit.read(audit_path))
+    if as_json:
+        return json.dumps({"job_id": job_id, "audit_log": audit_path, "decisions": recs}, indent=2), 0 if recs else 1
+    if not recs:
+        return (f"job {job_id}: no coordinator decision about this job in {audit_path} "
+                "(it kept the class it was submitted with)"), 1
+    return f"job {job_id}: {len(recs)} coordinator decision(s)\n" + "\n".join(_line(r) for r in recs), 0
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("job_id", help="Slurm job id")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--config", default=None, help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
+    ap.add_argument("--audit-log", default=None, help="read this audit log instead of the configured one")
+
+
+def run(a: argparse.Namespace) -> int:
+    if not a.job_id.isdigit():
+        print(f"antman explain: job id {a.job_id!r} is not a number", file=sys.stderr)
+        return 2
+    path = a.audit_log
+    if path is None:
+        try:
+            cfg = cfgmod.load(a.config or os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml"))
+        except cfgmod.ConfigError as e:
+            print(str(e), file=sys.stderr)
+            return 2
+        path = cfg.coordinator.audit_log
+    text, rc = explain(a.job_id, path, a.json)
+    print(text)
+    return rc
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="antman explain", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

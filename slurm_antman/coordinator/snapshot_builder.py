@@ -1,0 +1,88 @@
+"""Builds the policy core's Snapshot from what the coordinator can see: Slurm's jobs and nodes (the
+truth about jobs) and the latest report of each node's sidecar (the truth about GPUs)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Optional
+
+from slurm_antman.config import AntmanConfig
+from slurm_antman.jobtag import TagError, parse_tag
+from slurm_antman.policy import GpuView, JobView, NodeView, PreemptNeed, Snapshot, quotas_from_config
+from slurm_antman.slurm.models import Job, Node
+
+from .executor import HELD_BY_ADMIN, gres_count
+
+
+def _unix(dt: Any) -> Optional[float]:
+    return dt.timestamp() if dt is not None else None
+
+
+def job_view(job: Job, cfg: AntmanConfig, checkpoints: Mapping[str, float]) -> JobView:
+    try:
+        tag = parse_tag(job.admin_comment)
+    except TagError:
+        tag = None  # a damaged tag: treat the job as Slurm's parser does (class from squeue), request unknown
+    requested = tag.request if tag is not None else ("none" if job.antman_class == "none" else job.antman_class)
+    per_node = gres_count(job.tres_per_node, (cfg.slurm.gpu_gres, cfg.slurm.opportunistic_gres))
+    held = tag is not None and tag.hold == "quota" and job.state == "PENDING" and job.reason == HELD_BY_ADMIN
+    job_id = str(job.job_id)
+    return JobView(
+        job_id=job_id, account=job.account, user=job.user, state=job.state, requested=requested,
+        job_class=job.antman_class, gpus=per_node * max(1, len(job.nodes)),
+        node=job.nodes[0] if job.nodes else None,
+        submit_unix=_unix(job.submit_time) or 0.0,
+        start_unix=_unix(job.start_time) if job.state != "PENDING" else None,
+        restarts=job.restarts, last_checkpoint_unix=checkpoints.get(job_id), held_for_quota=held)
+
+
+def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, Any], slurm_class: Mapping[str, str],
+               now: float) -> tuple[NodeView, ...]:
+    in_slurm = {n.name: n.gres.get(cfg.slurm.opportunistic_gres, 0) for n in nodes}
+    out = []
+    for host, group in sorted(cfg.node_groups_by_host().items()):
+        configured = group.gpus * cfg.opportunistic.slots_per_gpu
+        rep = reports.get(host)
+        # A report with no GPUs (a sidecar before its first telemetry sample) says nothing about room.
+        if rep is None or now - rep.received_unix > cfg.coordinator.stale_report_s or not rep.gpus:
+            out.append(NodeView(host, (), configured, in_slurm.get(host, configured), None))
+            continue
+        reported_class = {j.job_id: j.job_class for j in rep.jobs}
+        gpus = []
+        for g in rep.gpus:
+            # Slurm's tag wins over the sidecar's class: an upgrade is visible there first.
+            classes = [(j, slurm_class.get(j, reported_class.get(j, "none"))) for j in g.jobs]
+            gpus.append(GpuView(g.index, g.mem_total_bytes, g.mem_used_bytes, g.util,
+                                tuple(j for j, c in classes if c == "guaranteed"),
+                                tuple(j for j, c in classes if c == "opportunistic")))
+        out.append(NodeView(host, tuple(gpus), configured, in_slurm.get(host, configured), rep.received_unix))
+    return tuple(out)
+
+
+def build(cfg: AntmanConfig, jobs: Iterable[Job], nodes: Iterable[Node], reports: Mapping[str, Any],
+          now: float) -> Snapshot:
+    """``reports``: node -> the latest hub NodeReport of that node."""
+    fresh = {n: r for n, r in reports.items() if now - r.received_unix <= cfg.coordinator.stale_report_s}
+    checkpoints: dict[str, float] = {}
+    for rep in fresh.values():
+        for j in rep.jobs:
+            if j.last_checkpoint_unix is not None:
+                checkpoints[j.job_id] = max(checkpoints.get(j.job_id, 0.0), j.last_checkpoint_unix)
+    active = [j for j in jobs if not j.finished]
+    views = tuple(job_view(j, cfg, checkpoints) for j in active)
+    slurm_class = {v.job_id: v.job_class for v in views}
+    needs = tuple(_needs(fresh, slurm_class))
+    return Snapshot(now=now, jobs=views, nodes=node_views(cfg, nodes, reports, slurm_class, now),
+                    quotas=quotas_from_config(cfg), needs=needs)
+
+
+def _needs(fresh: Mapping[str, Any], slurm_class: Mapping[str, str]) -> Iterable[PreemptNeed]:
+    """A sidecar names the opportunistic job it would let go; the policy core wants the guaranteed
+    job that needs the room (it picks the victim itself, by lost work). A request on a GPU with no
+    guaranteed job is the sidecar's own business (e.g. two opportunistic jobs over memory) and is
+    not turned into a preemption here."""
+    for node, rep in sorted(fresh.items()):
+        on_gpu = {g.index: g.jobs for g in rep.gpus}
+        for r in rep.preempt_requests:
+            owners = [j for j in on_gpu.get(r.gpu, ()) if slurm_class.get(j) == "guaranteed"]
+            if owners:
+                yield PreemptNeed(node, r.gpu, owners[0], r.reason, r.since_unix)

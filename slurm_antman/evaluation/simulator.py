@@ -1,0 +1,581 @@
+"""A discrete-event replay of a trace on a simulated GPU cluster, under three policies:
+
+- ``exclusive``: plain Slurm, one job per GPU, FIFO with backfill-lite (any pending job that fits
+  starts, in submission order).
+- ``shared``: opportunistic jobs packed onto GPUs beside others with no control (gres/shard today):
+  every job on a GPU slows by the workload model's interference; a GPU whose footprints exceed its
+  memory makes the job that arrived last fail with OOM (counted, retried after ``oom_retry_s``).
+- ``antman``: the production policy code. The cluster policy core (``slurm_antman.policy.decide``)
+  resolves classes by tenant quota, sets each node's opportunistic slot count, upgrades and preempts;
+  the node-local policy (``sidecar.local_policy.decide``) sets memory limits, compute shares and
+  raises preemption needs; ``sidecar.placement.choose_gpus`` picks the GPU of an opportunistic job.
+
+Which jobs are opportunistic: a Philly job is submitted ``auto``; it is guaranteed while its tenant
+(virtual cluster) is within its quota of guaranteed GPUs, else opportunistic. A tenant's quota is its
+share of the window's GPU-time times the cluster size times ``quota_scale``. An openb pod of qos BE
+asks for opportunistic, every other pod for guaranteed, with no quotas. ``shared`` classifies with
+the same quota rule at scheduling time; ``exclusive`` tags jobs the same way (for the guaranteed-JCT
+metric) but runs every job alone on its GPUs.
+
+The compute share an opportunistic job gets under antman is the steady state of the local policy's
+AIMD loop, found by running ``local_policy.decide`` on the modelled iteration times of the GPU's
+guaranteed job (cached per combination of profiles: the loop converges in seconds, jobs run for
+minutes to days). See docs/workload_model.md for the formulas.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence
+
+from sidecar import local_policy as lp
+from sidecar.placement import GpuLoad, choose_gpus
+from slurm_antman import policy as cp
+
+from .traces import Job
+from .workloads import GiB, Profile, assign
+
+POLICIES = ("exclusive", "shared", "antman")
+
+# Event kinds, in the order they are handled at one instant: finishes free GPUs before new jobs look.
+_FINISH, _SUBMIT, _WAKE = 0, 1, 2
+
+SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str = "antman"
+    nodes: int = 4
+    gpus_per_node: int = 8
+    gpu_mem_bytes: int = 32 * GiB
+    speedup: float = 1.0          # every trace time divided by this
+    quota_scale: float = 1.0
+    slots_per_gpu: int = 2
+    util_threshold: float = 0.8
+    grace_s: float = 30.0
+    checkpoint_s: float = 1800.0  # opportunistic jobs checkpoint this often (estimate)
+    oom_retry_s: float = 60.0
+    seed: int = 0
+    max_samples: int = 2000       # points kept for the utilisation-over-time plot
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy {self.policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
+        for name in ("nodes", "gpus_per_node", "slots_per_gpu"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.speedup > 0:
+            raise ValueError(f"--speedup must be > 0, got {self.speedup}")
+        if self.quota_scale < 0:
+            raise ValueError(f"quota_scale must be >= 0, got {self.quota_scale}")
+
+
+@dataclass(slots=True)
+class _Job:
+    job: Job
+    profile: Profile
+    requested: str
+    klass: str
+    submit: float
+    duration: float
+    state: str = "PENDING"
+    held: bool = False
+    gpus: list[int] = field(default_factory=list)
+    work_left: float = 0.0
+    rate: float = 0.0
+    t_last: float = 0.0
+    version: int = 0
+    first_start: Optional[float] = None
+    start: Optional[float] = None
+    end: Optional[float] = None
+    restarts: int = 0
+    preemptions: int = 0
+    ooms: int = 0
+    lost_gpu_s: float = 0.0
+    eligible_at: float = 0.0
+    ran_as: str = ""
+    view: Optional[cp.JobView] = None
+
+
+@dataclass(slots=True)
+class _Gpu:
+    index: int
+    node: int
+    local: int
+    mem_total: int
+    guar: list[str] = field(default_factory=list)
+    opp: list[str] = field(default_factory=list)
+    rate: dict[str, float] = field(default_factory=dict)
+    share: dict[str, float] = field(default_factory=dict)
+    util: float = 0.0
+    mem_used: int = 0
+    lp_state: lp.PolicyState = field(default_factory=lp.PolicyState)
+    need: Optional[cp.PreemptNeed] = None
+
+
+@dataclass
+class SimResult:
+    policy: str
+    metrics: dict
+    jobs: list[dict]
+    series: list[tuple[float, float, float]]  # (time s, sm_util, mem_util)
+
+
+class Simulator:
+    def __init__(self, jobs: Sequence[Job], cfg: SimConfig):
+        self.cfg = cfg
+        n = cfg.nodes * cfg.gpus_per_node
+        self.gpus = [_Gpu(i, i // cfg.gpus_per_node, i % cfg.gpus_per_node, cfg.gpu_mem_bytes) for i in range(n)]
+        self.node_names = [f"sim{k:04d}" for k in range(cfg.nodes)]
+        self.opp_slots = [cfg.slots_per_gpu * cfg.gpus_per_node] * cfg.nodes
+        self.jobs: dict[str, _Job] = {}
+        self.pending: list[str] = []  # submission order
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.quotas = self._quotas(jobs)
+        self.cp_params = cp.PolicyParams(
+            grace_s=cfg.grace_s, slots_per_gpu=cfg.slots_per_gpu, util_threshold=cfg.util_threshold,
+            min_opp_mem_bytes=lp.PolicyParams().min_opportunistic_bytes,
+            headroom_bytes=lp.PolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
+        self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s)
+        self.cp_state = cp.CoordinatorState.empty()
+        self.dirty_nodes: set[int] = set(range(cfg.nodes))
+        self._share_cache: dict[tuple, dict[str, float]] = {}
+        self.util_sum = 0.0
+        self.mem_sum = 0
+        self.t_int = 0.0
+        self.area_util = 0.0
+        self.area_mem = 0.0
+        self.series: list[tuple[float, float, float]] = []
+        # Kept up to date so a scheduling pass over a long queue costs little per job.
+        self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
+        self.usage: dict[str, int] = {}               # tenant -> GPUs running as guaranteed
+        self.counts = {"oom_failures": 0, "preemptions": 0, "upgrades": 0, "cycles": 0}
+        starts = [j.submit_s for j in jobs]
+        self.t0 = min(starts) / cfg.speedup if starts else 0.0
+        self.t_end_measure = max(starts) / cfg.speedup if starts else 0.0
+        for j in jobs:
+            self._add(j)
+
+    # -- setup ----------------------------------------------------------------------------------
+
+    def _quotas(self, jobs: Sequence[Job]) -> Mapping[str, int]:
+        if any(j.qos is not None for j in jobs):
+            return {}
+        gpu_time: dict[str, float] = {}
+        for j in jobs:
+            gpu_time[j.tenant] = gpu_time.get(j.tenant, 0.0) + j.duration_s * j.gpus
+        total = sum(gpu_time.values()) or 1.0
+        size = len(self.gpus) * self.cfg.quota_scale
+        return {t: max(1, int(size * g / total)) for t, g in gpu_time.items()}
+
+    def _add(self, j: Job) -> None:
+        requested = ("opportunistic" if j.qos == "BE" else "guaranteed") if j.qos is not None else "auto"
+        prof = assign(j.job_id, self.cfg.seed)
+        submit = j.submit_s / self.cfg.speedup
+        dur = max(j.duration_s / self.cfg.speedup, 1e-3)
+        klass = "opportunistic" if requested == "opportunistic" else "guaranteed"
+        sj = _Job(j, prof, requested, klass, submit, dur, work_left=dur)
+        self.jobs[j.job_id] = sj
+        self._push(submit, _SUBMIT, j.job_id, 0)
+
+    def _push(self, t: float, kind: int, jid: str, version: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, jid, version))
+
+    # -- the event loop -------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        while self.heap:
+            t = self.heap[0][0]
+            self._integrate(t)
+            self.now = t
+            while self.heap and self.heap[0][0] == t:
+                _, kind, _, jid, version = heapq.heappop(self.heap)
+                j = self.jobs[jid]
+                if kind == _SUBMIT:
+                    self.pending.append(jid)
+                elif kind == _FINISH and j.state == "RUNNING" and version == j.version:
+                    self._finish(j)
+            if self.cfg.policy == "antman":
+                self._cycle()
+            self._schedule()
+        self._integrate(self.now)
+        return self._result()
+
+    def _integrate(self, t: float) -> None:
+        lo, hi = max(self.t_int, self.t0), min(t, self.t_end_measure)
+        if hi > lo:
+            self.area_util += self.util_sum * (hi - lo)
+            self.area_mem += self.mem_sum * (hi - lo)
+        if t > self.t_int:
+            n = len(self.gpus)
+            self.series.append((self.t_int, self.util_sum / n, self.mem_sum / (n * self.cfg.gpu_mem_bytes)))
+        self.t_int = t
+
+    # -- job lifecycle --------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        if not self.pending:
+            return
+        still: list[str] = []
+        usage = self.usage
+        # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit.
+        smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
+        for jid in self.pending:
+            j = self.jobs[jid]
+            if j.state != "PENDING" or j.held or j.eligible_at > self.now:
+                if j.state == "PENDING":
+                    still.append(jid)
+                continue
+            if self.cfg.policy != "antman" and j.requested == "auto":
+                q = self.quotas.get(j.job.tenant)
+                within = q is None or usage.get(j.job.tenant, 0) + j.job.gpus <= q
+                j.klass = "guaranteed" if within or self.cfg.policy == "exclusive" else "opportunistic"
+                j.ran_as = "guaranteed" if within else "opportunistic"
+            kind = "guaranteed" if j.klass == "guaranteed" or self.cfg.policy == "exclusive" else "opportunistic"
+            gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
+            if gpus is None:
+                smallest_failed[kind] = min(smallest_failed[kind], j.job.gpus)
+                still.append(jid)
+                continue
+            smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
+            self._start(j, gpus)
+        self.pending = [jid for jid in still if self.jobs[jid].state == "PENDING"]
+
+    def _place(self, j: _Job) -> Optional[list[int]]:
+        want = j.job.gpus
+        if j.klass == "guaranteed" or self.cfg.policy == "exclusive":
+            if len(self.free_gpus) < want:
+                return None
+            return self._pack(sorted(self.free_gpus), want, prefer_empty=self.cfg.policy == "shared")
+        # opportunistic: node slot counts (static under shared, the coordinator's under antman)
+        chosen: list[int] = []
+        per_node = self.cfg.gpus_per_node
+        for k in range(self.cfg.nodes):
+            if len(chosen) >= want:
+                break
+            node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
+            in_use = sum(len(g.opp) for g in node_gpus)
+            free_slots = self.opp_slots[k] - in_use
+            if free_slots <= 0:
+                continue
+            room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
+            take = min(want - len(chosen), free_slots, len(room))
+            if take <= 0:
+                continue
+            loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp)) for g in room]
+            pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0)
+            chosen.extend(k * per_node + i for i in pick.gpus)
+        return chosen if len(chosen) >= want else None
+
+    def _pack(self, free: list[int], want: int, prefer_empty: bool) -> list[int]:
+        """Slurm's choice: fill the node with the fewest free GPUs that still fits (less fragmentation),
+        lowest indices first; a job larger than a node takes whole nodes first."""
+        by_node: dict[int, list[int]] = {}
+        for i in free:
+            by_node.setdefault(self.gpus[i].node, []).append(i)
+        if prefer_empty:
+            for lst in by_node.values():
+                lst.sort(key=lambda i: (len(self.gpus[i].opp), i))
+        fits = [n for n, lst in by_node.items() if len(lst) >= want]
+        if fits:
+            n = min(fits, key=lambda n: (len(by_node[n]), n))
+            return by_node[n][:want]
+        out: list[int] = []
+        for n in sorted(by_node, key=lambda n: (-len(by_node[n]), n)):
+            out.extend(by_node[n][:want - len(out)])
+            if len(out) >= want:
+                break
+        return out
+
+    def _start(self, j: _Job, gpus: list[int]) -> None:
+        j.state, j.gpus, j.start, j.t_last, j.view = "RUNNING", gpus, self.now, self.now, None
+        if j.first_start is None:
+            j.first_start = self.now
+        if self.cfg.policy == "antman" or not j.ran_as:
+            j.ran_as = j.klass
+        if j.ran_as == "guaranteed":
+            self.usage[j.job.tenant] = self.usage.get(j.job.tenant, 0) + len(gpus)
+        for i in gpus:
+            g = self.gpus[i]
+            (g.guar if j.klass == "guaranteed" else g.opp).append(j.job.job_id)
+            if j.klass == "guaranteed" or self.cfg.policy == "exclusive":
+                self.free_gpus.discard(i)
+        if self.cfg.policy == "shared" and self._oom_on(gpus):
+            self._stop(j, "oom")
+            return
+        self._refresh(gpus)
+
+    def _oom_on(self, gpus: Iterable[int]) -> bool:
+        for i in gpus:
+            g = self.gpus[i]
+            if sum(self.jobs[x].profile.mem_bytes for x in g.guar + g.opp) > g.mem_total:
+                return True
+        return False
+
+    def _advance(self, j: _Job) -> None:
+        j.work_left -= j.rate * (self.now - j.t_last)
+        j.t_last = self.now
+
+    def _finish(self, j: _Job) -> None:
+        self._advance(j)
+        j.state, j.end = "DONE", self.now
+        self._release(j)
+
+    def _stop(self, j: _Job, why: str) -> None:
+        """OOM (shared) or requeue after preemption (antman): back to PENDING, work since the last
+        checkpoint lost."""
+        self._advance(j)
+        if why == "oom":
+            j.ooms += 1
+            self.counts["oom_failures"] += 1
+            j.eligible_at = self.now + self.cfg.oom_retry_s
+            self._push(j.eligible_at, _WAKE, j.job.job_id, 0)
+            lost_s = 0.0  # it fails while allocating, before any progress
+        else:
+            j.preemptions += 1
+            self.counts["preemptions"] += 1
+            since_ckpt = (self.now - (j.start or self.now)) % self.cfg.checkpoint_s
+            lost_s = since_ckpt
+            j.work_left = min(j.duration, j.work_left + j.rate * since_ckpt)
+        j.lost_gpu_s += lost_s * len(j.gpus)
+        j.restarts += 1
+        j.state, j.view, j.version = "PENDING", None, j.version + 1
+        self._release(j)
+        self.pending.append(j.job.job_id)
+
+    def _release(self, j: _Job) -> None:
+        jid = j.job.job_id
+        if j.ran_as == "guaranteed":
+            self.usage[j.job.tenant] -= len(j.gpus)
+        for i in j.gpus:
+            g = self.gpus[i]
+            if jid in g.guar:
+                g.guar.remove(jid)
+            if jid in g.opp:
+                g.opp.remove(jid)
+            g.rate.pop(jid, None)
+            g.share.pop(jid, None)
+            if not g.guar and (self.cfg.policy != "exclusive" or not g.opp):
+                self.free_gpus.add(i)
+        gpus, j.gpus = j.gpus, ([] if j.state == "PENDING" else j.gpus)
+        self._refresh(gpus)
+        if j.state == "DONE":
+            j.gpus = gpus
+
+    # -- per-GPU model: shares, memory, rates ------------------------------------------------------
+
+    def _refresh(self, gpus: Iterable[int]) -> None:
+        gpus = list(dict.fromkeys(gpus))
+        touched: set[str] = set()
+        for i in gpus:
+            g = self.gpus[i]
+            for jid in g.guar + g.opp:
+                self._advance(self.jobs[jid])
+                touched.add(jid)
+        for i in gpus:
+            self._model_gpu(self.gpus[i])
+            self.dirty_nodes.add(self.gpus[i].node)
+        for jid in touched:
+            j = self.jobs[jid]
+            if j.state != "RUNNING":
+                continue
+            rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus)
+            j.rate, j.version, j.view = rate, j.version + 1, None
+            self._push(self.now + max(j.work_left, 0.0) / rate, _FINISH, jid, j.version)
+
+    def _model_gpu(self, g: _Gpu) -> None:
+        jobs = self.jobs
+        guar = [jobs[x] for x in g.guar]
+        opp = [jobs[x] for x in g.opp]
+        shares: dict[str, float] = {}
+        spill: set[str] = set()
+        if self.cfg.policy == "antman" and opp:
+            shares, spill = self._local_policy(g, guar, opp)
+        else:
+            shares = {j.job.job_id: 1.0 for j in opp}
+        load = {j.job.job_id: j.profile.sm_util * shares.get(j.job.job_id, 1.0) for j in guar + opp}
+        total = sum(load.values())
+        g.rate = {}
+        for j in guar + opp:
+            jid = j.job.job_id
+            r = 1.0 / j.profile.slowdown(total - load[jid])
+            if jid in shares:
+                r *= shares[jid]
+            if jid in spill:
+                r *= SPILL_RATE
+            g.rate[jid] = r
+        g.share = shares
+        new_util = min(1.0, total)
+        new_mem = min(g.mem_total, sum(j.profile.mem_bytes for j in guar + opp))
+        self.util_sum += new_util - g.util
+        self.mem_sum += new_mem - g.mem_used
+        g.util, g.mem_used = new_util, new_mem
+
+    def _local_policy(self, g: _Gpu, guar: list[_Job], opp: list[_Job]) -> tuple[dict[str, float], set[str]]:
+        """Memory limits and preemption needs from ``local_policy.decide`` on this GPU; compute
+        shares from its AIMD loop's steady state for this mix of profiles."""
+        info = lp.GpuInfo(0, g.mem_total)
+        js = [lp.JobInfo(j.job.job_id, "guaranteed", (0,), j.start or 0.0, j.profile.mem_bytes) for j in guar]
+        js += [lp.JobInfo(j.job.job_id, "opportunistic", (0,), j.start or 0.0, j.profile.mem_bytes) for j in opp]
+        d = lp.decide(lp.Snapshot((info,), tuple(js)), g.lp_state, self.lp_params, self.now)
+        g.lp_state = d.state
+        if d.new_preemptions and guar and g.need is None:
+            g.need = cp.PreemptNeed(self.node_names[g.node], g.local, guar[0].job.job_id,
+                                    d.new_preemptions[0].reason, self.now)
+        if not any(j.job.job_id in d.state.preempted for j in opp):
+            g.need = None
+        steady = self._steady_shares(tuple(j.profile.name for j in guar), tuple(j.profile.name for j in opp))
+        shares: dict[str, float] = {}
+        spill: set[str] = set()
+        for j in opp:
+            jid = j.job.job_id
+            lim = d.limits[jid]
+            shares[jid] = min(lim.compute_share, 1.0) if jid in d.state.preempted else steady[j.profile.name]
+            if lim.mem_limit_bytes is not None and lim.mem_limit_bytes < j.profile.mem_bytes:
+                spill.add(jid)
+        return shares, spill
+
+    def _steady_shares(self, guar: tuple[str, ...], opp: tuple[str, ...]) -> dict[str, float]:
+        key = (guar, tuple(sorted(opp)))
+        hit = self._share_cache.get(key)
+        if hit is not None:
+            return hit
+        from .workloads import BY_NAME
+        gp = [BY_NAME[n] for n in guar]
+        op = [BY_NAME[n] for n in key[1]]
+        gjobs = [lp.JobInfo(f"g{k}", "guaranteed", (0,), 0.0, 0) for k in range(len(gp))]
+        ojobs = [lp.JobInfo(f"o{k}", "opportunistic", (0,), 1.0 + k, 0) for k in range(len(op))]
+        info = (lp.GpuInfo(0, 1 << 50),)
+        state = lp.PolicyState()
+        # A baseline report alone first, as the sidecar sees it before the opportunistic job arrives.
+        alone = tuple(lp.JobInfo(j.job_id, j.job_class, j.gpus, 0.0, 0, 0, p.iter_ms) for j, p in zip(gjobs, gp))
+        state = lp.decide(lp.Snapshot(info, alone), state, self.lp_params, 0.0).state
+        history: list[list[float]] = []
+        shares = [self.lp_params.initial_share] * len(op)
+        for it in range(1, 121):
+            load = sum(p.sm_util * s for p, s in zip(op, shares))
+            reps = tuple(lp.JobInfo(j.job_id, j.job_class, j.gpus, 0.0, 0, it, p.iter_ms * p.slowdown(load))
+                         for j, p in zip(gjobs, gp))
+            d = lp.decide(lp.Snapshot(info, reps + tuple(ojobs)), state, self.lp_params, float(it))
+            state = d.state
+            shares = [d.limits[j.job_id].compute_share for j in ojobs]
+            history.append(shares)
+        tail = history[-60:]
+        mean = [sum(h[k] for h in tail) / len(tail) for k in range(len(op))]
+        out = {p.name: m for p, m in zip(op, mean)}
+        self._share_cache[key] = out
+        return out
+
+    # -- the coordinator cycle (antman) -----------------------------------------------------------
+
+    def _view(self, j: _Job) -> cp.JobView:
+        if j.view is None:
+            node = self.node_names[self.gpus[j.gpus[0]].node] if j.state == "RUNNING" and j.gpus else None
+            ckpt = None
+            if j.state == "RUNNING" and j.start is not None:
+                ckpt = j.start + math.floor((self.now - j.start) / self.cfg.checkpoint_s) * self.cfg.checkpoint_s
+            j.view = cp.JobView(j.job.job_id, j.job.tenant, "u", j.state, j.requested, j.klass, j.job.gpus, node,
+                                j.submit, j.start if j.state == "RUNNING" else None, j.restarts,
+                                ckpt if ckpt and ckpt > (j.start or 0) else None, j.held)
+        return j.view
+
+    def _node_view(self, k: int) -> cp.NodeView:
+        per = self.cfg.gpus_per_node
+        gv = tuple(cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp))
+                   for g in self.gpus[k * per:(k + 1) * per])
+        return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * per, self.opp_slots[k], self.now)
+
+    def _cycle(self) -> None:
+        needs = tuple(g.need for g in self.gpus if g.need is not None)
+        st = self.cp_state
+        if not (self.pending or needs or st.preempting or st.requeued or self.dirty_nodes):
+            return
+        self.counts["cycles"] += 1
+        active = [j for j in self.jobs.values() if j.state == "RUNNING"] + [self.jobs[x] for x in self.pending]
+        views = tuple(self._view(j) for j in active if j.state in ("RUNNING", "PENDING"))
+        nodes = set(self.dirty_nodes)
+        for n in needs:
+            nodes.add(self.node_names.index(n.node))
+        for p in list(st.preempting.values()) + list(st.requeued.values()):
+            nodes.add(self.node_names.index(p.node))
+        snap = cp.Snapshot(self.now, views, tuple(self._node_view(k) for k in sorted(nodes)), self.quotas, needs)
+        self.dirty_nodes = set()
+        decisions, self.cp_state = cp.decide(snap, st, self.cp_params)
+        for d in decisions:
+            self._apply(d)
+        for p in self.cp_state.preempting.values():
+            self._push(p.deadline_unix, _WAKE, p.job_id, 0)
+
+    def _apply(self, d: cp.Decision) -> None:
+        kind = d.kind
+        if kind == "set_opp_slots":
+            self.opp_slots[self.node_names.index(d.node)] = d.slots
+            return
+        j = self.jobs.get(d.job_id)
+        if j is None:
+            return
+        j.view = None
+        if kind == "set_class":
+            j.klass = d.to_class
+            if d.release_hold:
+                j.held = False
+        elif kind == "hold_for_quota":
+            j.held = True
+        elif kind == "release_hold":
+            j.held = False
+        elif kind == "upgrade" and j.state == "RUNNING":
+            self.counts["upgrades"] += 1
+            j.klass = j.ran_as = "guaranteed"
+            self.usage[j.job.tenant] = self.usage.get(j.job.tenant, 0) + len(j.gpus)
+            for i in j.gpus:
+                g = self.gpus[i]
+                if d.job_id in g.opp:
+                    g.opp.remove(d.job_id)
+                    g.guar.append(d.job_id)
+                    self.free_gpus.discard(i)
+            self._refresh(j.gpus)
+        elif kind == "requeue" and j.state == "RUNNING":
+            self._stop(j, "preempt")
+        # preempt_notice: the agent checkpoints during the grace time; make_eligible: the simulated
+        # Slurm has no BeginTime wait to clear.
+
+    # -- results ------------------------------------------------------------------------------------
+
+    def _result(self) -> SimResult:
+        from .metrics import summarize
+        rows = [{
+            "job_id": j.job.job_id, "tenant": j.job.tenant, "gpus": j.job.gpus, "profile": j.profile.name,
+            "class": j.ran_as or j.klass, "submit_s": j.submit, "first_start_s": j.first_start, "end_s": j.end,
+            "duration_s": j.duration, "restarts": j.restarts, "preemptions": j.preemptions, "ooms": j.ooms,
+            "lost_gpu_s": j.lost_gpu_s,
+        } for j in self.jobs.values()]
+        n = len(self.gpus)
+        span = max(self.t_end_measure - self.t0, 0.0)
+        metrics = summarize(rows)
+        metrics.update(
+            policy=self.cfg.policy, gpus=n,
+            sm_util=(self.area_util / (n * span)) if span else 0.0,
+            mem_util=(self.area_mem / (n * span * self.cfg.gpu_mem_bytes)) if span else 0.0,
+            measure_window_s=[self.t0, self.t_end_measure],
+            oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
+            coordinator_cycles=self.counts["cycles"],
+            quotas=dict(self.quotas),
+        )
+        return SimResult(self.cfg.policy, metrics, rows, _downsample(self.series, self.cfg.max_samples))
+
+
+def _downsample(series: list[tuple[float, float, float]], k: int) -> list[tuple[float, float, float]]:
+    if len(series) <= k:
+        return series
+    step = len(series) / k
+    return [series[int(i * step)] for i in range(k)]
+
+
+def simulate(jobs: Sequence[Job], cfg: SimConfig) -> SimResult:
+    return Simulator(jobs, cfg).run()

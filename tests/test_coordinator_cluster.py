@@ -1,0 +1,198 @@
+"""The coordinator on a real devcluster: one node with one emulated 2 GiB GPU, so every job shares
+GPU 0, and tenant ``research`` may hold 1 guaranteed GPU. Runs its own cluster (port base
+ANTMAN_TEST_PORT_BASE + 300) because it needs that small GPU and quota."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.auth
+
+from slurm_antman import devcluster as dc
+from slurm_antman import protocol as p
+from slurm_antman.coordinator import audit, keys
+
+from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm
+
+pytestmark = pytest.mark.cluster
+
+GRACE_S = 5
+TRAIN = resources.files("slurm_antman") / "data" / "demo_train.py"
+# A guaranteed job whose memory (RSS on CPU, which the agent reports) leaves the opportunistic job
+# less than its 1 GiB minimum on the 2 GiB GPU: shrinking cannot help, so the sidecar asks to preempt.
+HOG = """
+import time, torch
+torch.set_num_threads(1)
+big = torch.ones(300 * 1024 * 1024 // 4 * 4)  # ~1.2 GB, touched
+m = torch.nn.Linear(8, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for _ in range(100000):
+    opt.zero_grad(); m(torch.randn(4, 8)).sum().backward(); opt.step(); time.sleep(0.1)
+"""
+
+
+@pytest.fixture(scope="module")
+def cc(tmp_path_factory):
+    _require_slurm()
+    d = tmp_path_factory.mktemp("coord-cluster")
+    work = tmp_path_factory.mktemp("coord-jobs")
+    c = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=TEST_PORT_BASE + 300, overrides={
+        "grace_time_s": GRACE_S, "nodes": {"gpu_memory_mb": 2048},
+        "tenants": [{"account": "research", "guaranteed_gpus": 1}]})
+    try:
+        yield ClusterHandle(c, work)
+    finally:
+        c.run(["scancel", "--user", "root"])
+        dc.down(d)
+
+
+@pytest.fixture
+def clean(cc):
+    yield cc
+    cc.cancel_all()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        r = cc.run(["squeue", "-h", "-o", "%i"])
+        if r.returncode == 0 and not r.stdout.strip():
+            return
+        time.sleep(0.3)
+
+
+def _audit(c: ClusterHandle, job_id: int | None = None) -> list[dict]:
+    recs = list(audit.read(c.c.dir / "log" / "coordinator-audit.jsonl"))
+    return recs if job_id is None else [r for r in recs if r.get("job_id") == str(job_id)]
+
+
+def _wait(pred, timeout: float, what: str, step: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _squeue(c: ClusterHandle) -> dict[int, dict]:
+    r = c.run([sys.executable, "-m", "slurm_antman.cli", "squeue", "--json"])
+    assert r.returncode == 0, r.stderr
+    return {j["job_id"]: j for j in json.loads(r.stdout)}
+
+
+def _train(c: ClusterHandle, ckpt: Path, steps: int = 2000) -> str:
+    return f"#!/bin/bash\nexec {sys.executable} {TRAIN} {ckpt} {steps} 0.05\n"
+
+
+def _hog(c: ClusterHandle) -> str:
+    path = c.workdir / "hog.py"
+    path.write_text(HOG)
+    return f"#!/bin/bash\nexec {sys.executable} {path}\n"
+
+
+def test_unauthenticated_report_is_refused(cc):
+    endpoint = f"tcp://127.0.0.1:{TEST_PORT_BASE + 300 + dc.COORDINATOR_PORT_OFFSET}"
+    key_dir = cc.c.dir / "keys"
+    server_public = keys.load_server_public(key_dir)
+    ctx = zmq.Context()
+
+    def report_acked(public: bytes, secret: bytes) -> bool:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.curve_serverkey, s.curve_publickey, s.curve_secretkey = server_public, public, secret
+        s.connect(endpoint)
+        body = p.NodeReport(node="node1", telemetry="emulated", gpus=[], jobs=[], preempt_requests=[])
+        s.send_multipart(p.encode(p.message(body)))
+        ok = s.poll(4000) != 0 and p.decode(s.recv_multipart()).type == "node_report_ack"
+        s.close(0)
+        return ok
+
+    try:
+        stranger = zmq.curve_keypair()  # a process with a key pair of its own, not one `keys init` made
+        assert not report_acked(*stranger)
+        assert "REFUSED" in (cc.c.dir / "log" / "coordinator.log").read_text()
+        # Control: node1's own key is admitted, so the refusal above was the key's doing.
+        pub, sec = zmq.auth.load_certificate(str(key_dir / "nodes" / "node1.key_secret"))
+        assert report_acked(pub, sec)
+    finally:
+        ctx.term()
+
+
+def test_auto_resolves_by_quota_then_upgrades_without_restart(clean):
+    c = clean
+    quota = c.c.dir / "etc" / "antman_quota.lua"
+    first = c.sbatch("--antman=auto", "--gres=gpu:1", "-A", "research", wrap="sleep 300")
+    c.wait_state(first, {"RUNNING"})
+    _wait(lambda: quota.exists() and 'used = 1' in quota.read_text(), 15, "the coordinator's quota file")
+    second = c.sbatch("--antman=auto", "--gres=gpu:1", "-A", "research", wrap="sleep 300")
+    c.wait_state(second, {"RUNNING"}, timeout=60)
+    info1, info2 = c.show(first), c.show(second)
+    assert info1["AdminComment"].startswith("antman:class=guaranteed;req=auto")
+    assert info2["AdminComment"].startswith("antman:class=opportunistic;req=auto")
+    assert info2["Partition"] == "opportunistic" and "antman_opp" in info2["TresPerNode"]
+
+    # The guaranteed job ends: the tenant has quota again and GPU 0 hosts no guaranteed job.
+    c.run(["scancel", str(first)], check=True)
+    _wait(lambda: c.show(second)["AdminComment"].startswith("antman:class=guaranteed"), 30, "the upgrade")
+    info = c.show(second)
+    assert info["JobState"] == "RUNNING" and info["Restarts"] == "0"
+    assert info["AdminComment"] == "antman:class=guaranteed;req=auto;gpus=node1:0"
+    _wait(lambda: _squeue(c).get(second, {}).get("compute_share") == 1.0, 15, "share 1.0 in antman squeue")
+    assert _squeue(c)[second]["class"] == "guaranteed"
+    r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(second), "--json"])
+    assert r.returncode == 0, r.stderr
+    assert [d["kind"] for d in json.loads(r.stdout)["decisions"]] == ["upgrade"]
+    r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(second)])
+    assert "upgraded to guaranteed" in r.stdout and "tenant has quota again" in r.stdout, r.stdout
+
+
+def _preemption(c: ClusterHandle, tmp_path: Path, kill_coordinator: bool) -> None:
+    ckpt = tmp_path / "ckpt"
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research", script=_train(c, ckpt))
+    c.wait_output(opp, r"step 10 ", timeout=90)  # running, and checkpoints exist
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "research", script=_hog(c))
+    c.wait_state(g, {"RUNNING"}, timeout=60)
+
+    notice = _wait(lambda: [r for r in _audit(c, opp) if r["kind"] == "preempt_notice" and r["outcome"] == "ok"],
+                   60, "the preemption notice")[0]
+    if kill_coordinator:
+        coord = next(pr for pr in c.c.procs if pr.name == "coordinator")
+        os.kill(coord.pid, signal.SIGKILL)  # between notice and requeue: the riskiest moment
+        _wait(lambda: not coord.alive(), 10, "the coordinator to die")
+        time.sleep(1)
+        dc.replace_proc(c.c, dc.start_coordinator(c.c))
+    requeued = _wait(lambda: c.show(opp)["Restarts"] == "1" and time.time(), GRACE_S + 30, "the requeue")
+    # within grace + 5 s of the decision (the sidecar's request precedes it by at most a cycle)
+    assert requeued - notice["ts"] <= GRACE_S + 5, (requeued - notice["ts"], notice)
+    g_info = c.show(g)
+    assert g_info["JobState"] == "RUNNING" and g_info["Restarts"] == "0"  # the guaranteed job was not harmed
+    # While the hog holds the GPU there is no room for the opportunistic job; once it ends there is.
+    c.run(["scancel", str(g)], check=True)
+    out = c.wait_output(opp, r"START step=\d+ restarts=1", timeout=60)
+    resumed = int(re.search(r"START step=(\d+) restarts=1", out).group(1))
+    assert resumed >= 10, out  # from its checkpoint, not from step 0
+    recs = _audit(c, opp)
+    assert [r["kind"] for r in recs if r["outcome"] == "ok"][:2] == ["preempt_notice", "requeue"], recs
+    assert any(r["kind"] == "make_eligible" and r["outcome"] == "ok" for r in recs), recs
+    time.sleep(3)
+    # nothing doubled: one requeue in Slurm and in the audit log
+    assert c.show(opp)["Restarts"] == "1"
+    assert sum(r["kind"] == "requeue" and r["outcome"] == "ok" for r in _audit(c, opp)) == 1
+    assert sum(r["kind"] == "preempt_notice" and r["outcome"] == "ok" for r in _audit(c, opp)) == 1
+
+
+def test_guaranteed_need_requeues_opportunistic_job_which_resumes(clean, tmp_path):
+    _preemption(clean, tmp_path, kill_coordinator=False)
+
+
+def test_coordinator_killed_mid_preemption_loses_and_doubles_nothing(clean, tmp_path):
+    _preemption(clean, tmp_path, kill_coordinator=True)
+    starts = [r for r in _audit(clean) if r["kind"] == "coordinator" and r.get("event") == "start"]
+    assert starts[-1]["preempting"] or starts[-1]["requeued"] or starts[-1]["replayed"], starts[-1]

@@ -1,0 +1,107 @@
+"""The discrete-event simulator: accounting adds up under every policy, exclusive never shares a GPU,
+uncontrolled sharing OOMs and slows the guaranteed job, AntMan's control keeps it near its solo time,
+and the CLI writes the JSON keys the issue requires."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slurm_antman import bench_simulate
+from slurm_antman.evaluation import traces
+from slurm_antman.evaluation.simulator import POLICIES, SimConfig, simulate
+from slurm_antman.evaluation.workloads import GiB
+
+PHILLY = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "philly_pollux.csv"
+HEADER = "timestamp,duration,num_gpus,gpu_time,cluster\n"
+
+
+def trace(tmp_path: Path, rows: list[tuple[str, float, int, str]]) -> list[traces.Job]:
+    p = tmp_path / "t.csv"
+    p.write_text(HEADER + "".join(f"{t},{d},{g},{d * g},{c}\n" for t, d, g, c in rows))
+    return traces.load_sorted(p)
+
+
+def one_gpu(policy: str, **kw) -> SimConfig:
+    return SimConfig(policy=policy, nodes=1, gpus_per_node=1, **kw)
+
+
+def test_every_job_ends_exactly_once(tmp_path):
+    rows = [(f"2017-10-01 00:{m:02d}:00", 300.0 + 37 * m, 1 + (m % 3 == 0), "a" if m % 2 else "b")
+            for m in range(40)]
+    jobs = trace(tmp_path, rows)
+    for policy in POLICIES:
+        r = simulate(jobs, SimConfig(policy=policy, nodes=2, gpus_per_node=2))
+        assert r.metrics["jobs_done"] == r.metrics["jobs_submitted"] == 40
+        assert sorted(row["job_id"] for row in r.jobs) == sorted(j.job_id for j in jobs)
+        for row in r.jobs:
+            assert row["end_s"] >= row["first_start_s"] >= row["submit_s"]
+            # nobody runs faster than alone
+            assert row["end_s"] - row["first_start_s"] >= row["duration_s"] - 1e-6
+        assert 0 < r.metrics["sm_util"] <= 1 and 0 < r.metrics["mem_util"] <= 1
+
+
+def test_exclusive_runs_one_job_per_gpu_fifo(tmp_path):
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 100.0, 1, "a"), ("2017-10-01 00:00:10", 50.0, 1, "a")])
+    r = simulate(jobs, one_gpu("exclusive"))
+    ends = {row["job_id"]: row["end_s"] for row in r.jobs}
+    assert ends == {"philly-2": pytest.approx(100.0), "philly-3": pytest.approx(150.0)}
+    assert r.metrics["jct_mean_s"] == pytest.approx((100 + 140) / 2)
+    assert r.metrics["queue_delay_mean_s"] == pytest.approx(90 / 2)
+
+
+def test_shared_slows_guaranteed_antman_protects_it(tmp_path):
+    # One tenant with a quota of one GPU: the second job is over quota, so opportunistic, and shares.
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 10_000.0, 1, "a"), ("2017-10-01 00:01:40", 5_000.0, 1, "a")])
+    shared = simulate(jobs, one_gpu("shared"))
+    antman = simulate(jobs, one_gpu("antman"))
+    exclusive = simulate(jobs, one_gpu("exclusive"))
+    g = {r.policy: next(x for x in r.jobs if x["job_id"] == "philly-2") for r in (shared, antman, exclusive)}
+    assert g["exclusive"]["end_s"] == pytest.approx(10_000.0)
+    assert g["shared"]["class"] == g["antman"]["class"] == "guaranteed"
+    assert g["shared"]["end_s"] > 10_000.0 * 1.05          # uncontrolled neighbour: >= 1 + 0.4*0.2
+    assert g["antman"]["end_s"] < 10_000.0 * 1.05          # the local policy's 2 % target, plus its probing
+    opp = next(x for x in antman.jobs if x["job_id"] == "philly-3")
+    assert opp["class"] in ("opportunistic", "guaranteed") and opp["first_start_s"] < 10_000.0
+    assert antman.metrics["jct_mean_s"] < exclusive.metrics["jct_mean_s"]
+
+
+def test_shared_oom_is_counted_and_job_retried(tmp_path):
+    jobs = trace(tmp_path, [(f"2017-10-01 00:00:{s:02d}", 1000.0, 1, "a") for s in range(0, 10, 2)])
+    r = simulate(jobs, one_gpu("shared", gpu_mem_bytes=4 * GiB))
+    assert r.metrics["jobs_done"] == 5
+    big = [x for x in r.jobs if x["profile"] not in ("rl_ppo_atari", "lstm_lm")]
+    if len(big) >= 1:
+        assert r.metrics["oom_failures"] >= 1
+    assert r.metrics["oom_failures"] == sum(x["ooms"] for x in r.jobs)
+
+
+def test_config_errors_name_the_flag():
+    with pytest.raises(ValueError, match="--policy 'fair'"):
+        SimConfig(policy="fair")
+    with pytest.raises(ValueError, match="--speedup"):
+        SimConfig(speedup=0)
+
+
+@pytest.mark.skipif(not PHILLY.exists(), reason="traces not present")
+def test_cli_json_on_real_window(tmp_path, capsys):
+    rc = bench_simulate.main(["--trace", str(PHILLY), "--window", "2592000:2610000", "--nodes", "4",
+                              "--policy", "all", "--json", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert set(doc["policies"]) == set(POLICIES)
+    for m in doc["policies"].values():
+        for key in ("sm_util", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s", "jobs_done",
+                    "queue_delay_mean_s", "preemptions", "preemption_lost_gpu_s"):
+            assert key in m
+        assert m["jobs_done"] == doc["meta"]["jobs"]
+    assert (tmp_path / "out" / "results.json").exists()
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    assert bench_simulate.main(["--trace", str(tmp_path / "none.csv"), "--policy", "antman"]) == 2
+    assert "none.csv" in capsys.readouterr().err
+    assert bench_simulate.main(["--trace", str(PHILLY), "--policy", "best"]) == 2
+    assert "allowed" in capsys.readouterr().err
