@@ -27,16 +27,9 @@ pytestmark = pytest.mark.cluster
 
 GRACE_S = 5
 TRAIN = resources.files("slurm_antman") / "data" / "demo_train.py"
-# A guaranteed job whose memory (RSS on CPU, which the agent reports) leaves the opportunistic job
-# less than its 1 GiB minimum on the 2 GiB GPU: shrinking cannot help, so the sidecar asks to preempt.
-HOG = """
-import time, torch
-torch.set_num_threads(1)
-big = torch.ones(300 * 1024 * 1024 // 4 * 4)  # ~1.2 GB, touched
-m = torch.nn.Linear(8, 1); opt = torch.optim.SGD(m.parameters(), lr=0.1)
-for _ in range(100000):
-    opt.zero_grad(); m(torch.randn(4, 8)).sum().backward(); opt.step(); time.sleep(0.1)
-"""
+HOG = resources.files("slurm_antman") / "data" / "gpu_hog.py"
+# HOG: a guaranteed job whose memory (RSS on CPU, which the agent reports) leaves the opportunistic
+# job less than its 1 GiB minimum on the 2 GiB GPU: shrinking cannot help, so the sidecar asks to preempt.
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +85,7 @@ def _train(c: ClusterHandle, ckpt: Path, steps: int = 2000) -> str:
 
 
 def _hog(c: ClusterHandle) -> str:
-    path = c.workdir / "hog.py"
-    path.write_text(HOG)
-    return f"#!/bin/bash\nexec {sys.executable} {path}\n"
+    return f"#!/bin/bash\nexec {sys.executable} {HOG}\n"
 
 
 def test_unauthenticated_report_is_refused(cc):
