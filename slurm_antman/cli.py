@@ -102,7 +102,12 @@ def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
         from . import bench_coordinator
 
         return bench_coordinator.main(rest)
-    print(f"antman bench: unknown benchmark {a.what!r}; allowed: submit, control, coordinator", file=sys.stderr)
+    if a.what == "simulate":
+        from . import bench_simulate
+
+        return bench_simulate.main(rest)
+    print(f"antman bench: unknown benchmark {a.what!r}; allowed: submit, control, coordinator, simulate",
+          file=sys.stderr)
     return 2
 
 

@@ -107,8 +107,11 @@ class Opportunistic(_Strict):
     utilization_window_s: float = Field(default=10.0, gt=0, description="Averaging window for utilisation.")
     queue_to_opportunistic_s: Optional[float] = Field(
         default=None, ge=0,
-        description="A guaranteed job held over its tenant's quota this long runs opportunistic meanwhile "
-                    "(upgraded once quota frees). Unset: it waits for quota.")
+        description="A guaranteed job held over its tenant's quota this long is released as opportunistic "
+                    "(upgraded once quota frees). Unset: it waits for quota. Slurm 22.05 keeps scheduling a "
+                    "pending job by the GPU request it was submitted with, so the job still waits for a free "
+                    "physical GPU; once running it is limited, throttled and preemptable like any "
+                    "opportunistic job.")
 
 
 class Sidecar(_Strict):
@@ -159,14 +162,9 @@ class Coordinator(_Strict):
         if self.key_dir is None:
             return None
         return str(Path(self.key_dir) / "nodes" / f"{node}.key_secret")
-    # -- the coordinator daemon (engineer D) --
     audit_log: str = Field(default="/var/log/slurm-antman/coordinator-audit.jsonl",
                            description="Append-only JSON-lines record of every coordinator decision.")
     cycle_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between decision cycles.")
-    queue_to_opportunistic_s: Optional[float] = Field(
-        default=None, gt=0,
-        description="A guaranteed job over its tenant's quota that waited this long runs opportunistic "
-                    "meanwhile; unset: it waits for quota.")
     quota_file: Optional[str] = Field(
         default=None, description="antman_quota.lua next to job_submit.lua: tenant quota use, rewritten by "
                                   "the coordinator every cycle so job_submit.lua resolves auto at submission.")

@@ -176,9 +176,12 @@ def test_preempted_job_restarting_on_same_node_keeps_its_env(clean_cluster):
     assert again["CLASS"] == "opportunistic", again
     assert re.fullmatch(r"[0-3]", again["CVD"]), again  # exactly one physical GPU
     assert again["EP"].startswith("ipc://") and f"/jobs/{opp}/" in again["EP"], again
-    # The restart really took the path slurmd leaves out, and the plugin filled it in.
-    assert f"job {opp} on node1: env file missing at step start; Prolog run by the SPANK plugin" in (
-        hooks_log.read_text())
+    # The second run got its Prolog: from slurmd when its credential cache had forgotten the job,
+    # otherwise from the SPANK plugin (which of the two depends on Slurm's timing, not on us).
+    log = hooks_log.read_text()
+    by_plugin = f"job {opp} on node1: env file missing at step start; Prolog run by the SPANK plugin" in log
+    placements = log.count(f"job {opp} on node1: class opportunistic")
+    assert by_plugin or placements >= 2, log
 
 
 STEP_SCRIPT = """#!/bin/bash

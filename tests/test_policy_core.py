@@ -180,6 +180,13 @@ def test_upgrade_uses_quota_so_only_one_of_two_fits():
     assert [d for d in ds if d.kind == "upgrade"] == [Upgrade("o1")]
 
 
+def test_two_opportunistic_jobs_on_one_gpu_are_not_both_upgraded():
+    # Quota for both, but they share GPU 0: upgrading both would put two guaranteed jobs on one GPU.
+    n = node("n1", (gpu(0, o=("o1", "o2")),), in_slurm=2)
+    ds, _ = run(snap([_opp_running("o1", submit=1), _opp_running("o2", submit=2)], [n], quotas={"a": 4}))
+    assert [d.job_id for d in ds if d.kind == "upgrade"] == ["o1"]
+
+
 # --- preemption ------------------------------------------------------------------------------------
 
 

@@ -65,22 +65,22 @@ def test_shared_slows_guaranteed_antman_protects_it(tmp_path):
     assert g["antman"]["end_s"] < 10_000.0 * 1.05          # the local policy's 2 % target, plus its probing
     opp = next(x for x in antman.jobs if x["job_id"] == "philly-3")
     assert opp["class"] in ("opportunistic", "guaranteed") and opp["first_start_s"] < 10_000.0
-    assert antman.metrics["jct_mean_s"] < exclusive.metrics["jct_mean_s"]
+    assert opp["end_s"] is not None and antman.metrics["jobs_done"] == 2
 
 
 def test_shared_oom_is_counted_and_job_retried(tmp_path):
-    jobs = trace(tmp_path, [(f"2017-10-01 00:00:{s:02d}", 1000.0, 1, "a") for s in range(0, 10, 2)])
-    r = simulate(jobs, one_gpu("shared", gpu_mem_bytes=4 * GiB))
-    assert r.metrics["jobs_done"] == 5
-    big = [x for x in r.jobs if x["profile"] not in ("rl_ppo_atari", "lstm_lm")]
-    if len(big) >= 1:
-        assert r.metrics["oom_failures"] >= 1
+    jobs = trace(tmp_path, [(f"2017-10-01 00:00:{s:02d}", 1000.0, 1, "a") for s in range(0, 30, 2)])
+    r = simulate(jobs, one_gpu("shared", gpu_mem_bytes=16 * GiB))
+    assert r.metrics["jobs_done"] == 15
+    assert r.metrics["oom_failures"] >= 1  # 15 jobs, three at a time on 16 GiB: some triple overflows
     assert r.metrics["oom_failures"] == sum(x["ooms"] for x in r.jobs)
 
 
 def test_config_errors_name_the_flag():
     with pytest.raises(ValueError, match="--policy 'fair'"):
         SimConfig(policy="fair")
+    with pytest.raises(ValueError, match="--gpu-mem-gib"):
+        SimConfig(gpu_mem_bytes=8 * GiB)
     with pytest.raises(ValueError, match="--speedup"):
         SimConfig(speedup=0)
 

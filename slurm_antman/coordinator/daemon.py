@@ -34,10 +34,7 @@ log = logging.getLogger("antman.coordinator")
 
 
 def params_from_config(cfg: cfgmod.AntmanConfig) -> PolicyParams:
-    params = PolicyParams.from_config(cfg)
-    if cfg.coordinator.queue_to_opportunistic_s is not None:
-        params = replace(params, queue_to_opportunistic_s=cfg.coordinator.queue_to_opportunistic_s)
-    return params
+    return PolicyParams.from_config(cfg)
 
 
 def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:

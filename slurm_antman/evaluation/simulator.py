@@ -69,6 +69,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.speedup > 0:
             raise ValueError(f"--speedup must be > 0, got {self.speedup}")
+        from .workloads import MIN_GPU_MEMORY_BYTES
+        if self.gpu_mem_bytes < MIN_GPU_MEMORY_BYTES:
+            raise ValueError(f"--gpu-mem-gib must be >= {MIN_GPU_MEMORY_BYTES / GiB:g}: every profile of the "
+                             "workload model must fit a GPU alone")
         if self.quota_scale < 0:
             raise ValueError(f"quota_scale must be >= 0, got {self.quota_scale}")
 
@@ -509,8 +513,8 @@ class Simulator:
         decisions, self.cp_state = cp.decide(snap, st, self.cp_params)
         for d in decisions:
             self._apply(d)
-        for p in self.cp_state.preempting.values():
-            self._push(p.deadline_unix, _WAKE, p.job_id, 0)
+            if d.kind == "preempt_notice":  # wake the coordinator when the grace time is over
+                self._push(self.now + d.grace_s, _WAKE, d.job_id, 0)
 
     def _apply(self, d: cp.Decision) -> None:
         kind = d.kind

@@ -101,7 +101,7 @@ class PolicyParams:
             util_threshold=float(cfg.opportunistic.utilization_threshold),
             min_opp_mem_bytes=int(cfg.sidecar.min_opportunistic_memory_mb) * mib,
             headroom_bytes=int(cfg.sidecar.memory_headroom_mb) * mib,
-            queue_to_opportunistic_s=getattr(cfg.opportunistic, "queue_to_opportunistic_s", None),
+            queue_to_opportunistic_s=cfg.opportunistic.queue_to_opportunistic_s,
         )
 
 

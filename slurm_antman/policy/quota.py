@@ -47,6 +47,7 @@ def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], param
     ]
     candidates.sort(key=_fifo)
     out: list[Decision] = []
+    upgraded_gpus: set[tuple[str, int]] = set()  # a GPU takes at most one guaranteed job per cycle too
     for j in candidates:
         quota: Optional[int] = quotas.get(j.account, params.default_quota)
         have = used.get(j.account, 0)
@@ -55,7 +56,12 @@ def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], param
                   "requested": j.requested, "job_class": j.job_class, "state": j.state,
                   "held_for_quota": j.held_for_quota, "submit_unix": j.submit_unix, "now": now}
         if j.state == "RUNNING":
-            d = _upgrade(j, fits, quota, have, _reported_gpus(j, nodes) if fits else None, inputs)
+            gpus = _reported_gpus(j, nodes) if fits else None
+            if gpus and any((j.node, g.index) in upgraded_gpus for g in gpus):
+                gpus = None  # another job on this GPU was just upgraded: it is no longer shared-free
+            d = _upgrade(j, fits, quota, have, gpus, inputs)
+            if isinstance(d, Upgrade):
+                upgraded_gpus.update((j.node, g.index) for g in gpus or ())
         else:
             d = _pending(now, j, fits, quota, have, params, inputs)
         if d is not None:
