@@ -118,8 +118,9 @@ def main(args) -> int:
         demo.wait("the victim's checkpoint on SIGTERM", lambda: "PREEMPTED" in demo.output(names[victim]), 30)
         demo.show_queue("Slurm preempted an opportunistic job by requeue")
         console.print(f"  {names[victim]}: {_last(demo.output(names[victim]), 'PREEMPTED')}")
-        console.print("Slurm keeps a requeued job out for ~2 minutes (BeginTime); the coordinator will release it "
-                      "at once, so the demo does what it will: scontrol update StartTime=now.")
+        console.print("Slurm keeps a requeued job out for ~2 minutes (BeginTime). The coordinator clears that wait "
+                      "for the jobs it requeues itself (GPU memory or compute); this one Slurm preempted on its own "
+                      "for CPUs, so the demo clears it: scontrol update StartTime=now.")
         cluster.run(["scontrol", "update", f"JobId={victim}", "StartTime=now"])
 
         console.rule("3. The requeued job resumes from its checkpoint when room returns")
