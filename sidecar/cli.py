@@ -54,14 +54,55 @@ def build(conf: cfgmod.AntmanConfig, node: str, socket_dir: Optional[str] = None
     tele = open_telemetry(telemetry or conf.sidecar.telemetry, group.gpus, group.gpu_memory_mb * MiB)
     if tele.kind == "nvml" and tele.gpu_count() != group.gpus:
         log.warning("NVML finds %d GPU(s) on %s, antman.yaml says %d; using NVML's", tele.gpu_count(), node, group.gpus)
-    opt = SidecarOptions(
-        node=node, socket_dir=socket_dir or conf.node_socket_dir(node), heartbeat_s=conf.sidecar.heartbeat_s,
+    opt = sidecar_options(conf, node, socket_dir or conf.node_socket_dir(node), tick_s,
+                          uplink_options(conf, node) if uplink else None)
+    return Sidecar(opt, tele)
+
+
+def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_s: Optional[float],
+                    uplink) -> SidecarOptions:
+    return SidecarOptions(
+        node=node, socket_dir=socket_dir, heartbeat_s=conf.sidecar.heartbeat_s,
         grace_s=float(conf.grace_time_s), slots_per_gpu=conf.opportunistic.slots_per_gpu,
         utilization_threshold=conf.opportunistic.utilization_threshold,
         utilization_window_s=conf.opportunistic.utilization_window_s,
         tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
-        params=policy_params(conf), uplink=uplink_options(conf, node) if uplink else None)
-    return Sidecar(opt, tele)
+        params=policy_params(conf), uplink=uplink)
+
+
+# What a reload cannot change in a running sidecar: sockets, telemetry and the uplink are bound.
+_RESTART_ONLY = ("sidecar.socket_dir", "sidecar.telemetry", "sidecar.metrics_port", "sidecar.metrics_bind",
+                 "coordinator.endpoint", "coordinator.key_dir", "coordinator.node_secret_key")
+
+
+def _get(conf: cfgmod.AntmanConfig, dotted: str):
+    obj = conf
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def make_reloader(path: str, node: str, conf: cfgmod.AntmanConfig):
+    """SIGHUP: re-read antman.yaml; an invalid file or one without this node keeps the running options."""
+    state = {"conf": conf}
+
+    def reload(current: SidecarOptions) -> Optional[SidecarOptions]:
+        log.info("SIGHUP: re-reading %s", path)
+        try:
+            new = cfgmod.load(path)
+        except cfgmod.ConfigError as e:
+            log.error("reload REJECTED, keeping the running configuration: %s", str(e).replace("\n", ";"))
+            return None
+        if node not in new.node_groups_by_host():
+            log.error("reload REJECTED, keeping the running configuration: node %s is no longer in %s", node, path)
+            return None
+        for key in _RESTART_ONLY:
+            if _get(new, key) != _get(state["conf"], key):
+                log.warning("reload: %s changed; it takes effect at the next restart of the sidecar", key)
+        state["conf"] = new
+        return sidecar_options(new, node, current.socket_dir, None, current.uplink)
+
+    return reload
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -83,9 +124,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sidecar.close()
         print(f"antman sidecar: {e}", file=sys.stderr)
         return 1
+    metrics_server = None
+    if conf.sidecar.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        from slurm_antman import metrics
+
+        registry = CollectorRegistry()
+        sidecar.metrics = metrics.SidecarCollector()
+        registry.register(sidecar.metrics)
+        try:
+            metrics_server = metrics.serve(registry, conf.sidecar.metrics_bind, conf.sidecar.metrics_port)
+        except OSError as e:
+            # Metrics are for watching; jobs must not lose their sidecar because a port is taken.
+            log.error("metrics endpoint %s:%d not served: %s", conf.sidecar.metrics_bind, conf.sidecar.metrics_port, e)
+    sidecar.reloader = make_reloader(args.config, node, conf)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sidecar.stop())
-    sidecar.serve_forever()
+    signal.signal(signal.SIGHUP, lambda *_: sidecar.request_reload())
+    try:
+        sidecar.serve_forever()
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
     log.info("sidecar for node %s stopped", node)
     return 0
 

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 
@@ -103,6 +103,12 @@ class Sidecar:
         self._uplink: Optional[Uplink] = None
         self._report_now = False
         self.started = threading.Event()
+        # Set by whoever serves metrics (the CLI); filled from the loop thread once per tick.
+        self.metrics = None
+        # SIGHUP: the handler only sets the flag; the loop calls ``reloader`` (which returns the new
+        # options, or None to keep the old) so the options change between messages, never mid-message.
+        self.reloader: Optional[Callable[[SidecarOptions], Optional[SidecarOptions]]] = None
+        self._reload_requested = threading.Event()
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -126,12 +132,36 @@ class Sidecar:
         if self.jobs:
             log.info("restored %d job(s) from %s: %s", len(self.jobs), self.dir.root, ", ".join(sorted(self.jobs)))
         self._run_policy(time.time())
+        self._publish_metrics()
         log.info("sidecar for node %s serving %s (telemetry: %s, %d GPU(s))", self.opt.node,
                  self.dir.control_path, self.telemetry.kind, self.telemetry.gpu_count())
         self.started.set()
 
     def stop(self) -> None:
         self._stop.set()
+
+    def request_reload(self) -> None:
+        """Safe from a signal handler or another thread."""
+        self._reload_requested.set()
+
+    def _reload(self) -> None:
+        self._reload_requested.clear()
+        if self.reloader is None:
+            return
+        new = self.reloader(self.opt)
+        if new is None:
+            return
+        self.opt = new
+        if new.utilization_window_s != self.util.window_s:
+            self.util.window_s = new.utilization_window_s
+        self._dirty = True  # new policy knobs apply to every job right away
+        log.info("configuration reloaded; %d job(s) kept: %s", len(self.jobs), ", ".join(sorted(self.jobs)) or "none")
+
+    def _publish_metrics(self) -> None:
+        if self.metrics is not None:
+            from slurm_antman.metrics import sidecar_view
+
+            self.metrics.publish(sidecar_view(self))
 
     def close(self) -> None:
         """Close sockets but keep the job directories and records: a restarted sidecar rebinds them."""
@@ -157,6 +187,8 @@ class Sidecar:
                 timeout_ms = max(0.0, min(next_tick - time.monotonic(), 0.1)) * 1000
                 for sock, _ in self._poller.poll(timeout_ms):
                     self._drain(sock)
+                if self._reload_requested.is_set():
+                    self._reload()
                 mono = time.monotonic()
                 if mono >= next_tick:
                     next_tick = mono + self.opt.tick_s
@@ -491,6 +523,7 @@ class Sidecar:
                     self._send(job.socket, a, p.Heartbeat())
         self._sample(now)
         self._run_policy(now)
+        self._publish_metrics()
 
     def _node_state(self) -> p.NodeStateReply:
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}

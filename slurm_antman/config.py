@@ -114,6 +114,17 @@ class Opportunistic(_Strict):
                     "opportunistic job.")
 
 
+def _bind_address(v: str) -> str:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        raise ValueError(f"{v!r} is not an IP address; use 127.0.0.1 (default), ::1, or the address "
+                         "Prometheus scrapes") from None
+    return v
+
+
 class Sidecar(_Strict):
     socket_dir: str = Field(default="/run/slurm-antman", description="Per-node directory of IPC sockets.")
     telemetry: str = Field(default="auto", pattern=r"^(auto|nvml|emulated)$",
@@ -124,6 +135,12 @@ class Sidecar(_Strict):
         default=1024, ge=1, description="Below this an opportunistic job is preempted rather than shrunk.")
     target_slowdown: float = Field(default=0.02, gt=0, le=1,
                                    description="Slowdown of the guaranteed job the compute feedback aims under.")
+    metrics_port: int = Field(default=0, ge=0, le=65535,
+                              description="Prometheus endpoint port of the sidecar; 0 turns it off. With several "
+                                          "slurmd on one host, only one sidecar can bind it.")
+    metrics_bind: str = Field(default="127.0.0.1", description="Address the sidecar's metrics endpoint binds.")
+
+    _bind = field_validator("metrics_bind")(classmethod(lambda cls, v: _bind_address(v)))
 
 
 class Coordinator(_Strict):
@@ -170,6 +187,11 @@ class Coordinator(_Strict):
                                   "the coordinator every cycle so job_submit.lua resolves auto at submission.")
     stale_report_s: float = Field(default=30.0, gt=0,
                                   description="A sidecar report older than this counts as no report.")
+    metrics_port: int = Field(default=0, ge=0, le=65535,
+                              description="Prometheus endpoint port of the coordinator; 0 turns it off.")
+    metrics_bind: str = Field(default="127.0.0.1", description="Address the coordinator's metrics endpoint binds.")
+
+    _bind = field_validator("metrics_bind")(classmethod(lambda cls, v: _bind_address(v)))
 
 
 class AntmanConfig(_Strict):

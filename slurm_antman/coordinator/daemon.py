@@ -108,6 +108,9 @@ class Coordinator:
         self._quota_text: Optional[str] = None
         self._stop = threading.Event()
         self.cycles = 0
+        self.metrics: Any = None  # slurm_antman.metrics.CoordinatorMetrics when metrics are served
+        self.config_path: Optional[str] = None  # what SIGHUP re-reads
+        self._reload_requested = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -124,6 +127,34 @@ class Coordinator:
     def stop(self) -> None:
         self._stop.set()
 
+    def request_reload(self) -> None:
+        """Safe from a signal handler; the loop re-reads the config between cycles."""
+        self._reload_requested.set()
+
+    # Bound at start: the hub's socket and keys, the audit log file, the metrics endpoint.
+    _RESTART_ONLY = ("endpoint", "key_dir", "audit_log", "metrics_port", "metrics_bind")
+
+    def reload(self) -> bool:
+        """Re-read ``config_path``; the policy state, reports and audit log are kept. False: rejected."""
+        self._reload_requested.clear()
+        if self.config_path is None:
+            return False
+        log.info("SIGHUP: re-reading %s", self.config_path)
+        try:
+            new = cfgmod.load(self.config_path)
+        except cfgmod.ConfigError as e:
+            log.error("reload REJECTED, keeping the running configuration: %s", str(e).replace("\n", ";"))
+            return False
+        for key in self._RESTART_ONLY:
+            if getattr(new.coordinator, key) != getattr(self.cfg.coordinator, key):
+                log.warning("reload: coordinator.%s changed; it takes effect at the next restart", key)
+        self.cfg = new
+        self.params = params_from_config(new)
+        self.executor.cfg = new
+        log.info("configuration reloaded; kept %d preemption(s) in progress and %d requeued job(s)",
+                 len(self.state.preempting), len(self.state.requeued))
+        return True
+
     def close(self) -> None:
         if self.hub is not None:
             self.hub.close()
@@ -134,6 +165,8 @@ class Coordinator:
         next_cycle = time.monotonic()
         try:
             while not self._stop.is_set():
+                if self._reload_requested.is_set():
+                    self.reload()
                 wait = max(0.0, next_cycle - time.monotonic())
                 if self.hub is not None:
                     self._take(self.hub.poll(min(wait, 0.2)))
@@ -153,6 +186,14 @@ class Coordinator:
     def run_cycle(self) -> list[tuple[Any, Any]]:
         """One decision cycle; returns (decision, outcome) pairs. Never raises for Slurm trouble."""
         self.cycles += 1
+        started = time.monotonic()
+        try:
+            return self._cycle()
+        finally:
+            if self.metrics is not None:
+                self.metrics.cycle_seconds.observe(time.monotonic() - started)
+
+    def _cycle(self) -> list[tuple[Any, Any]]:
         now = self.clock()
         try:
             jobs = self.backend.jobs()
@@ -178,11 +219,15 @@ class Coordinator:
                     outcome.outcome, f": {outcome.error}" if outcome.error else "")
             if outcome.failed:
                 new_state = new_state.forget(d)
+            if self.metrics is not None:
+                self.metrics.count(d.kind, outcome.outcome)
             done.append((d, outcome))
         self.state = new_state
         self._persist()
         self._write_quota(snap)
         self._sync_classes(jobs)
+        if self.metrics is not None:
+            self.metrics.publish(snap.jobs, dict(snap.quotas), quota_use(snap))
         return done
 
     def _write_quota(self, snap: Any) -> None:
@@ -261,9 +306,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     except Exception as e:  # noqa: BLE001 - one clear line for the admin
         print(f"antman coordinator: cannot start: {e}", file=sys.stderr)
         return 1
+    coord.config_path = path
+    server = None
+    if cfg.coordinator.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        from slurm_antman import metrics
+
+        registry = CollectorRegistry()
+        coord.metrics = metrics.CoordinatorMetrics(registry)
+        try:
+            server = metrics.serve(registry, cfg.coordinator.metrics_bind, cfg.coordinator.metrics_port)
+        except OSError as e:
+            log.error("metrics endpoint %s:%d not served: %s", cfg.coordinator.metrics_bind,
+                      cfg.coordinator.metrics_port, e)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: coord.stop())
-    coord.serve_forever()
+    signal.signal(signal.SIGHUP, lambda *_: coord.request_reload())
+    try:
+        coord.serve_forever()
+    finally:
+        if server is not None:
+            server.close()
     return 0
 
 

@@ -1,0 +1,369 @@
+"""``antman doctor``: checks one node or the controller host and names what is missing or wrong.
+
+Each check gives ok, warn or fail, a one-line reason, and for anything not ok a hint saying what to
+do. Checks that depend on an earlier one (Slurm reachable, config valid) are skipped with a reason
+rather than failing twice for one cause. Exit status: 1 when any check failed, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import re
+import shlex
+import socket
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from . import config as cfgmod
+
+# What the plugin and this code were built and tested against.
+SUPPORTED_SLURM = (22, 5)
+SKEW_WARN_S = 2.0
+SKEW_FAIL_S = 60.0  # munge credentials carry a timestamp; large skew makes slurmd reject them
+COMMAND_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # ok | warn | fail | skip
+    reason: str
+    hint: str = ""
+
+
+def ok(name: str, reason: str) -> Check:
+    return Check(name, "ok", reason)
+
+
+def warn(name: str, reason: str, hint: str) -> Check:
+    return Check(name, "warn", reason, hint)
+
+
+def fail(name: str, reason: str, hint: str) -> Check:
+    return Check(name, "fail", reason, hint)
+
+
+def skip(name: str, reason: str) -> Check:
+    return Check(name, "skip", reason)
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return subprocess.CompletedProcess(argv, 127, "", f"{argv[0]}: command not found")
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: no answer within {COMMAND_TIMEOUT_S:g} s")
+
+
+def _first_error(r: subprocess.CompletedProcess) -> str:
+    lines = [ln.strip() for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {r.returncode}"
+
+
+def slurm_config() -> tuple[Optional[dict[str, str]], Check]:
+    r = _run(["scontrol", "show", "config"])
+    if r.returncode != 0:
+        return None, fail("slurm", f"scontrol show config failed: {_first_error(r)}",
+                          "start slurmctld, or set SLURM_CONF to the slurm.conf this host uses")
+    conf = {}
+    for line in r.stdout.splitlines():
+        m = re.match(r"^(\S+)\s+=\s?(.*)$", line)
+        if m:
+            conf[m.group(1)] = m.group(2).strip()
+    return conf, ok("slurm", f"slurmctld answers (Slurm {conf.get('SLURM_VERSION', '?')}, "
+                             f"slurm.conf {conf.get('SLURM_CONF', '?')})")
+
+
+def check_config(path: str) -> tuple[Optional[cfgmod.AntmanConfig], Check]:
+    try:
+        cfg = cfgmod.load(path)
+    except cfgmod.ConfigError as e:
+        first = f"{e.problems[0][0]}: {e.problems[0][1]}" if e.problems else str(e)
+        more = f" (+{len(e.problems) - 1} more)" if len(e.problems) > 1 else ""
+        return None, fail("config", f"{path}: {first}{more}",
+                          f"fix the file; `antman config check {path}` lists every problem")
+    return cfg, ok("config", f"{path} is valid ({sum(len(g.hosts) for g in cfg.nodes)} nodes, "
+                             f"{len(cfg.tenants)} tenants)")
+
+
+def check_plugin_file(cfg: cfgmod.AntmanConfig) -> Check:
+    p = Path(cfg.plugin_path)
+    if not p.is_file():
+        return fail("spank_plugin", f"plugin_path {cfg.plugin_path} does not exist",
+                    "build and install it: make -C spank install (or point plugin_path at the installed .so)")
+    return ok("spank_plugin", f"{cfg.plugin_path} present")
+
+
+def _plugstack_lines(path: str, depth: int = 0) -> list[tuple[str, str]]:
+    """(file, line) of every plugin line in plugstack.conf and the files it includes."""
+    if depth > 8:
+        return []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    out = []
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        if words[0] == "include" and len(words) > 1:
+            pattern = words[1] if words[1].startswith("/") else str(Path(path).parent / words[1])
+            for inc in sorted(glob.glob(pattern)):
+                out += _plugstack_lines(inc, depth + 1)
+        else:
+            out.append((path, line))
+    return out
+
+
+def check_plugstack(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
+    stack = sconf.get("PlugStackConfig") or str(Path(sconf.get("SLURM_CONF", "/etc/slurm/slurm.conf")).parent
+                                                 / "plugstack.conf")
+    if not Path(stack).is_file():
+        return fail("plugstack", f"PlugStackConfig {stack} does not exist",
+                    f"create it with the line: include {Path(stack).parent}/plugstack.conf.d/*.conf")
+    for where, line in _plugstack_lines(stack):
+        words = line.split()
+        if len(words) >= 2 and words[0] in ("required", "optional") and words[1] == cfg.plugin_path:
+            return ok("plugstack", f"{where} loads {cfg.plugin_path} ({words[0]})")
+    return fail("plugstack", f"{stack} (with its includes) does not list {cfg.plugin_path}",
+                f"`antman config render` writes plugstack.conf.d/antman.conf; add `include "
+                f"{Path(stack).parent}/plugstack.conf.d/*.conf` to {stack}")
+
+
+def check_sbatch_option() -> Check:
+    r = _run(["sbatch", "--help"])
+    if r.returncode != 0:
+        return fail("sbatch_option", f"sbatch --help failed: {_first_error(r)}",
+                    "install the Slurm client commands (slurm-client) on this host")
+    if "--antman" not in r.stdout:
+        return fail("sbatch_option", "sbatch --help does not show --antman: the SPANK plugin is not loaded",
+                    "check the plugstack line and that the .so loads (slurmctld/slurmd logs name spank errors)")
+    return ok("sbatch_option", "sbatch --help shows --antman")
+
+
+def plugin_slurm_version(path: str) -> tuple[int, int, int]:
+    """The Slurm version the plugin was compiled against (SPANK_PLUGIN's ``plugin_version``)."""
+    # RTLD_LAZY: the plugin's calls into libslurm stay unresolved, which is fine for reading one integer.
+    lib = ctypes.CDLL(os.path.abspath(path), mode=os.RTLD_LAZY | getattr(os, "RTLD_LOCAL", 0))
+    v = ctypes.c_uint32.in_dll(lib, "plugin_version").value
+    return v >> 16, (v >> 8) & 0xFF, v & 0xFF
+
+
+def check_versions(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
+    running = sconf.get("SLURM_VERSION", "")
+    m = re.match(r"^(\d+)\.(\d+)\.(\d+)", running)
+    if not m:
+        return warn("slurm_version", f"cannot read Slurm's version ({running!r})", "run scontrol show config")
+    have = tuple(int(x) for x in m.groups())
+    try:
+        built = plugin_slurm_version(cfg.plugin_path)
+    except OSError as e:
+        return fail("slurm_version", f"cannot load {cfg.plugin_path}: {e}",
+                    "rebuild it on this host: make -C spank install")
+    except ValueError:
+        return fail("slurm_version", f"{cfg.plugin_path} has no plugin_version: not a SPANK plugin",
+                    "plugin_path must name antman_spank.so")
+    built_s = f"{built[0]}.{built[1]:02d}.{built[2]}"
+    if built[:2] != have[:2]:
+        return fail("slurm_version", f"plugin built for Slurm {built_s}, Slurm here is {running}",
+                    "rebuild the plugin against this Slurm's headers: make -C spank clean install")
+    if have[:2] != SUPPORTED_SLURM:
+        return warn("slurm_version", f"Slurm {running}; slurm-antman is tested on "
+                    f"{SUPPORTED_SLURM[0]}.{SUPPORTED_SLURM[1]:02d}", "run the test suite against this version")
+    return ok("slurm_version", f"plugin built for {built_s}, Slurm {running}")
+
+
+def check_job_submit(sconf: dict[str, str]) -> Check:
+    etc = Path(sconf.get("SLURM_CONF", "/etc/slurm/slurm.conf")).parent
+    missing = [n for n in ("job_submit.lua", "antman_settings.lua") if not (etc / n).is_file()]
+    if missing:
+        return fail("job_submit", f"missing next to slurm.conf in {etc}: {', '.join(missing)}",
+                    "copy etc/job_submit.lua there and run `antman config render` for antman_settings.lua")
+    if "lua" not in sconf.get("JobSubmitPlugins", ""):
+        return fail("job_submit", f"JobSubmitPlugins is {sconf.get('JobSubmitPlugins') or 'unset'}, not lua",
+                    "add JobSubmitPlugins=lua to slurm.conf (the rendered antman.slurm.conf has it) and "
+                    "scontrol reconfigure")
+    return ok("job_submit", f"job_submit.lua and antman_settings.lua in {etc}, JobSubmitPlugins=lua")
+
+
+def check_hooks(sconf: dict[str, str]) -> Check:
+    problems = []
+    for key in ("Prolog", "Epilog"):
+        val = sconf.get(key, "(null)")
+        if val in ("", "(null)"):
+            problems.append(f"{key} is not set")
+            continue
+        path = shlex.split(val)[0]
+        if not os.access(path, os.X_OK):
+            problems.append(f"{key}={path} is not an executable file")
+    if problems:
+        return fail("prolog_epilog", "; ".join(problems),
+                    "add the Prolog=/Epilog= lines from the rendered antman.slurm.conf; the hooks must be "
+                    "executable on every node")
+    if "Alloc" not in sconf.get("PrologFlags", ""):
+        return warn("prolog_epilog", "PrologFlags lacks Alloc: the GPU choice may come after the first task",
+                    "set PrologFlags=Alloc")
+    return ok("prolog_epilog", f"Prolog={sconf['Prolog']}, Epilog={sconf['Epilog']}")
+
+
+def check_sidecar(cfg: cfgmod.AntmanConfig, node: str) -> Check:
+    if node not in cfg.node_groups_by_host():
+        return skip("sidecar", f"{node} is not a GPU node in antman.yaml (controller host?)")
+    from sidecar import client
+
+    sock = cfg.node_socket_dir(node)
+    try:
+        client.ping(sock, timeout_s=2.0)
+    except client.SidecarUnreachable as e:
+        return fail("sidecar", f"no sidecar answers on {sock}: {e}",
+                    "systemctl start antman-sidecar (journalctl -u antman-sidecar says why it stopped)")
+    return ok("sidecar", f"sidecar for {node} answers on {sock}")
+
+
+def check_nvml() -> Check:
+    try:
+        import pynvml
+    except ImportError:
+        return warn("nvml", "nvidia-ml-py (pynvml) is not installed", "pip install nvidia-ml-py on GPU nodes")
+    try:
+        pynvml.nvmlInit()
+        try:
+            n = pynvml.nvmlDeviceGetCount()
+            drv = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError as e:
+        return warn("nvml", f"NVML does not initialise: {e}",
+                    "on a GPU node install the NVIDIA driver; elsewhere this is expected")
+    return ok("nvml", f"NVML sees {n} GPU(s), driver {drv.decode() if isinstance(drv, bytes) else drv}")
+
+
+def controller_time() -> tuple[Optional[float], str]:
+    """slurmctld's own clock: ``sdiag`` prints the time slurmctld answered at, as a Unix time."""
+    r = _run(["sdiag"])
+    if r.returncode != 0:
+        return None, _first_error(r)
+    m = re.search(r"sdiag output at .*\((\d+)\)", r.stdout)
+    if not m:
+        return None, "sdiag printed no time"
+    return float(m.group(1)), ""
+
+
+def check_clock(get_time: Callable[[], tuple[Optional[float], str]] = controller_time) -> Check:
+    before = time.time()
+    theirs, err = get_time()
+    after = time.time()
+    if theirs is None:
+        return warn("clock_skew", f"cannot read slurmctld's time: {err}", "check that sdiag works here")
+    # sdiag gives whole seconds: a skew under the round trip plus one second is no skew.
+    mid = (before + after) / 2
+    skew = theirs - mid
+    slack = (after - before) / 2 + 1.0
+    size = max(0.0, abs(skew) - slack)
+    if size > SKEW_FAIL_S:
+        return fail("clock_skew", f"this host's clock is {skew:+.0f} s off slurmctld's",
+                    "run chrony/ntpd on every host; munge rejects credentials from skewed clocks")
+    if size > SKEW_WARN_S:
+        return warn("clock_skew", f"this host's clock is {skew:+.0f} s off slurmctld's", "run chrony/ntpd")
+    return ok("clock_skew", f"within {slack:.1f} s of slurmctld")
+
+
+def check_socket_dir(cfg: cfgmod.AntmanConfig) -> Check:
+    d = cfg.sidecar.socket_dir
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        return warn("socket_dir", f"{d} does not exist yet", "the sidecar creates it at start "
+                    "(the systemd unit's RuntimeDirectory= does too)")
+    except OSError as e:
+        return fail("socket_dir", f"cannot stat {d}: {e.strerror}", "check the path in sidecar.socket_dir")
+    if not stat.S_ISDIR(st.st_mode):
+        return fail("socket_dir", f"{d} is not a directory", "remove it; the sidecar creates the directory")
+    if st.st_uid != 0:
+        return fail("socket_dir", f"{d} is owned by uid {st.st_uid}, not root",
+                    f"chown root:root {d}: whoever owns it can replace any job's sockets")
+    if st.st_mode & stat.S_IWOTH or st.st_mode & stat.S_IWGRP:
+        return fail("socket_dir", f"{d} is group/world-writable (mode {stat.S_IMODE(st.st_mode):o})",
+                    f"chmod 755 {d}: anyone could create a fake sidecar socket there")
+    return ok("socket_dir", f"{d} root-owned, mode {stat.S_IMODE(st.st_mode):o}")
+
+
+def run_checks(config_path: str, node: str) -> list[Check]:
+    checks: list[Check] = []
+    cfg, c = check_config(config_path)
+    checks.append(c)
+    sconf, c = slurm_config()
+    checks.append(c)
+    need_cfg = "antman.yaml is not valid"
+    need_slurm = "Slurm does not answer"
+    checks.append(check_plugin_file(cfg) if cfg else skip("spank_plugin", need_cfg))
+    if cfg and sconf:
+        checks.append(check_plugstack(cfg, sconf))
+    else:
+        checks.append(skip("plugstack", need_cfg if not cfg else need_slurm))
+    checks.append(check_sbatch_option())
+    if cfg and sconf and Path(cfg.plugin_path).is_file():
+        checks.append(check_versions(cfg, sconf))
+    else:
+        checks.append(skip("slurm_version", need_slurm if not sconf else "no plugin file to read"))
+    checks.append(check_job_submit(sconf) if sconf else skip("job_submit", need_slurm))
+    checks.append(check_hooks(sconf) if sconf else skip("prolog_epilog", need_slurm))
+    checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
+    checks.append(check_nvml())
+    checks.append(check_clock() if sconf else skip("clock_skew", need_slurm))
+    checks.append(check_socket_dir(cfg) if cfg else skip("socket_dir", need_cfg))
+    return checks
+
+
+_MARK = {"ok": "OK  ", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
+
+
+def render_text(checks: Sequence[Check]) -> str:
+    width = max(len(c.name) for c in checks)
+    out = []
+    for c in checks:
+        out.append(f"{_MARK[c.status]}  {c.name:<{width}}  {c.reason}")
+        if c.hint:
+            out.append(f"      {'':<{width}}  hint: {c.hint}")
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    out.append(f"{failed} failed, {warned} warning(s), {sum(c.status == 'ok' for c in checks)} ok")
+    return "\n".join(out) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="antman doctor", description="check a slurm-antman node or controller")
+    ap.add_argument("--config", default=None,
+                    help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
+    ap.add_argument("--node", default=None, help="Slurm node name of this host (default: short hostname)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per check, in a list")
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    path = a.config or os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml")
+    node = a.node or socket.gethostname().split(".")[0]
+    checks = run_checks(path, node)
+    if a.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        sys.stdout.write(render_text(checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

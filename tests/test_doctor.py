@@ -1,0 +1,130 @@
+"""``antman doctor``: on the real devcluster every check passes (NVML only warns without a GPU);
+each thing broken on purpose turns its check to fail with a message that names it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slurm_antman import config as cfgmod
+from slurm_antman import doctor
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_doctor(env: dict, *args: str) -> tuple[int, dict[str, dict]]:
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.doctor", "--json", *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    return r.returncode, {c["name"]: c for c in json.loads(r.stdout)}
+
+
+@pytest.mark.cluster
+def test_devcluster_is_healthy(cluster):
+    rc, checks = run_doctor(cluster.env, "--node", "node1")
+    not_ok = {n: c for n, c in checks.items() if c["status"] != "ok" and n != "nvml"}
+    assert not not_ok, not_ok
+    assert rc == 0
+    assert checks["nvml"]["status"] in ("ok", "warn")  # no GPU here: a warning, never a failure
+    assert "22.05" in checks["slurm_version"]["reason"]
+
+
+@pytest.mark.cluster
+def test_broken_config_is_named(cluster, tmp_path):
+    raw = yaml.safe_load(Path(cluster.env["ANTMAN_CONFIG"]).read_text())
+    raw["plugin_path"] = str(tmp_path / "nowhere" / "antman_spank.so")
+    raw["sidecar"]["socket_dir"] = str(tmp_path / "sockets")
+    (tmp_path / "sockets").mkdir(mode=0o777)
+    os.chmod(tmp_path / "sockets", 0o777)  # umask-proof
+    broken = tmp_path / "antman.yaml"
+    broken.write_text(yaml.safe_dump(raw))
+    env = {**cluster.env, "ANTMAN_CONFIG": str(broken)}
+    rc, checks = run_doctor(env, "--node", "node1")
+    assert rc == 1
+    assert checks["spank_plugin"]["status"] == "fail"
+    assert f"plugin_path {raw['plugin_path']} does not exist" in checks["spank_plugin"]["reason"]
+    assert "make -C spank install" in checks["spank_plugin"]["hint"]
+    assert checks["plugstack"]["status"] == "fail" and "does not list" in checks["plugstack"]["reason"]
+    assert checks["sidecar"]["status"] == "fail" and "no sidecar answers" in checks["sidecar"]["reason"]
+    assert checks["socket_dir"]["status"] == "fail" and "world-writable" in checks["socket_dir"]["reason"]
+    # What was not broken still passes: the checks are independent.
+    assert checks["sbatch_option"]["status"] == "ok" and checks["job_submit"]["status"] == "ok"
+
+
+@pytest.mark.cluster
+def test_text_output_and_invalid_config(cluster, tmp_path):
+    bad = tmp_path / "antman.yaml"
+    bad.write_text("nodes: []\n")
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.doctor", "--config", str(bad), "--node", "node1"],
+                       cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "FAIL  config" in r.stdout and "nodes:" in r.stdout
+    assert "SKIP  spank_plugin" in r.stdout and "antman.yaml is not valid" in r.stdout
+    assert "OK    sbatch_option" in r.stdout
+
+
+# --- single checks, no cluster --------------------------------------------------------------
+
+def _cfg(tmp_path: Path, **over) -> cfgmod.AntmanConfig:
+    return cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "plugin_path": str(tmp_path / "p.so"), **over})
+
+
+def test_plugstack_follows_includes(tmp_path):
+    (tmp_path / "plugstack.conf.d").mkdir()
+    (tmp_path / "plugstack.conf").write_text(f"# site plugins\ninclude {tmp_path}/plugstack.conf.d/*.conf\n")
+    (tmp_path / "plugstack.conf.d" / "other.conf").write_text("optional /usr/lib/other.so\n")
+    cfg = _cfg(tmp_path)
+    sconf = {"PlugStackConfig": str(tmp_path / "plugstack.conf")}
+    c = doctor.check_plugstack(cfg, sconf)
+    assert c.status == "fail" and f"does not list {tmp_path}/p.so" in c.reason
+    (tmp_path / "plugstack.conf.d" / "antman.conf").write_text(f"required {tmp_path}/p.so state_dir=/x\n")
+    c = doctor.check_plugstack(cfg, sconf)
+    assert c.status == "ok" and "antman.conf" in c.reason
+    # A commented-out line does not count.
+    (tmp_path / "plugstack.conf.d" / "antman.conf").write_text(f"# required {tmp_path}/p.so\n")
+    assert doctor.check_plugstack(cfg, sconf).status == "fail"
+
+
+def test_socket_dir_permissions(tmp_path):
+    d = tmp_path / "run"
+    assert doctor.check_socket_dir(_cfg(tmp_path, sidecar={"socket_dir": str(d)})).status == "warn"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    assert doctor.check_socket_dir(_cfg(tmp_path, sidecar={"socket_dir": str(d)})).status == "ok"
+    os.chmod(d, 0o1777)
+    c = doctor.check_socket_dir(_cfg(tmp_path, sidecar={"socket_dir": str(d)}))
+    assert c.status == "fail" and "1777" in c.reason and "chmod 755" in c.hint
+    os.chmod(d, 0o755)
+    os.chown(d, 65534, -1)
+    c = doctor.check_socket_dir(_cfg(tmp_path, sidecar={"socket_dir": str(d)}))
+    assert c.status == "fail" and "uid 65534" in c.reason
+
+
+def test_clock_skew_thresholds():
+    import time
+
+    assert doctor.check_clock(lambda: (float(int(time.time())), "")).status == "ok"
+    c = doctor.check_clock(lambda: (time.time() + 10, ""))
+    assert c.status == "warn" and "+10 s" in c.reason
+    c = doctor.check_clock(lambda: (time.time() - 600, ""))
+    assert c.status == "fail" and "-600 s" in c.reason and "chrony" in c.hint
+    assert doctor.check_clock(lambda: (None, "sdiag: command not found")).status == "warn"
+
+
+def test_plugin_version_is_read_from_the_built_plugin():
+    so = REPO / "spank" / "antman_spank.so"
+    r = subprocess.run(["make", "-s", "-C", str(REPO / "spank")], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        pytest.skip(f"the SPANK plugin does not build here (libslurm-dev missing?): {r.stderr.strip()[:200]}")
+    major, minor, _ = doctor.plugin_slurm_version(str(so))
+    out = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "slurm-wlm"], capture_output=True, text=True)
+    if out.returncode == 0:
+        assert out.stdout.startswith(f"{major}.{minor:02d}.")
+    else:
+        assert (major, minor) >= (20, 0)
