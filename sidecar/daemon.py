@@ -76,11 +76,12 @@ class Job:
     limits: JobLimits = UNLIMITED
     seq: int = 0
     preempt: Optional[PreemptRequest] = None
+    account: str = ""
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
                 "user": self.user, "gpus": self.gpus, "placement": self.placement, "note": self.note,
-                "registered_unix": self.registered_unix}
+                "registered_unix": self.registered_unix, "account": self.account}
 
 
 class Sidecar:
@@ -382,7 +383,8 @@ class Sidecar:
                 log.warning("job %s: fallback placement on GPU(s) %s: %s", b.job_id, gpus, note)
         if old is not None and b.job_id in self.jobs:
             self._retire_job(old.job_id)
-        job = Job(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time())
+        job = Job(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),
+                  account=b.account or "")
         self._open_job(job)
         self.dir.save_job(job.job_id, job.record())
         log.info("job %s (%s, uid %d) registered on GPU(s) %s [%s]", job.job_id, job.job_class, job.uid, gpus, placement)
@@ -412,7 +414,8 @@ class Sidecar:
 
     def _restore(self, rec: dict) -> None:
         job = Job(str(rec["job_id"]), rec["job_class"], int(rec["uid"]), rec.get("gid"), str(rec["user"]),
-                  [int(g) for g in rec["gpus"]], rec["placement"], rec["note"], float(rec["registered_unix"]))
+                  [int(g) for g in rec["gpus"]], rec["placement"], rec["note"], float(rec["registered_unix"]),
+                  account=str(rec.get("account") or ""))
         if job.job_class not in p.JOB_CLASSES:
             raise ValueError(f"bad class {job.job_class!r}")
         self._open_job(job)

@@ -38,6 +38,7 @@ class JobContext:
     spank_class: str | None
     partition: str
     slurm_gpus: list[int]
+    account: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "JobContext":
@@ -51,6 +52,7 @@ class JobContext:
             spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
             partition=env.get("SLURM_JOB_PARTITION", ""),
             slurm_gpus=gpus,
+            account=env.get("SLURM_JOB_ACCOUNT", ""),
         )
 
 
@@ -193,7 +195,7 @@ def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count:
     try:
         reply = client.register_job(cfg.node_socket_dir(job.node), job.job_id, uid=job.uid, gid=job.gid,
                                     user=job.user, job_class=job_class, gpus=count, physical_gpus=physical,
-                                    timeout_s=5.0)
+                                    timeout_s=5.0, account=job.account)
         if reply.note:
             log.info("job %s: sidecar placement note: %s", job.job_id, reply.note)
         return list(reply.gpus), reply.endpoint

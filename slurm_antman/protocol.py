@@ -217,6 +217,7 @@ class JobRegister(Body):
     job_class: str = _f(str, choices=JOB_CLASSES)
     gpus: int = _f(int, ge=1, le=64)
     physical_gpus: Optional[list] = _f(list[int], nullable=True, default=None)
+    account: Optional[str] = _f(str, nullable=True, default=None)  # Slurm account, for metric labels
 
 
 @_dc

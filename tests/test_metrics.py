@@ -93,13 +93,14 @@ def test_sidecar_metrics_match_telemetry_and_reports(sockdir):
     thread.start()
     agent = None
     try:
-        reg = client.register_job(sockdir, "4711", uid=0, user="root", job_class="opportunistic", gpus=1)
+        reg = client.register_job(sockdir, "4711", uid=0, user="root", job_class="opportunistic", gpus=1,
+                                   account="vision")
         agent = Agent(reg.endpoint, "4711")
         agent.register()
         agent.send(p.Report(iteration=1, iterations=1, iteration_ms=250.0, busy_ms=200.0,
                             mem_allocated_bytes=300 * MiB, mem_reserved_bytes=512 * MiB, mem_peak_bytes=512 * MiB,
                             spilled_bytes=64 * MiB, limits_seq=0))
-        lab = {"node": "n1", "job_id": "4711", "account": "", "class": "opportunistic"}
+        lab = {"node": "n1", "job_id": "4711", "account": "vision", "class": "opportunistic"}
         s = wait_for(lambda: (lambda m: m if value(m, "antman_job_minibatch_seconds", **lab) is not None else None)(
             scrape(server.port)))
         state = client.node_state(sockdir)

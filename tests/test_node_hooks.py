@@ -59,8 +59,10 @@ def test_env_file_atomic_root_only_writable_and_counted(tmp_path):
 def test_job_context_from_prolog_env():
     ctx = JobContext.from_env({"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "node2", "SLURM_JOB_UID": "1000",
                                "SLURM_JOB_USER": "ada", "SPANK_ANTMAN_CLASS": "auto",
-                               "SLURM_JOB_PARTITION": "gpu", "SLURM_JOB_GPUS": "1,3"})
+                               "SLURM_JOB_PARTITION": "gpu", "SLURM_JOB_GPUS": "1,3",
+                               "SLURM_JOB_ACCOUNT": "vision"})
     assert (ctx.job_id, ctx.node, ctx.uid, ctx.user, ctx.spank_class) == ("7", "node2", 1000, "ada", "auto")
+    assert ctx.account == "vision"
     assert ctx.slurm_gpus == [1, 3]
     assert JobContext.from_env({"SLURM_JOB_ID": "8"}).slurm_gpus == []
 
