@@ -288,6 +288,9 @@ def current() -> Optional[Agent]:
     return _agent
 
 
+_SWITCH_INTERVAL_S = 0.001
+
+
 def install(
     job_id: Optional[str] = None,
     job_class: Optional[str] = None,
@@ -313,6 +316,11 @@ def install(
         if endpoint is None and job_id is not None:
             sys.stderr.write("slurm-antman: ANTMAN_SIDECAR_ENDPOINT is not set; the agent runs without a sidecar\n")
         agent = Agent(job_id=job_id, job_class=job_class, endpoint=endpoint, **kwargs)  # type: ignore[arg-type]
+        if endpoint is not None and sys.getswitchinterval() > _SWITCH_INTERVAL_S:
+            # The protocol thread sleeps in poll() and needs the GIL only to handle a message; with
+            # CPython's default 5 ms switch interval a message could wait that long behind the
+            # training thread. 1 ms bounds it at little cost, since the thread is idle otherwise.
+            sys.setswitchinterval(_SWITCH_INTERVAL_S)
         agent.start()
         _agent = agent
         atexit.register(_shutdown)
