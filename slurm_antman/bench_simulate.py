@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quota-scale", type=float, default=1.0,
                    help="tenant quotas: this times the cluster size times the tenant's GPU-time share")
     p.add_argument("--seed", type=int, default=0, help="workload profile assignment seed")
+    p.add_argument("--cycle-s", type=float, default=SimConfig.cycle_s,
+                   help="least simulated seconds between coordinator cycles (and quota-file rewrites)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -54,7 +56,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   file=sys.stderr)
             return 2
         cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
-                          speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed) for p in policies]
+                          speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
+                          cycle_s=a.cycle_s) for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
         return 2
@@ -67,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append(r)
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
-            "quota_scale": a.quota_scale, "seed": a.seed, "load_s": round(load_s, 3)}
+            "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))

@@ -20,13 +20,18 @@ def _pct(xs: list[float], q: float) -> Optional[float]:
 
 def summarize(rows: Iterable[Mapping]) -> dict:
     """``jobs_done``, JCT (end - submit) overall and per class, queueing delay (first start - submit),
-    preemptions and the GPU time they lost. A job's class is the one it last ran as."""
+    preemptions and the GPU time they lost. ``jct_guaranteed_mean_s`` is over the jobs admitted as
+    guaranteed (``submitted_as``, else ``class``): the ones the system promised not to harm; an
+    opportunistic job upgraded later counts under ``jct_ran_guaranteed_mean_s`` (the class it last
+    ran as), with its opportunistic time in its JCT."""
     rows = list(rows)
     done = [r for r in rows if r.get("end_s") is not None]
     jct = [r["end_s"] - r["submit_s"] for r in done]
     by_class: dict[str, list[float]] = {}
+    admitted: dict[str, list[float]] = {}
     for r, t in zip(done, jct):
         by_class.setdefault(r["class"], []).append(t)
+        admitted.setdefault(_admitted(r), []).append(t)
     waits = [r["first_start_s"] - r["submit_s"] for r in rows if r.get("first_start_s") is not None]
     return {
         "jobs_submitted": len(rows),
@@ -34,14 +39,20 @@ def summarize(rows: Iterable[Mapping]) -> dict:
         "jct_mean_s": _mean(jct),
         "jct_p50_s": _pct(jct, 0.5),
         "jct_p95_s": _pct(jct, 0.95),
-        "jct_guaranteed_mean_s": _mean(by_class.get("guaranteed", [])),
-        "jct_opportunistic_mean_s": _mean(by_class.get("opportunistic", [])),
+        "jct_guaranteed_mean_s": _mean(admitted.get("guaranteed", [])),
+        "jct_opportunistic_mean_s": _mean(admitted.get("opportunistic", [])),
+        "jct_ran_guaranteed_mean_s": _mean(by_class.get("guaranteed", [])),
         "jobs_by_class": {k: len(v) for k, v in sorted(by_class.items())},
+        "jobs_by_admitted_class": {k: len(v) for k, v in sorted(admitted.items())},
         "queue_delay_mean_s": _mean(waits),
         "queue_delay_p95_s": _pct(waits, 0.95),
         "preemptions": sum(int(r.get("preemptions", 0)) for r in rows),
         "preemption_lost_gpu_s": sum(float(r.get("lost_gpu_s", 0.0)) for r in rows),
     }
+
+
+def _admitted(r: Mapping) -> str:
+    return r.get("submitted_as") or r["class"]
 
 
 def jct_by_class(rows: Iterable[Mapping]) -> dict[str, list[float]]:
@@ -50,3 +61,24 @@ def jct_by_class(rows: Iterable[Mapping]) -> dict[str, list[float]]:
         if r.get("end_s") is not None:
             out.setdefault(r["class"], []).append(r["end_s"] - r["submit_s"])
     return out
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+def compare(base: Mapping, base_rows: Iterable[Mapping], other: Mapping, other_rows: Iterable[Mapping]) -> dict:
+    """``other`` against ``base`` (exclusive) on the same trace: the issue's four ratios. The
+    guaranteed ratio is also given over the same jobs (those admitted guaranteed under ``other``,
+    with their JCT under ``base``), since the two policies class different jobs guaranteed."""
+    base_jct = {r["job_id"]: r["end_s"] - r["submit_s"] for r in base_rows if r.get("end_s") is not None}
+    mine = [(r["end_s"] - r["submit_s"], base_jct[r["job_id"]]) for r in other_rows
+            if r.get("end_s") is not None and _admitted(r) == "guaranteed" and r["job_id"] in base_jct]
+    return {
+        "sm_util_ratio": _ratio(other.get("sm_util"), base.get("sm_util")),
+        "mem_util_ratio": _ratio(other.get("mem_util"), base.get("mem_util")),
+        "jct_mean_ratio": _ratio(other.get("jct_mean_s"), base.get("jct_mean_s")),
+        "jct_guaranteed_mean_ratio": _ratio(other.get("jct_guaranteed_mean_s"), base.get("jct_guaranteed_mean_s")),
+        "jct_guaranteed_same_jobs_ratio": _ratio(_mean([a for a, _ in mine]), _mean([b for _, b in mine])),
+        "guaranteed_jobs_compared": len(mine),
+    }

@@ -7,13 +7,18 @@ import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from .metrics import jct_by_class
+from .metrics import compare, jct_by_class
 
 PLOT_HINT = "plots skipped: matplotlib is not installed (pip install matplotlib)"
 
 
 def document(results: Sequence, meta: Mapping) -> dict:
-    return {"meta": dict(meta), "policies": {r.policy: r.metrics for r in results}}
+    doc = {"meta": dict(meta), "policies": {r.policy: r.metrics for r in results}}
+    base = next((r for r in results if r.policy == "exclusive"), None)
+    if base is not None:
+        doc["against_exclusive"] = {r.policy: compare(base.metrics, base.jobs, r.metrics, r.jobs)
+                                    for r in results if r is not base}
+    return doc
 
 
 def write(out_dir: str | Path, results: Sequence, meta: Mapping) -> list[str]:
@@ -38,16 +43,23 @@ def plot(out: Path, results: Sequence) -> list[str]:
     except ImportError:
         return [PLOT_HINT]
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    # Hours from the first submission, to the last submission plus half the window: the tail of
+    # long jobs draining afterwards would squeeze the part the utilisation metrics average over.
+    t0, t1 = 0.0, 0.0
     for r in results:
-        t = [s[0] / 3600 for s in r.series]
-        axes[0].plot(t, [s[1] for s in r.series], label=r.policy, lw=0.8)
-        axes[1].plot(t, [s[2] for s in r.series], label=r.policy, lw=0.8)
+        t0, t1 = r.metrics.get("measure_window_s", [0.0, 0.0])
+        series = [s for s in r.series if t0 <= s[0] <= t1 + 0.5 * (t1 - t0)]
+        t = [(s[0] - t0) / 3600 for s in series]
+        axes[0].plot(t, [s[1] for s in series], label=r.policy, lw=0.8)
+        axes[1].plot(t, [s[2] for s in series], label=r.policy, lw=0.8)
+    for ax in axes:
+        ax.axvline((t1 - t0) / 3600, color="grey", lw=0.6, ls="--")
     axes[0].set_ylabel("SM utilisation")
     axes[1].set_ylabel("GPU memory utilisation")
-    axes[1].set_xlabel("hours")
+    axes[1].set_xlabel("hours from the first submission (dashed: last submission)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(out / "utilisation.png", dpi=120)
+    fig.savefig(out / "utilisation.png", dpi=100)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -75,4 +87,56 @@ def plot(out: Path, results: Sequence) -> list[str]:
     fig.tight_layout()
     fig.savefig(out / "queue_delay.png", dpi=120)
     plt.close(fig)
+
+    # Guaranteed-job slowdown: JCT over the job's solo run time (1 = started at once, ran alone).
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in results:
+        sl = sorted((j["end_s"] - j["submit_s"]) / j["duration_s"] for j in r.jobs
+                    if j["end_s"] is not None and j["class"] == "guaranteed" and j["duration_s"] > 0)
+        if sl:
+            ax.step(sl, [(i + 1) / len(sl) for i in range(len(sl))], label=r.policy, where="post")
+    ax.set_xscale("log")
+    ax.set_xlabel("guaranteed JCT / solo run time")
+    ax.set_ylabel("CDF")
+    ax.legend()
+    names = [r.policy for r in results]
+    bx.bar(names, [r.metrics.get("preemptions", 0) for r in results], color="tab:red")
+    bx.set_ylabel("preemptions", color="tab:red")
+    b2 = bx.twinx()
+    b2.plot(names, [r.metrics.get("preemption_lost_gpu_s", 0.0) / 3600 for r in results], "ko")
+    b2.set_ylabel("GPU hours lost to preemption")
+    fig.tight_layout()
+    fig.savefig(out / "guaranteed_slowdown_preemptions.png", dpi=100)
+    plt.close(fig)
     return []
+
+
+TABLE_KEYS = (
+    ("sm_util", "SM util", "{:.3f}"), ("mem_util", "mem util", "{:.3f}"),
+    ("jct_mean_s", "JCT mean (s)", "{:,.0f}"), ("jct_guaranteed_mean_s", "guaranteed JCT mean (s)", "{:,.0f}"),
+    ("jobs_done", "jobs done", "{}"), ("preemptions", "preemptions", "{}"),
+    ("preemption_lost_gpu_s", "GPU-h lost to preemption", "{:.1f}"),
+    ("queue_delay_mean_s", "queueing delay mean (s)", "{:,.0f}"), ("oom_failures", "OOM failures", "{}"),
+)
+
+
+def markdown_table(doc: Mapping) -> str:
+    """The per-policy table of docs/evaluation.md from a results document."""
+    pols = [p for p in ("exclusive", "shared", "antman") if p in doc["policies"]]
+    lines = ["| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
+    for key, label, fmt in TABLE_KEYS:
+        cells = []
+        for p in pols:
+            v = doc["policies"][p].get(key)
+            if key == "preemption_lost_gpu_s" and v is not None:
+                v = v / 3600
+            cells.append("-" if v is None else fmt.format(v))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    cmp = doc.get("against_exclusive", {})
+    if cmp:
+        lines += ["", "| against exclusive | " + " | ".join(cmp) + " |", "|---|" + "---|" * len(cmp)]
+        for key in ("sm_util_ratio", "mem_util_ratio", "jct_mean_ratio", "jct_guaranteed_mean_ratio",
+                    "jct_guaranteed_same_jobs_ratio"):
+            lines.append(f"| {key} | " + " | ".join(
+                "-" if c.get(key) is None else f"{c[key]:.3f}" for c in cmp.values()) + " |")
+    return "\n".join(lines) + "\n"
