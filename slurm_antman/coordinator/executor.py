@@ -149,6 +149,16 @@ class Executor:
         if tag.job_class == d.to_class and not (d.release_hold and held):
             return skipped(f"already {d.to_class}")
         s = self.cfg.slurm
+        if tag.job_class != d.to_class and gres_count(job.tres_per_node, self.gpu_names) > 0:
+            # Slurm 22.05 shows a new TresPerNode on a pending job but keeps scheduling it by the GRES
+            # it was submitted with (docs/architecture.md). Changing tag and partition alone would make
+            # a job whose class and GPUs disagree, e.g. a "guaranteed" job with no physical GPU. It
+            # keeps its class; a running opportunistic job is upgraded in place later instead.
+            if d.release_hold and held:
+                return ok("class kept (Slurm 22.05 cannot move a pending job between GRES); "
+                          + ", ".join(self._unhold(job, tag)))
+            return skipped(f"pending GPU job keeps class {tag.job_class}: Slurm 22.05 cannot move it from the "
+                           f"{s.gpu_gres if tag.job_class == 'guaranteed' else s.opportunistic_gres} GRES")
         new_tag = tag.with_class(d.to_class)
         if d.release_hold:
             new_tag = new_tag.with_hold(None)
@@ -181,7 +191,11 @@ class Executor:
 
     def _release_hold(self, d: ReleaseHold, state: Any) -> Outcome:
         job = self._job(d.job_id)
-        tag = self._tag(job)
+        done = self._unhold(job, self._tag(job))
+        return ok(", ".join(done)) if done else skipped("not held for quota")
+
+    def _unhold(self, job: Any, tag: Any) -> list[str]:
+        """Release our quota hold and clear its mark in the tag; what was done, for the audit log."""
         done = []
         if job.state == "PENDING" and job.reason == HELD_BY_ADMIN and tag.hold == "quota":
             self.backend.release(job.job_id)
@@ -190,7 +204,7 @@ class Executor:
             comment = tag.with_hold(None).render()
             self.backend.update(job.job_id, AdminComment=comment)
             done.append(f"AdminComment={comment}")
-        return ok(", ".join(done)) if done else skipped("not held for quota")
+        return done
 
     def _set_opp_slots(self, d: SetOppSlots, state: Any) -> Outcome:
         opp = self.cfg.slurm.opportunistic_gres
