@@ -5,12 +5,10 @@ utilisation and jobs its sidecar reports. A node whose sidecar does not answer i
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from .slurm import Job, Node, default_backend
-from .squeue_view import HOLDING_STATES, console, load_config, sidecar_states
+from .squeue_view import HOLDING_STATES, console, load_config, show, sidecar_states
 
 
 def rows(nodes: list[Node], jobs: list[Job], states: dict[str, Any]) -> list[dict[str, Any]]:
@@ -72,10 +70,4 @@ def render_table(data: list[dict[str, Any]]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    data = collect(args)
-    if args.json:
-        json.dump(data, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        render_table(data)
-    return 0
+    return show(collect(args), args.json, render_table)

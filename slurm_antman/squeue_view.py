@@ -161,11 +161,15 @@ def render_table(data: list[dict[str, Any]]) -> None:
     console().print(t)
 
 
-def main(args: argparse.Namespace) -> int:
-    data = collect(args)
-    if args.json:
+def show(data: list[dict[str, Any]], as_json: bool, render) -> int:
+    """What both views print: JSON for scripts, or the table."""
+    if as_json:
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        render_table(data)
+        render(data)
     return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    return show(collect(args), args.json, render_table)

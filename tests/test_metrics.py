@@ -147,7 +147,7 @@ def test_coordinator_counts_decisions_and_exposes_quota(tmp_path):
                         None, False),
                 JobView("103", "nlp-team", "bob", "PENDING", "guaranteed", "guaranteed", 1, None, 0.0, None, 0,
                         None, False)]
-        m.publish(jobs, {"vision": 4, "nlp-team": 2}, {"vision": 2, "nlp-team": 1})
+        m.publish(jobs, {t.account: t.guaranteed_gpus for t in cfg.tenants}, {"vision": 2, "nlp-team": 1})
         for kind, outcome in [("preempt_notice", "ok"), ("preempt_notice", "ok"), ("requeue", "ok"),
                               ("upgrade", "ok"), ("upgrade", "error"), ("set_opp_slots", "skipped")]:
             m.count(kind, outcome)

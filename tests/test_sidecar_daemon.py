@@ -9,7 +9,6 @@ import random
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman.slurm import CliBackend, JobNotFound, SlurmUnavailable
+
 
 REPO = Path(__file__).resolve().parent.parent
 # Keep in step with docs/user.md, section "Show the class in plain squeue".

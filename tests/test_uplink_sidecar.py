@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-import threading
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from slurm_antman.coordinator.hub import SidecarHub
 from sidecar import client
 from sidecar.cli import build
 from sidecar.local_policy import GiB, MiB
-from test_sidecar_daemon import SimAgent, job_of, wait_for
+from test_sidecar_daemon import Running, SimAgent, job_of, wait_for
 from test_uplink_hub import free_port
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
@@ -37,18 +36,6 @@ def make_config(key_dir, port: int, gpus: int = 1) -> cfgmod.AntmanConfig:
     })
 
 
-class Running:
-    def __init__(self, conf, socket_dir: str):
-        self.sidecar = build(conf, "n1", socket_dir, tick_s=0.1)
-        self.sidecar.start()
-        self.thread = threading.Thread(target=self.sidecar.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.sidecar.stop()
-        self.thread.join(5)
-        assert not self.thread.is_alive()
-
 
 @pytest.fixture
 def env(tmp_path):
@@ -58,7 +45,7 @@ def env(tmp_path):
     sockdir = tempfile.mkdtemp(prefix="am-", dir="/tmp")
     hub = SidecarHub(conf)
     hub.start()
-    side = Running(conf, sockdir)
+    side = Running(sockdir, conf)
     yield conf, hub, side, sockdir
     side.stop()
     hub.close()
@@ -120,7 +107,7 @@ def test_job_class_update_unthrottles_the_job_and_survives_restart(env, tmp_path
         a.close()
     # The class is part of the job's record: a restarted sidecar keeps it.
     side.stop()
-    restarted = Running(conf, sockdir)
+    restarted = Running(sockdir, conf)
     side.sidecar, side.thread = restarted.sidecar, restarted.thread  # the fixture stops this one
     assert job_of(client.node_state(sockdir), "200").job_class == "guaranteed"
     r = next_report(hub, lambda r: any(j.job_id == "200" for j in r.jobs))

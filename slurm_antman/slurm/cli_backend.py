@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from typing import Iterable, Mapping, Optional, Union
 
 from .backend import Options, SlurmBackend
 from .errors import (CommandFailed, JobNotFound, SlurmError, SlurmOutputError, SlurmUnavailable,
