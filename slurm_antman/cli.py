@@ -59,7 +59,7 @@ def _cmd_config(a: argparse.Namespace) -> int:
         return 0
     out = Path(a.out)
     opts = RenderOptions(config_path=a.config_path or str(Path(a.file).resolve()),
-                         hook_dir=a.hook_dir or str(out.resolve()))
+                         hook_dir=a.hook_dir or str(out.resolve()), slurm_conf=a.slurm_conf)
     for path in write_all(cfg, out, opts):
         print(path)
     return 0
@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--out", default="antman-rendered", help="render: output directory")
     cf.add_argument("--config-path", help="render: where antman.yaml will live on the nodes")
     cf.add_argument("--hook-dir", help="render: where antman-prolog/epilog will live (default --out)")
+    cf.add_argument("--slurm-conf", help="render: slurm.conf the hooks use, when not in Slurm's default place")
     cf.set_defaults(func=_cmd_config)
 
     nd = sub.add_parser("node", help="Slurm Prolog/Epilog hooks (run by slurmd)")

@@ -48,6 +48,10 @@ class NodeGroup(_Strict):
         default=None,
         description="Device files for the gpu GRES, e.g. /dev/nvidia[0-7]. Default: /dev/nvidia[0-N].",
     )
+    slurm_params: Optional[str] = Field(
+        default=None, pattern=r"^[A-Za-z]+=\S+( [A-Za-z]+=\S+)*$",
+        description="Extra words for these nodes' NodeName= lines, e.g. 'Sockets=2 CoresPerSocket=32'.",
+    )
 
     @field_validator("name")
     @classmethod

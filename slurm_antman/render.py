@@ -90,7 +90,7 @@ def slurm_conf_fragment(cfg: AntmanConfig, opts: RenderOptions) -> str:
         for host in group.hosts:
             all_hosts.append(host)
             gres = f"{s.gpu_gres}:{group.gpus},{s.opportunistic_gres}:{_opp_slots(cfg, group.gpus)}"
-            extra = opts.node_params.get(host, "")
+            extra = " ".join(filter(None, (group.slurm_params, opts.node_params.get(host, ""))))
             lines.append(
                 f"NodeName={host} CPUs={group.cpus} RealMemory={group.memory_mb} Gres={gres} State=UNKNOWN"
                 + (f" {extra}" if extra else "")

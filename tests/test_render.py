@@ -117,3 +117,13 @@ def test_cli_render_writes_files_slurmd_accepts(tmp_path):
                        env={**os.environ, "SLURM_CONF": str(slurm_conf)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["gpu01", "gpu02"]
+
+
+def test_site_node_params_reach_the_node_lines():
+    cfg = config.parse({"nodes": [{"name": "g[1-2]", "gpus": 2, "slurm_params": "Sockets=2 CoresPerSocket=4"}]})
+    frag = render_all(cfg, RenderOptions(node_params={"g2": "Port=7001"}))["antman.slurm.conf"]
+    assert re.search(r"^NodeName=g1 .* State=UNKNOWN Sockets=2 CoresPerSocket=4$", frag, re.M)
+    assert re.search(r"^NodeName=g2 .* State=UNKNOWN Sockets=2 CoresPerSocket=4 Port=7001$", frag, re.M)
+    with pytest.raises(config.ConfigError) as e:
+        config.parse({"nodes": [{"name": "g1", "gpus": 1, "slurm_params": "Sockets=2\nEvil"}]})
+    assert "nodes.0.slurm_params" in str(e.value)
