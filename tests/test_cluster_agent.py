@@ -35,9 +35,10 @@ def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
         time.sleep(1)
     o, gj = jobs[opp], jobs[g]
     assert o["class"] == "opportunistic" and gj["class"] == "guaranteed"
-    # The loop sleeps 50 ms a step: the agent measured real mini-batches, not a placeholder.
-    assert o["iteration_ms"] is not None and 40 <= o["iteration_ms"] <= 2000, o
-    assert gj["iteration_ms"] is not None and 40 <= gj["iteration_ms"] <= 2000, gj
+    # The loop sleeps 50 ms a step: the agent measured real mini-batches, not a placeholder (no upper
+    # bound: on a loaded machine a step can take far longer).
+    assert o["iteration_ms"] is not None and o["iteration_ms"] >= 40, o
+    assert gj["iteration_ms"] is not None and gj["iteration_ms"] >= 40, gj
     assert 0 < o["compute_share"] <= 1.0
     assert gj["compute_share"] == 1.0 and gj["mem_limit_bytes"] is None  # guaranteed: never limited
     assert isinstance(o["mem_limit_bytes"], int) and o["mem_limit_bytes"] > 0
