@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 from typing import Optional, Sequence
 
 from slurm_antman import config as cfgmod
+from slurm_antman.service import serve_until_stopped
 
 from .daemon import Sidecar, SidecarOptions
 from .endpoints import EndpointError
@@ -139,14 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # Metrics are for watching; jobs must not lose their sidecar because a port is taken.
             log.error("metrics endpoint %s:%d not served: %s", conf.sidecar.metrics_bind, conf.sidecar.metrics_port, e)
     sidecar.reloader = make_reloader(args.config, node, conf)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sidecar.stop())
-    signal.signal(signal.SIGHUP, lambda *_: sidecar.request_reload())
-    try:
-        sidecar.serve_forever()
-    finally:
-        if metrics_server is not None:
-            metrics_server.close()
+    serve_until_stopped(sidecar, metrics_server)
     log.info("sidecar for node %s stopped", node)
     return 0
 

@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from torch_patch.client import drain_wakeups
+
 from . import protocol as P
 
 
@@ -159,11 +161,7 @@ class PeerSidecar:
                 wait_ms = max(0.0, self.heartbeat_s - (time.monotonic() - last_sent)) * 1000.0
                 events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
+                    drain_wakeups(self._wake_r)
                 if sock in events:
                     while True:
                         try:

@@ -34,6 +34,16 @@ MISSED_HEARTBEATS = 5
 _LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
 
 
+
+def drain_wakeups(fd: int) -> None:
+    """Empty a non-blocking wake-up pipe: a thread blocked in poll() was woken through it, and every
+    byte written since says the same thing."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
 class EndpointError(ValueError):
     pass
 
@@ -176,11 +186,7 @@ class ProtocolClient(threading.Thread):
         timeout_s = max(0.0, min(self.heartbeat_s - (now - self._last_sent), self.heartbeat_s))
         events = dict(poller.poll(timeout_s * 1000.0))
         if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+            drain_wakeups(self._wake_r)
         if sock in events:
             for _ in range(100):
                 try:

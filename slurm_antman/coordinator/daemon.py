@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from slurm_antman.policy import (HOLDING_STATES, CoordinatorState, PolicyParams,
                                  decide)
 from slurm_antman.slurm import CliBackend, SlurmError
 
+from ..service import serve_until_stopped
 from . import audit, snapshot_builder
 from .executor import Executor
 
@@ -320,14 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except OSError as e:
             log.error("metrics endpoint %s:%d not served: %s", cfg.coordinator.metrics_bind,
                       cfg.coordinator.metrics_port, e)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: coord.stop())
-    signal.signal(signal.SIGHUP, lambda *_: coord.request_reload())
-    try:
-        coord.serve_forever()
-    finally:
-        if server is not None:
-            server.close()
+    serve_until_stopped(coord, server)
     return 0
 
 
