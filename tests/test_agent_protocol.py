@@ -232,6 +232,46 @@ def test_preempt_hook_runs_from_the_agent_thread_if_no_boundary_comes(peer):
         agent.stop()
 
 
+
+def test_a_busy_loop_takes_limits_and_acks_on_its_own_thread(peer):
+    """While boundaries keep coming, limits are received and acknowledged by the training thread at
+    its boundary: no hand-over to the protocol thread, which would wait for the GIL each way."""
+    agent = _agent(peer.endpoint)
+    received_on, sent_on = [], []
+    arrived, send = agent._limits_arrived, agent.client._send
+
+    def on_limits(upd):
+        received_on.append(threading.current_thread().name)
+        arrived(upd)
+
+    def spy_send(sock, body, ref=None):
+        if isinstance(body, P.Ack):
+            sent_on.append(threading.current_thread().name)
+        return send(sock, body, ref)
+
+    agent.client._on_limits, agent.client._send = on_limits, spy_send
+    x = torch.randn(16, 16)
+
+    def iteration():
+        torch.mm(x, x)
+        agent.step()
+
+    try:
+        assert agent.client.registered.wait(5)
+        received_on.clear()
+        for i in range(20):
+            seq, _ = peer.send_limits((1 + i % 2) << 30, 1.0)
+            _train_until(iteration, lambda: any(r.msg.body.seq == seq for r in peer.of_type("ack")),
+                         what=f"ack of seq {seq}")
+        main = threading.current_thread().name
+        # A stall of the machine longer than the protocol thread's patience may hand one over.
+        assert received_on.count(main) >= 17, received_on
+        assert sent_on.count(main) >= 17, sent_on
+        assert [a[2] - a[1] for a in agent.acks if a[1] is not None] and \
+            max(a[2] - a[1] for a in agent.acks if a[1] is not None) <= 1
+    finally:
+        agent.stop()
+
 def test_bad_endpoint_and_class_are_rejected_clearly():
     from torch_patch.agent import AgentConfigError
     from torch_patch.client import EndpointError

@@ -1,8 +1,9 @@
 """The in-job agent: step boundaries + memory control + throttle + protocol client, one per process.
 
 Everything that changes the job (a memory limit, a compute share, the user's preemption hook) happens
-in the training thread at an iteration boundary, where the model and optimizer are consistent. The
-protocol thread only receives and queues.
+in the training thread at an iteration boundary, where the model and optimizer are consistent. At
+that boundary the training thread also does the protocol's socket work itself when it can (see
+torch_patch/client.py); the protocol thread covers the time between boundaries.
 
 Sidecar lost (nothing heard for ``missed_heartbeats`` x ``heartbeat_s``, or its ``bye``): a guaranteed
 job runs unrestricted (no memory limit, share 1.0); an opportunistic job keeps its memory limit and
@@ -14,6 +15,7 @@ and take the limits of the next ``registered``.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -108,7 +110,6 @@ class Agent:
                 on_lost=self._sidecar_lost,
                 on_preempt=self._preempt_arrived,
                 on_unmanaged=self._unmanaged,
-                current_iteration=lambda: self.steps.iteration,
                 missed_heartbeats=missed_heartbeats,
             )
         self.started = False
@@ -145,6 +146,10 @@ class Agent:
 
     def _limits_arrived(self, upd: LimitsUpdate) -> None:
         with self._lock:
+            if upd.received_iteration is None:
+                # Read under the lock the boundary takes the update with, so this is the iteration
+                # whose boundary will see it.
+                upd = dataclasses.replace(upd, received_iteration=self.steps.iteration)
             prev = self._pending
             if prev is not None and prev.reset and not upd.reset:
                 # A restarted sidecar's registered must still reset our seq, even if its first
@@ -207,11 +212,23 @@ class Agent:
             throttle.end_iteration()  # learns the unthrottled reference
             busy = seconds
             self._busy_mark = throttle.busy_s
-        if self._pending is not None or self._fallback_due:
+        client = self.client
+        if client is not None:
+            client.exchange(ended, next_within_s=2.0 * seconds)
+        # Under _limits_arrived's lock: an update taken over during iteration k is seen by the
+        # boundary that ends k, never a later one.
+        with self._lock:
+            due = self._pending is not None or self._fallback_due
+        if due:
             self._apply_pending(ended + 1)
+            if client is not None:
+                # The ack, before a preemption hook may take long. What arrives from here on is
+                # taken by the next boundary: it counts as arriving in iteration ended+1, which
+                # began with this boundary (StepCounter counts boundary time to the next one).
+                client.flush_queued(ended + 1)
         if self._preempt is not None and not self._preempt_done.is_set():
             self._run_preempt_hooks()
-        if self.client is None:
+        if client is None:
             return
         self._acc_n += 1
         self._acc_ms += seconds * 1000.0
@@ -219,6 +236,7 @@ class Agent:
         now = time.monotonic()
         if now - self._last_report >= self.report_interval_s:
             self._send_report(ended, now)
+            client.flush_queued(ended + 1)
 
     def _send_report(self, iteration: int, now: float) -> None:
         from slurm_antman.protocol import Report
@@ -264,7 +282,7 @@ class Agent:
 
                 waited = None if upd.received_t is None else time.perf_counter() - upd.received_t
                 self.acks.append((upd.seq, upd.received_iteration, next_iteration, waited))
-                self.client.send(Ack(seq=upd.seq, applied_iteration=next_iteration), ref=upd.ref)
+                self.client.send(Ack(seq=upd.seq, applied_iteration=next_iteration), ref=upd.ref, wake=False)
         if fallback:
             job_class = (self.client.job_class if self.client is not None else None) or self.job_class
             try:

@@ -1,8 +1,24 @@
 """The agent's side of the protocol (docs/protocol.md): a background thread that owns a DEALER.
 
-The training thread never touches ZeroMQ: it hands reports and acks over through a deque and a wake-up
-pipe, and picks up limits from ``pending`` at its next iteration boundary. The thread has its own zmq
-context, so a job that uses ZeroMQ itself is not affected.
+One DEALER socket, used by two threads, one at a time under ``_sock_lock`` (ZeroMQ allows a socket to
+move between threads with a full memory barrier; the lock is that barrier):
+
+- the training thread, at each iteration boundary (:meth:`ProtocolClient.exchange`), takes the lock if
+  it is free, reads what the sidecar sent and sends its acks and reports itself. A limit that arrives
+  mid-iteration waits in ZeroMQ's queue, costs the job nothing, and is acknowledged at the boundary
+  that applies it, without any thread switch: in CPython a hand-over to another thread waits for the
+  GIL, up to the switch interval, while the training thread runs;
+- the protocol thread serves whatever the training thread does not: heartbeats, re-registration,
+  messages while the job is between iterations (loading data, evaluating, stuck), anything queued
+  while the lock was taken. While boundaries keep coming (the next one expected within twice the last
+  iteration), it sleeps on the wake-up pipe only and leaves the socket to the training thread; waking
+  for each message would make it wait for the GIL and take it from the training thread. Otherwise it
+  also polls the socket's notification fd (an OS fd, not the socket: safe while the other thread
+  uses the socket).
+
+The notification fd is edge-triggered: whoever used the socket reads ``EVENTS`` last and receives until
+it shows no input (:meth:`ProtocolClient._service`), so the fd fires again for the next message. The
+thread has its own zmq context, so a job that uses ZeroMQ itself is not affected.
 
 Liveness follows the spec: a heartbeat when nothing else was sent for ``heartbeat_s``; after
 ``missed_heartbeats`` x ``heartbeat_s`` without hearing anything the sidecar is taken as gone: the
@@ -32,6 +48,10 @@ REPORT_INTERVAL_S = 0.05
 DEFAULT_HEARTBEAT_S = 1.0
 MISSED_HEARTBEATS = 5
 _LOOPBACK_HOSTS = ("127.0.0.1", "[::1]", "localhost")
+# The protocol thread leaves the socket to the training thread for at least this long after a
+# boundary. It is also how often that thread wakes (and takes the GIL for a moment) while the
+# training thread is busy, and the longest a message waits when a loop stops at a boundary.
+MIN_INLINE_S = 0.05
 
 
 
@@ -72,6 +92,8 @@ class LimitsUpdate:
     ref: Optional[str]  # id of the message to acknowledge; None: nothing to ack (fallback)
     reset: bool = False  # a registered from a (maybe new) sidecar: its seq replaces ours
     throttle: Optional[str] = None
+    # the iteration during which it arrived: set by the training thread when it received it at a
+    # boundary; otherwise the agent sets it when it takes the update over
     received_iteration: Optional[int] = None
     received_t: Optional[float] = None  # time.perf_counter() on arrival (CLOCK_MONOTONIC)
 
@@ -92,7 +114,6 @@ class ProtocolClient(threading.Thread):
         on_lost: Callable[[], None],
         on_preempt: Callable[[PreemptNotice], None],
         on_unmanaged: Callable[[str], None],
-        current_iteration: Callable[[], int],
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         missed_heartbeats: int = MISSED_HEARTBEATS,
     ) -> None:
@@ -103,7 +124,6 @@ class ProtocolClient(threading.Thread):
         self._on_lost = on_lost
         self._on_preempt = on_preempt
         self._on_unmanaged = on_unmanaged
-        self._current_iteration = current_iteration
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
         self._outbox: collections.deque[P.Body | tuple[P.Body, Optional[str]]] = collections.deque()
@@ -111,6 +131,11 @@ class ProtocolClient(threading.Thread):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._stop_event = threading.Event()
+        self._sock_lock = threading.Lock()
+        self._sock: Optional[zmq.Socket] = None  # set while the thread runs; only used under _sock_lock
+        self._arrived_during: Optional[int] = None  # set while the training thread receives
+        # monotonic time until which the training thread is expected back at a boundary
+        self._inline_until = 0.0
         self.registered = threading.Event()  # set while a sidecar has answered our register
         self.job_class: Optional[str] = None
         self.connected = False
@@ -135,6 +160,36 @@ class ProtocolClient(threading.Thread):
         except (BlockingIOError, OSError):
             pass  # the pipe is full: the thread is already due to wake
 
+    def exchange(self, arrived_during: int, next_within_s: Optional[float] = None) -> bool:
+        """Training thread, at a boundary: send what is queued and handle what has arrived, on this
+        thread, if the socket is free. False if the protocol thread has it (it was woken instead).
+
+        ``arrived_during``: the iteration that just ended, the one during which whatever is waiting
+        in the socket arrived. ``next_within_s``: when the next boundary is expected (the protocol
+        thread stays off the socket until then)."""
+        if next_within_s is not None:
+            self._inline_until = time.monotonic() + min(max(next_within_s, MIN_INLINE_S), self.heartbeat_s / 2)
+        if not self._sock_lock.acquire(blocking=False):
+            if self._outbox:
+                self.wake()
+            return False
+        try:
+            if self._sock is None:
+                return False
+            self._arrived_during = arrived_during
+            try:
+                self._service(self._sock)
+            finally:
+                self._arrived_during = None
+            return True
+        finally:
+            self._sock_lock.release()
+
+    def flush_queued(self, arrived_during: int) -> None:
+        """:meth:`exchange` if anything is queued to send."""
+        if self._outbox:
+            self.exchange(arrived_during)
+
     def stop(self, reason: str = "exit", timeout: float = 1.0) -> None:
         if not self.is_alive():
             return
@@ -157,23 +212,31 @@ class ProtocolClient(threading.Thread):
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES + 64)
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        poller.register(sock.getsockopt(zmq.FD), zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        wake_only = zmq.Poller()
+        wake_only.register(self._wake_r, zmq.POLLIN)
         try:
             sock.connect(self.endpoint)
-            self._last_heard = time.monotonic()
-            self._send_register(sock)
+            with self._sock_lock:
+                self._sock = sock
+                self._last_heard = time.monotonic()
+                self._send_register(sock)
+                self._service(sock)
             while not self._stop_event.is_set():
                 try:
-                    self._loop_once(sock, poller)
+                    self._loop_once(sock, poller, wake_only)
                 except Exception:
                     log.exception("slurm-antman agent: protocol loop error (continuing)")
                     time.sleep(0.05)
-            self._flush(sock)
+            with self._sock_lock:
+                self._flush(sock)
         except Exception:
             log.exception("slurm-antman agent: protocol thread stopped")
         finally:
-            sock.close(0)
+            with self._sock_lock:
+                self._sock = None
+                sock.close(0)
             ctx.term()
             for fd in (self._wake_r, self._wake_w):
                 try:
@@ -181,21 +244,27 @@ class ProtocolClient(threading.Thread):
                 except OSError:
                     pass
 
-    def _loop_once(self, sock: zmq.Socket, poller: zmq.Poller) -> None:
+    def _loop_once(self, sock: zmq.Socket, poller: zmq.Poller, wake_only: zmq.Poller) -> None:
         now = time.monotonic()
         timeout_s = max(0.0, min(self.heartbeat_s - (now - self._last_sent), self.heartbeat_s))
-        events = dict(poller.poll(timeout_s * 1000.0))
+        inline_left = self._inline_until - now
+        if inline_left > 0:
+            events = dict(wake_only.poll(min(timeout_s, inline_left) * 1000.0))
+            if not events and time.monotonic() < self._inline_until and \
+                    time.monotonic() - self._last_sent < self.heartbeat_s:
+                return  # a boundary came meanwhile: the socket stays the training thread's
+        else:
+            events = dict(poller.poll(timeout_s * 1000.0))
         if self._wake_r in events:
             drain_wakeups(self._wake_r)
-        if sock in events:
-            for _ in range(100):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-                except zmq.Again:
-                    break
-                self._last_heard = time.monotonic()
-                self._handle(sock, frames)
-        self._flush(sock)
+        with self._sock_lock:
+            self._service(sock)
+            self._keepalive(sock)
+            # Again: what the training thread queued while it found the lock taken goes out now,
+            # not after another wake-up (which would wait for the GIL).
+            self._service(sock)
+
+    def _keepalive(self, sock: zmq.Socket) -> None:
         now = time.monotonic()
         silent = now - self._last_heard
         if silent > self.missed_heartbeats * self.heartbeat_s:
@@ -209,6 +278,25 @@ class ProtocolClient(threading.Thread):
                 self._send_register(sock)
             else:
                 self._send(sock, P.Heartbeat())
+
+    def _service(self, sock: zmq.Socket) -> None:
+        """Send the queue, then receive until EVENTS shows no input (the fd's edge is re-armed)."""
+        self._flush(sock)
+        self._receive(sock)
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        # Bounded, so a flood from a broken sidecar cannot pin the training thread; what is left
+        # re-arms nothing, so the protocol thread is woken to take it.
+        for _ in range(100):
+            if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._last_heard = time.monotonic()
+            self._handle(sock, frames)
+        self.wake()
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self._outbox:
@@ -251,7 +339,7 @@ class ProtocolClient(threading.Thread):
             if not self.connected:
                 return  # limits from a sidecar that has not (re)registered us: wait for registered
             self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
-                                         received_iteration=self._current_iteration(),
+                                         received_iteration=self._arrived_during,
                                          received_t=time.perf_counter()))
         elif isinstance(body, P.Preempt):
             self._on_preempt(PreemptNotice(body.deadline_unix, body.grace_s, body.reason))
@@ -282,7 +370,7 @@ class ProtocolClient(threading.Thread):
         self.registered.set()
         self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
                                      reset=True, throttle=body.throttle,
-                                     received_iteration=self._current_iteration()))
+                                     received_iteration=self._arrived_during))
 
     def _go_unmanaged(self, why: str) -> None:
         if not self.unmanaged:
