@@ -46,6 +46,7 @@ class SidecarOptions:
     opportunistic_throttle: str = "launch"
     params: PolicyParams = PolicyParams()
     uplink: Optional[UplinkOptions] = None  # None: no coordinator; the sidecar notifies preemptions itself
+    enforce: bool = True  # False: observe only (sidecar.enforce)
 
 
 @dataclass
@@ -489,6 +490,10 @@ class Sidecar:
         self._dirty = False
         decision = decide(self._snapshot(), self.policy_state, self.opt.params, now)
         self.policy_state = decision.state
+        if not self.opt.enforce:
+            # Observe only: the policy still runs (its state and the slowdowns it measures are
+            # reported), but nothing it decides reaches a job.
+            decision = replace(decision, limits={j: UNLIMITED for j in decision.limits}, new_preemptions=())
         for req in decision.new_preemptions:
             job = self.jobs.get(req.job_id)
             if job is None:

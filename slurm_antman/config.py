@@ -139,6 +139,11 @@ class Sidecar(_Strict):
         default=1024, ge=1, description="Below this an opportunistic job is preempted rather than shrunk.")
     target_slowdown: float = Field(default=0.02, gt=0, le=1,
                                    description="Slowdown of the guaranteed job the compute feedback aims under.")
+    enforce: bool = Field(
+        default=True,
+        description="false: observe only. The sidecar measures, places and reports as usual but gives every job "
+                    "unlimited memory and a compute share of 1 and never asks for a preemption: opportunistic "
+                    "jobs share GPUs uncontrolled (a staged rollout; the `shared` baseline of `antman bench trace`).")
     metrics_port: int = Field(default=0, ge=0, le=65535,
                               description="Prometheus endpoint port of the sidecar; 0 turns it off. With several "
                                           "slurmd on one host, only one sidecar can bind it.")

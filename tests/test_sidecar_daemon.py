@@ -242,6 +242,38 @@ def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_
         oa.close()
 
 
+def test_observe_only_sidecar_measures_but_never_limits_or_preempts(sockdir):
+    """sidecar.enforce: false, the scenario above: the same placement and measurements, but the
+    opportunistic job keeps unlimited memory and a full share, and no preemption follows."""
+    r = Running(sockdir, make_config(gpus=1, enforce=False))
+    g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
+    ga = SimAgent(g.endpoint, "100", "guaranteed", pid=1)
+    oa = None
+    try:
+        ga.register()
+        ga.report(100.0, 2 * GiB)
+        wait_for(lambda: job_of(client.node_state(sockdir), "100").iteration_ms == 100.0, what="guaranteed report")
+        o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert o.gpus == [0]
+        oa = SimAgent(o.endpoint, "200", pid=2)
+        reg = oa.register().body
+        assert reg.job_class == "opportunistic"
+        assert (reg.mem_limit_bytes, reg.compute_share) == (None, 1.0)
+        oa.report(50.0, 3 * GiB)
+        ga.report(100.0, 15 * GiB)  # with enforcement: a shrink, then a preemption notice
+        wait_for(lambda: client.node_state(sockdir).gpus[0].memory_used_bytes >= 15 * GiB, what="telemetry")
+        with pytest.raises(AssertionError):
+            oa.recv("limits", timeout_s=1.0)
+        st = client.node_state(sockdir)
+        assert st.preemptions == []
+        assert (job_of(st, "200").mem_limit_bytes, job_of(st, "200").compute_share) == (None, 1.0)
+    finally:
+        ga.close()
+        if oa is not None:
+            oa.close()
+        r.stop()
+
+
 def test_report_before_register_and_wrong_job(sidecar, sockdir):
     r = client.register_job(sockdir, "400", uid=0, user="r", job_class="opportunistic", gpus=1)
     a = SimAgent(r.endpoint, "400")
