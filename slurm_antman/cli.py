@@ -89,24 +89,17 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return demo.main(a)
 
 
+_BENCHES = {"submit": "bench_submit", "control": "bench_control", "coordinator": "bench_coordinator",
+            "simulate": "bench_simulate", "trace": "bench_trace"}
+
+
 def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
-    if a.what == "submit":
-        from . import bench_submit
+    module = _BENCHES.get(a.what)
+    if module is not None:
+        import importlib
 
-        return bench_submit.main(rest)
-    if a.what == "control":
-        from . import bench_control
-
-        return bench_control.main(rest)
-    if a.what == "coordinator":
-        from . import bench_coordinator
-
-        return bench_coordinator.main(rest)
-    if a.what == "simulate":
-        from . import bench_simulate
-
-        return bench_simulate.main(rest)
-    print(f"antman bench: unknown benchmark {a.what!r}; allowed: submit, control, coordinator, simulate",
+        return importlib.import_module(f".{module}", __package__).main(rest)
+    print(f"antman bench: unknown benchmark {a.what!r}; allowed: {', '.join(_BENCHES)}",
           file=sys.stderr)
     return 2
 

@@ -221,9 +221,21 @@ def build_spank(dest: Path) -> Path:
     return dest
 
 
+def _munge_works() -> bool:
+    return subprocess.run(["munge", "-n"], capture_output=True).returncode == 0
+
+
 def _ensure_munged(procs: list[Proc]) -> None:
-    if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+    if _munge_works():
         return
+    # A munged that is still exiting (a cluster stopped a moment ago) is seen by pgrep but serves
+    # nothing: wait for it to go, then start ours.
+    for _ in range(100):
+        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+            break
+        time.sleep(0.1)
+    else:
+        raise DevclusterError("a munged process runs but munge -n fails: check /var/log/munge/munged.log")
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     shutil.chown("/run/munge", "munge", "munge")
     r = subprocess.run(["runuser", "-u", "munge", "--", MUNGED], capture_output=True, text=True)

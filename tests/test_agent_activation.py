@@ -64,6 +64,16 @@ def test_with_the_job_env_import_torch_starts_the_agent_and_registers(tmp_path):
         shutil.rmtree(f"/tmp/antman-act-{os.getpid()}", ignore_errors=True)
 
 
+def test_explicit_install_before_torch_is_imported_builds_one_agent():
+    """torch_patch.install() first thing in a job: building the agent imports torch, whose import
+    hook must not wait for the install in progress (it deadlocked) nor build a second agent."""
+    code = ("import torch_patch; a = torch_patch.install(job_class='opportunistic'); import torch; "
+            "print(a is torch_patch.current(), a is torch_patch.install(), a.job_class)")
+    r = _run({"ANTMAN_JOB_ID": "78", "ANTMAN_CLASS": "guaranteed"}, code, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "opportunistic"]
+
+
 def test_class_alone_activates_without_a_sidecar():
     r = _run({"ANTMAN_CLASS": "guaranteed"})
     assert r.returncode == 0, r.stderr

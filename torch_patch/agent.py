@@ -10,11 +10,16 @@ job runs unrestricted (no memory limit, share 1.0); an opportunistic job keeps i
 drops to ``min(share, fallback_share)`` (default 0.25, ``ANTMAN_AGENT_FALLBACK_SHARE``), because
 without a sidecar nobody protects the guaranteed job it shares the GPU with. Both keep re-registering
 and take the limits of the next ``registered``.
+
+Emulation (:meth:`Agent.emulate_device`): for trace replays on CPU-only machines, where a job stands
+in for a GPU job (slurm_antman/evaluation/emulated_job.py) and the sidecar's emulated telemetry takes
+the GPU's memory and utilisation from the agents' reports.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
 import os
@@ -99,6 +104,7 @@ class Agent:
         self._acc_ms = 0.0
         self._acc_busy_ms = 0.0
         self._busy_mark = 0.0
+        self._busy_scale = 1.0  # emulate_device(): the emulated GPU is busy sm_util of the busy time
         self._last_report = time.monotonic()
         self._peak = 0
         self.client: Optional[ProtocolClient] = None
@@ -141,6 +147,27 @@ class Agent:
         if not callable(fn):
             raise TypeError(f"on_preempt needs a callable taking the notice, got {fn!r}")
         self._preempt_hooks.append(fn)
+
+    def emulate_device(self, mem_bytes: int, sm_util: float) -> None:
+        """Make this CPU agent report an emulated GPU job (trace replays): ``mem_bytes`` of device
+        memory (less what a lower memory limit spills to the host) and a GPU busy ``sm_util`` of the
+        job's own compute time, so the sidecar's emulated utilisation is ``sm_util`` x duty cycle.
+
+        The throttle's reference (the median unthrottled iteration, which corrects for busy time
+        inflated by the idling itself on a real device) is turned off: an emulated job's busy time is
+        a sleep that idling does not inflate, but it does change with the neighbours' load, and a
+        reference learned under one load would hold the job to the wrong duty cycle under another.
+        Call it before the first iteration, from the training thread."""
+        if self.cuda:
+            raise ValueError("emulation is for CPU-only trace replays; this agent drives a CUDA device")
+        if isinstance(sm_util, bool) or not isinstance(sm_util, (int, float)) or not 0.0 < sm_util <= 1.0:
+            raise ValueError(f"sm_util must be a number in (0, 1], got {sm_util!r}")
+        self.memory.emulate(mem_bytes)  # validates mem_bytes
+        self._busy_scale = float(sm_util)
+        throttle = self.throttle
+        throttle._unthrottled = collections.deque(maxlen=0)  # never learns a reference
+        throttle.reference_s = None
+        throttle.set_share(throttle.share)
 
     # --- protocol thread -> training thread -----------------------------------------------------
 
@@ -247,7 +274,7 @@ class Agent:
             iteration=iteration,
             iterations=n,
             iteration_ms=self._acc_ms / n,
-            busy_ms=self._acc_busy_ms / n,
+            busy_ms=self._acc_busy_ms / n * self._busy_scale,
             mem_allocated_bytes=st.allocated_bytes,
             mem_reserved_bytes=st.reserved_bytes,
             mem_peak_bytes=st.peak_bytes,
@@ -300,6 +327,9 @@ class Agent:
 
 _agent: Optional[Agent] = None
 _agent_lock = threading.Lock()
+# Set while install() builds the agent on this thread: building it imports torch, which fires the
+# import hook (activation.py), whose start_from_env() must not wait for the lock install() holds.
+_installing = threading.local()
 
 
 def current() -> Optional[Agent]:
@@ -333,7 +363,11 @@ def install(
             kwargs["fallback_share"] = _env_float("ANTMAN_AGENT_FALLBACK_SHARE", DEFAULT_FALLBACK_SHARE, 0.01, 1.0)
         if endpoint is None and job_id is not None:
             sys.stderr.write("slurm-antman: ANTMAN_SIDECAR_ENDPOINT is not set; the agent runs without a sidecar\n")
-        agent = Agent(job_id=job_id, job_class=job_class, endpoint=endpoint, **kwargs)  # type: ignore[arg-type]
+        _installing.active = True
+        try:
+            agent = Agent(job_id=job_id, job_class=job_class, endpoint=endpoint, **kwargs)  # type: ignore[arg-type]
+        finally:
+            _installing.active = False
         if endpoint is not None and sys.getswitchinterval() > _SWITCH_INTERVAL_S:
             # The protocol thread sleeps in poll() and needs the GIL only to handle a message; with
             # CPython's default 5 ms switch interval a message could wait that long behind the
@@ -378,5 +412,8 @@ os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def start_from_env() -> Optional[Agent]:
-    """Called by the import hook once torch is imported."""
+    """Called by the import hook once torch is imported. None when install() on this thread is
+    what imported torch: it is building the agent with its own arguments."""
+    if getattr(_installing, "active", False):
+        return None
     return install()

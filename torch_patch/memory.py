@@ -6,6 +6,11 @@ hands the cached, unused blocks back to the driver where the other job can take 
 
 On CPU there is nothing to enforce, but the limit is tracked and acknowledged like on CUDA, so the
 whole control path (sidecar -> agent -> ack at the next iteration) runs and is tested without a GPU.
+
+Emulation (trace replays on CPU, slurm_antman/evaluation/emulated_job.py): :meth:`MemoryController.emulate`
+makes :meth:`~MemoryController.stats` report a job's GPU footprint instead of the process RSS. Under a
+limit below the footprint, what does not fit counts as spilled to host memory, as it would under a
+real limit with host spill; the sidecar's emulated telemetry then sees the memory the job would hold.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class MemoryController:
         self.cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
         self.limit_bytes: Optional[int] = None
         self._cpu_peak = 0
+        self.emulated_bytes: Optional[int] = None  # set by emulate(): the footprint stats() reports
         self.spill = None
         if self.cuda:
             self.device = torch.cuda.current_device()
@@ -97,7 +103,19 @@ class MemoryController:
         if shrinking:
             torch.cuda.empty_cache()
 
+    def emulate(self, footprint_bytes: int) -> None:
+        """Report ``footprint_bytes`` of device memory from now on (CPU trace replays only)."""
+        if self.cuda:
+            raise ValueError("emulation is for CPU-only trace replays; this process uses CUDA")
+        if isinstance(footprint_bytes, bool) or not isinstance(footprint_bytes, int) or footprint_bytes <= 0:
+            raise ValueError(f"mem_bytes must be a positive number of bytes, got {footprint_bytes!r}")
+        self.emulated_bytes = footprint_bytes
+
     def stats(self) -> MemoryStats:
+        if self.emulated_bytes is not None:
+            want = self.emulated_bytes
+            held = want if self.limit_bytes is None else min(want, self.limit_bytes)
+            return MemoryStats(held, held, held, want - held, self.limit_bytes, None)
         spilled = self.spill.spilled_bytes if self.spill is not None else 0
         if not self.cuda:
             rss = _rss_bytes()

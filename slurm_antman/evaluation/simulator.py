@@ -180,6 +180,8 @@ class Simulator:
         self.t_int = 0.0
         self.area_util = 0.0
         self.area_mem = 0.0
+        self.area_util_all = 0.0  # over [first submission, last completion] (the makespan)
+        self.area_mem_all = 0.0
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
@@ -204,14 +206,7 @@ class Simulator:
     # -- setup ----------------------------------------------------------------------------------
 
     def _quotas(self, jobs: Sequence[Job]) -> Mapping[str, int]:
-        if any(j.qos is not None for j in jobs):
-            return {}
-        gpu_time: dict[str, float] = {}
-        for j in jobs:
-            gpu_time[j.tenant] = gpu_time.get(j.tenant, 0.0) + j.duration_s * j.gpus
-        total = sum(gpu_time.values()) or 1.0
-        size = len(self.gpus) * self.cfg.quota_scale
-        return {t: max(1, int(size * g / total)) for t, g in gpu_time.items()}
+        return tenant_quotas(jobs, len(self.gpus), self.cfg.quota_scale)
 
     def _add(self, j: Job) -> None:
         requested = ("opportunistic" if j.qos == "BE" else "guaranteed") if j.qos is not None else "auto"
@@ -294,6 +289,9 @@ class Simulator:
         if hi > lo:
             self.area_util += self.util_sum * (hi - lo)
             self.area_mem += self.mem_sum * (hi - lo)
+        if t > lo:
+            self.area_util_all += self.util_sum * (t - lo)
+            self.area_mem_all += self.mem_sum * (t - lo)
         if t > self.t_int:
             n = len(self.gpus)
             self.series.append((self.t_int, self.util_sum / n, self.mem_sum / (n * self.cfg.gpu_mem_bytes)))
@@ -666,12 +664,16 @@ class Simulator:
         } for j in self.jobs.values()]
         n = len(self.gpus)
         span = max(self.t_end_measure - self.t0, 0.0)
+        # Up to the last completion, not the last event: a stale finish event can come later.
+        makespan = max((j.end for j in self.jobs.values() if j.end is not None), default=self.t0) - self.t0
         metrics = summarize(rows)
         metrics.update(
             policy=self.cfg.policy, gpus=n,
             sm_util=(self.area_util / (n * span)) if span else 0.0,
             mem_util=(self.area_mem / (n * span * self.cfg.gpu_mem_bytes)) if span else 0.0,
             measure_window_s=[self.t0, self.t_end_measure],
+            sm_util_makespan=(self.area_util_all / (n * makespan)) if makespan > 0 else 0.0,
+            mem_util_makespan=(self.area_mem_all / (n * makespan * self.cfg.gpu_mem_bytes)) if makespan > 0 else 0.0,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],
             coordinator_cycles=self.counts["cycles"],
@@ -685,6 +687,19 @@ def _downsample(series: list[tuple[float, float, float]], k: int) -> list[tuple[
         return series
     step = len(series) / k
     return [series[int(i * step)] for i in range(k)]
+
+
+def tenant_quotas(jobs: Sequence[Job], gpus: int, quota_scale: float) -> dict[str, int]:
+    """Each tenant's guaranteed GPUs: its share of the jobs' GPU-time times the cluster size times
+    ``quota_scale`` (at least 1). None for an openb pod list, whose pods carry their class."""
+    if any(j.qos is not None for j in jobs):
+        return {}
+    gpu_time: dict[str, float] = {}
+    for j in jobs:
+        gpu_time[j.tenant] = gpu_time.get(j.tenant, 0.0) + j.duration_s * j.gpus
+    total = sum(gpu_time.values()) or 1.0
+    size = gpus * quota_scale
+    return {t: max(1, int(size * g / total)) for t, g in gpu_time.items()}
 
 
 def simulate(jobs: Sequence[Job], cfg: SimConfig) -> SimResult:

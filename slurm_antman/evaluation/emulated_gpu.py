@@ -1,0 +1,174 @@
+"""The shared state of an emulated GPU: how co-located emulated jobs see each other's load.
+
+A trace replay on the devcluster runs emulated training jobs (``emulated_job``) on emulated GPUs. The
+workload model slows a job by the load of the *other* jobs on its GPU (``Profile.slowdown``), and the
+sidecar does not tell a job who its neighbours are, so the jobs on one GPU meet on a *board*: a
+directory ``ROOT/<node>/<gpu>/`` with one small JSON file per job, ``<job_id>``:
+``{"load": sm_util * share, "mem_bytes": footprint, "t": unix_time}``.
+
+Files, not a server: the jobs of a node share its file system, a killed job needs no clean-up (its
+entry goes stale after ``stale_s``), and dozens of jobs reading once a second cost nothing. Writes are
+atomic (a temporary file, then ``os.replace``), and a reader skips whatever it cannot parse (a file
+from another tool, a truncated write on a full disk), so no reader ever fails on the board.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+DEFAULT_STALE_S = 10.0
+# A job reads its neighbours about once a second: loads change at the coordinator's and the local
+# policy's pace (seconds), not per mini-batch.
+DEFAULT_READ_INTERVAL_S = 1.0
+# An entry is a few dozen bytes; anything much larger is not ours.
+_MAX_ENTRY_BYTES = 4096
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+class BoardError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Entry:
+    job_id: str
+    load: float
+    mem_bytes: int
+    t: float
+
+
+def _check_name(what: str, value: str) -> str:
+    # Names become path components: nothing that could climb out of the board or hide as a temp file.
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise BoardError(f"{what} {value!r}: allowed are letters, digits, '_', '.', '-' "
+                         "(not starting with '.' or '-'), at most 128 characters")
+    return value
+
+
+def parse_entry(job_id: str, raw: bytes) -> Optional[Entry]:
+    """An entry from a file's bytes, or None if they are not a well-formed entry."""
+    try:
+        d = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    load, mem, t = d.get("load"), d.get("mem_bytes"), d.get("t")
+    for v in (load, t):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            return None
+    if isinstance(mem, bool) or not isinstance(mem, int) or mem < 0 or load < 0:
+        return None
+    return Entry(job_id, float(load), mem, float(t))
+
+
+class Board:
+    """One job's view of the boards of its GPUs on ``node``."""
+
+    def __init__(
+        self,
+        root: str,
+        node: str,
+        gpus: Sequence[int],
+        stale_s: float = DEFAULT_STALE_S,
+        read_interval_s: float = DEFAULT_READ_INTERVAL_S,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        _check_name("node", node)
+        gpus = list(gpus)
+        if not gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+            raise BoardError(f"gpus {gpus!r}: a non-empty list of GPU indices (integers >= 0)")
+        if not stale_s > 0:
+            raise BoardError(f"stale_s must be > 0, got {stale_s}")
+        if read_interval_s < 0:
+            raise BoardError(f"read_interval_s must be >= 0, got {read_interval_s}")
+        self.root = root
+        self.node = node
+        self.gpus = sorted(set(gpus))
+        self.stale_s = stale_s
+        self.read_interval_s = read_interval_s
+        self._clock = clock
+        self._monotonic = monotonic
+        self._dirs = {g: os.path.join(root, node, str(g)) for g in self.gpus}
+        self._cache: Optional[dict[int, list[Entry]]] = None
+        self._read_at = 0.0
+
+    def gpu_dir(self, gpu: int) -> str:
+        return self._dirs[gpu]
+
+    # --- writing ----------------------------------------------------------------------------
+
+    def publish(self, job_id: str, load: float, mem_bytes: int) -> None:
+        """Puts (or refreshes) ``job_id``'s entry on each of this board's GPUs."""
+        _check_name("job_id", job_id)
+        if isinstance(load, bool) or not isinstance(load, (int, float)) or not math.isfinite(load) or load < 0:
+            raise BoardError(f"load must be a finite number >= 0, got {load!r}")
+        if isinstance(mem_bytes, bool) or not isinstance(mem_bytes, int) or mem_bytes < 0:
+            raise BoardError(f"mem_bytes must be an integer >= 0, got {mem_bytes!r}")
+        data = json.dumps({"load": float(load), "mem_bytes": mem_bytes, "t": self._clock()}).encode()
+        for d in self._dirs.values():
+            os.makedirs(d, exist_ok=True)
+            tmp = os.path.join(d, f".{job_id}.{os.getpid()}.tmp")
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, os.path.join(d, job_id))
+
+    def withdraw(self, job_id: str) -> None:
+        _check_name("job_id", job_id)
+        for d in self._dirs.values():
+            try:
+                os.unlink(os.path.join(d, job_id))
+            except FileNotFoundError:
+                pass
+        self._cache = None
+
+    # --- reading ----------------------------------------------------------------------------
+
+    def entries(self, gpu: int) -> list[Entry]:
+        """The fresh, well-formed entries on ``gpu`` (read now, no cache)."""
+        d = self._dirs[gpu]
+        try:
+            names = os.listdir(d)
+        except FileNotFoundError:
+            return []
+        now = self._clock()
+        out: list[Entry] = []
+        for name in names:
+            if name.startswith(".") or not _NAME_RE.match(name):
+                continue  # a write in progress, or not an entry
+            try:
+                with open(os.path.join(d, name), "rb") as f:
+                    raw = f.read(_MAX_ENTRY_BYTES + 1)
+            except OSError:  # withdrawn meanwhile, or a directory
+                continue
+            if len(raw) > _MAX_ENTRY_BYTES:
+                continue
+            e = parse_entry(name, raw)
+            if e is not None and now - e.t <= self.stale_s:
+                out.append(e)
+        return out
+
+    def _read(self) -> dict[int, list[Entry]]:
+        now = self._monotonic()
+        if self._cache is None or now - self._read_at >= self.read_interval_s:
+            self._cache = {g: self.entries(g) for g in self.gpus}
+            self._read_at = now
+        return self._cache
+
+    def neighbour_load(self, job_id: str) -> float:
+        """Sum of the other jobs' loads on a GPU, the largest over this board's GPUs (a multi-GPU
+        job's mini-batch waits for its slowest GPU). Cached for ``read_interval_s``."""
+        per_gpu = self._read()
+        return max((sum(e.load for e in es if e.job_id != job_id) for es in per_gpu.values()), default=0.0)
+
+    def neighbour_mem(self, job_id: str) -> int:
+        """Sum of the other jobs' footprints on a GPU, the largest over this board's GPUs."""
+        per_gpu = self._read()
+        return max((sum(e.mem_bytes for e in es if e.job_id != job_id) for es in per_gpu.values()), default=0)

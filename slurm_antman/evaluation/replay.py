@@ -1,0 +1,320 @@
+"""A trace window replayed through the devcluster: real sbatch, real Slurm scheduling, real sidecars
+and coordinator, and emulated training jobs (``emulated_job``) that speak the real agent protocol.
+
+The three policies run the same jobs on the same devcluster configuration:
+
+- ``exclusive``: plain Slurm, one job per GPU. Every job is submitted ``--antman=guaranteed`` with no
+  tenant quotas, so nothing shares a GPU; the sidecars only measure. The class a job *would* have been
+  admitted as (for the guaranteed-JCT metric) is worked out here with job_submit.lua's rule, as the
+  simulator does.
+- ``shared``: ``--antman=auto`` with tenant quotas, so over-quota jobs go opportunistic and share GPUs,
+  but the sidecars run observe-only (``sidecar.enforce: false``): nobody limits or throttles them.
+- ``antman``: the full system.
+
+Times are in the simulator's units: trace seconds divided by ``speedup``, from the trace start, so a
+replay and ``simulate`` on the same window can be compared number by number (``agreement``).
+Utilisation comes from the sidecars' telemetry (emulated GPUs whose memory and busy time are what the
+agents report), sampled every ``poll_s`` and averaged over [first submission, last submission], the
+simulator's measuring window.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .. import devcluster as dc
+from ..errors import AntmanError
+from .metrics import summarize
+from .simulator import SimResult, tenant_quotas
+from .traces import Job
+from .workloads import GiB, Profile, assign
+
+POLICIES = ("exclusive", "shared", "antman")
+_TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+class ReplayError(AntmanError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    policy: str = "antman"
+    nodes: int = 2
+    gpus_per_node: int = 4
+    gpu_mem_bytes: int = 32 * GiB
+    speedup: float = 60.0
+    quota_scale: float = 1.0
+    seed: int = 0
+    iter_scale: float = 1.0       # emulated mini-batch time = profile.iter_ms * iter_scale
+    slots_per_gpu: int = 2
+    grace_s: int = 30             # the simulator's default grace time, in replay seconds
+    poll_s: float = 1.0
+    max_wall_s: float = 1800.0    # jobs not done by then are reported as not done
+    port_base: int = 18900
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ReplayError(f"--policy {self.policy!r}: allowed: {', '.join(POLICIES)}")
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ReplayError("--nodes and --gpus must be at least 1")
+        if self.speedup <= 0 or self.iter_scale <= 0:
+            raise ReplayError("--speedup and --iter-scale must be positive")
+
+
+@dataclass
+class _Run:
+    """One trace job's life on the devcluster."""
+
+    job: Job
+    profile: Profile
+    submit_s: float                     # replay time it is due
+    work_s: float
+    slurm_id: Optional[int] = None
+    submitted_at: Optional[float] = None  # replay time sbatch returned
+    submitted_as: Optional[str] = None
+    ran_as: Optional[str] = None
+    state: str = "UNSUBMITTED"
+    records: list = field(default_factory=list)
+
+
+def fits(jobs: Sequence[Job], gpus_per_node: int) -> tuple[list[Job], list[Job]]:
+    """Jobs one node can hold, and the rest: an emulated job runs its ranks on one node."""
+    ok = [j for j in jobs if j.gpus <= gpus_per_node]
+    return ok, [j for j in jobs if j.gpus > gpus_per_node]
+
+
+def _overrides(cfg: ReplayConfig, quotas: dict[str, int]) -> dict:
+    return {
+        "grace_time_s": cfg.grace_s,
+        "nodes": {"gpu_memory_mb": cfg.gpu_mem_bytes >> 20,
+                  "cpus": cfg.gpus_per_node * (1 + cfg.slots_per_gpu) + 2,
+                  "memory_mb": 64000},
+        "opportunistic": {"slots_per_gpu": cfg.slots_per_gpu},
+        "sidecar": {"enforce": cfg.policy != "shared"},
+        "tenants": [] if cfg.policy == "exclusive" else
+        [{"account": t, "guaranteed_gpus": q} for t, q in sorted(quotas.items())],
+    }
+
+
+def _account(tenant: str) -> str:
+    # Philly virtual cluster ids are hex strings; a Slurm account name must not start with a digit
+    # in some tools, so every tenant gets a prefix.
+    return f"vc{tenant}"
+
+
+class Replay:
+    def __init__(self, jobs: Sequence[Job], cfg: ReplayConfig, workdir: Path,
+                 log: Callable[[str], None] = lambda s: None):
+        self.cfg = cfg
+        self.dir = Path(workdir)
+        self.log = log
+        self.quotas = {_account(t): q for t, q in
+                       tenant_quotas(jobs, cfg.nodes * cfg.gpus_per_node, cfg.quota_scale).items()}
+        starts = [j.submit_s / cfg.speedup for j in jobs]
+        self.t0 = min(starts) if starts else 0.0
+        self.t_end_measure = max(starts) if starts else 0.0
+        self.runs = [_Run(j, assign(j.job_id, cfg.seed), j.submit_s / cfg.speedup,
+                          max(j.duration_s / cfg.speedup, 1.0)) for j in jobs]
+        self.series: list[tuple[float, float, float]] = []
+        self.by_slurm: dict[int, _Run] = {}
+        self.state_dir = self.dir / "state"
+        self.board_dir = self.dir / "board"
+        self.scripts = self.dir / "scripts"
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        from ..slurm import default_backend
+
+        for d in (self.state_dir, self.board_dir, self.scripts):
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+        cluster_dir = self.dir / "cluster"
+        cluster = dc.up(cluster_dir, nodes=self.cfg.nodes, gpus=self.cfg.gpus_per_node,
+                        cpus=self.cfg.gpus_per_node * (1 + self.cfg.slots_per_gpu) + 2,
+                        port_base=self.cfg.port_base, overrides=_overrides(self.cfg, self.quotas))
+        try:
+            self.cluster = cluster
+            self.backend = default_backend(env=cluster.env)
+            from ..config import load as load_config
+
+            self.antman_cfg = load_config(cluster.config_path)
+            self._loop()
+        finally:
+            dc.down(cluster_dir)
+        return self._result()
+
+    def _now(self) -> float:
+        return time.monotonic() - self._wall0 + self.t0
+
+    def _loop(self) -> None:
+        self._wall0 = time.monotonic()
+        queue = sorted(self.runs, key=lambda r: (r.submit_s, r.job.job_id))
+        nxt = 0
+        last_poll = -1e9
+        while True:
+            now = self._now()
+            while nxt < len(queue) and queue[nxt].submit_s <= now:
+                self._submit(queue[nxt])
+                nxt += 1
+            if time.monotonic() - last_poll >= self.cfg.poll_s:
+                last_poll = time.monotonic()
+                self._poll()
+                done = sum(1 for r in self.runs if r.state in _TERMINAL)
+                if nxt == len(queue) and done == len(self.runs):
+                    return
+                if time.monotonic() - self._wall0 > self.cfg.max_wall_s:
+                    self.log(f"replay: {len(self.runs) - done} job(s) not done after {self.cfg.max_wall_s:.0f} s")
+                    return
+            wake = min(queue[nxt].submit_s if nxt < len(queue) else now + self.cfg.poll_s,
+                       now + self.cfg.poll_s)
+            time.sleep(max(0.0, min(self.cfg.poll_s, wake - self._now())))
+
+    # -- submission --------------------------------------------------------------------------------
+
+    def _admitted_exclusive(self, r: _Run) -> str:
+        """job_submit.lua's rule (guaranteed while the tenant's guaranteed GPUs plus this job's fit its
+        quota), applied by the driver: under exclusive it only labels the job for the metrics."""
+        acct = _account(r.job.tenant)
+        q = self.quotas.get(acct)
+        held = sum(x.job.gpus for x in self.runs if x.submitted_as == "guaranteed" and x.slurm_id is not None
+                   and x.job.tenant == r.job.tenant and x.state not in _TERMINAL)
+        return "guaranteed" if q is None or held + r.job.gpus <= q else "opportunistic"
+
+    def _submit(self, r: _Run) -> None:
+        n = r.job.gpus
+        cmd = [sys.executable, "-m", "slurm_antman.evaluation.emulated_job", "--profile", r.profile.name,
+               "--work-s", f"{r.work_s:.3f}", "--state-dir", str(self.state_dir),
+               "--board-dir", str(self.board_dir), "--iter-scale", str(self.cfg.iter_scale)]
+        line = " ".join(cmd)
+        script = self.scripts / f"{r.job.job_id}.sh"
+        # One rank per GPU, as a DDP job runs: each rank's agent registers for its own GPU.
+        script.write_text("#!/bin/bash\n" + (f"exec {line}\n" if n == 1 else f"exec srun --ntasks={n} {line}\n"))
+        if self.cfg.policy == "exclusive":
+            flag, r.submitted_as = "--antman=guaranteed", self._admitted_exclusive(r)
+        else:
+            flag = "--antman=auto"
+        argv = ["sbatch", "--parsable", "-J", f"t{r.job.job_id}", "-A", _account(r.job.tenant), flag,
+                f"--gres=gpu:{n}", f"--ntasks={n}", "-c", "1", "-N", "1", "-D", str(self.dir),
+                "-o", str(self.state_dir / f"{r.job.job_id}.out"), "--open-mode=append", str(script)]
+        res = self.cluster.run(argv, timeout=60)
+        if res.returncode != 0:
+            # Nothing silently dropped: a refused submission is a failed replay job, reported as such.
+            r.state = "FAILED"
+            self.log(f"replay: sbatch for trace job {r.job.job_id} failed: {res.stderr.strip()}")
+            return
+        r.slurm_id = int(res.stdout.strip().split(";")[0])
+        r.submitted_at = self._now()
+        r.state = "PENDING"
+        self.by_slurm[r.slurm_id] = r
+
+    # -- watching ----------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        from ..squeue_view import sidecar_states
+
+        now = self._now()
+        try:
+            jobs = self.backend.jobs()
+        except Exception as e:  # noqa: BLE001 - a slow controller: try again next poll
+            self.log(f"replay: squeue failed ({e}); retrying")
+            jobs = []
+        for j in jobs:
+            r = self.by_slurm.get(j.job_id)
+            if r is None:
+                continue
+            r.state = j.state
+            if j.antman_class in ("guaranteed", "opportunistic"):
+                if r.submitted_as is None:
+                    r.submitted_as = j.antman_class
+                if j.state == "RUNNING":
+                    r.ran_as = j.antman_class
+        states = sidecar_states(self.antman_cfg, self.cluster.nodes)
+        n = self.cfg.nodes * self.cfg.gpus_per_node
+        util = mem = 0.0
+        for st in states.values():
+            for g in st.gpus:
+                util += min(1.0, g.utilization)
+                mem += min(g.memory_used_bytes, self.cfg.gpu_mem_bytes)
+        if states:
+            self.series.append((now, util / n, mem / (n * self.cfg.gpu_mem_bytes)))
+
+    # -- results ------------------------------------------------------------------------------------
+
+    def _records(self, r: _Run) -> list[dict]:
+        out = []
+        for path in sorted(self.state_dir.glob(f"{r.slurm_id}.*runs.jsonl")):
+            for line in path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+    def _to_replay_time(self, unix: float) -> float:
+        return unix - self._unix0 + self.t0
+
+    def _result(self) -> SimResult:
+        # replay time <-> unix time: the loop's start
+        self._unix0 = time.time() - (time.monotonic() - self._wall0)
+        rows = []
+        for r in self.runs:
+            recs = self._records(r) if r.slurm_id is not None else []
+            done = [x for x in recs if x.get("completed")]
+            starts = [x["start_unix"] for x in recs if x.get("start_unix")]
+            restarts = max((int(x.get("restart_count", 0)) for x in recs), default=0)
+            end = max(x["end_unix"] for x in done) if done and r.state == "COMPLETED" else None
+            rows.append({
+                "job_id": r.job.job_id, "tenant": r.job.tenant, "gpus": r.job.gpus, "profile": r.profile.name,
+                "class": r.ran_as or r.submitted_as or "none", "submitted_as": r.submitted_as,
+                "submit_s": r.submit_s if r.submitted_at is None else r.submitted_at,
+                "first_start_s": self._to_replay_time(min(starts)) if starts else None,
+                "end_s": self._to_replay_time(end) if end is not None else None,
+                "duration_s": r.work_s, "restarts": restarts, "preemptions": restarts, "ooms": 0,
+                "lost_gpu_s": 0.0, "slurm_job_id": r.slurm_id, "slurm_state": r.state,
+                "runs": len({(x.get("restart_count"), x.get("rank", 0)) for x in recs}),
+            })
+        n = self.cfg.nodes * self.cfg.gpus_per_node
+        inside = [(t, u, m) for t, u, m in self.series if self.t0 <= t <= self.t_end_measure]
+        ends = [r["end_s"] for r in rows if r["end_s"] is not None]
+        makespan = [(t, u, m) for t, u, m in self.series if self.t0 <= t <= max(ends, default=self.t0)]
+        metrics = summarize(rows)
+        metrics.update(
+            policy=self.cfg.policy, gpus=n,
+            sm_util=_mean([u for _, u, _ in inside]), mem_util=_mean([m for _, _, m in inside]),
+            sm_util_makespan=_mean([u for _, u, _ in makespan]), mem_util_makespan=_mean([m for _, _, m in makespan]),
+            measure_window_s=[self.t0, self.t_end_measure], telemetry_samples=len(inside),
+            quotas=dict(self.quotas), wall_s=round(time.monotonic() - self._wall0, 1),
+        )
+        return SimResult(self.cfg.policy, metrics, rows, list(self.series))
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def replay(jobs: Sequence[Job], cfg: ReplayConfig, workdir: Path, log: Callable[[str], None] = lambda s: None) -> SimResult:
+    return Replay(jobs, cfg, workdir, log).run()
+
+
+AGREEMENT_KEYS = ("sm_util", "mem_util", "sm_util_makespan", "mem_util_makespan", "jct_mean_s",
+                  "jct_guaranteed_mean_s", "queue_delay_mean_s")
+# simulated / replayed, per metric, that the replay test accepts: measured in docs/evaluation.md
+TOLERANCE = {"sm_util_makespan": (0.5, 2.0), "mem_util_makespan": (0.5, 2.0), "jct_mean_s": (0.5, 2.0)}
+
+
+def agreement(replayed: dict, simulated: dict) -> dict:
+    """Per metric: the simulator's value over the replay's (1.0 is perfect agreement)."""
+    out = {}
+    for k in AGREEMENT_KEYS:
+        a, b = replayed.get(k), simulated.get(k)
+        out[k] = None if a in (None, 0) or b is None else round(b / a, 4)
+    out["jobs_done"] = [replayed.get("jobs_done"), simulated.get("jobs_done")]
+    return out

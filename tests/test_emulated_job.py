@@ -1,0 +1,400 @@
+"""The emulated trace job (slurm_antman/evaluation/emulated_job.py) and its GPU board, for real: the job
+runs as a subprocess under the real torch_patch agent, talking ZeroMQ IPC to
+``bench_control.PeerSidecar`` (the sidecar side of docs/protocol.md); the board is real files.
+
+No assertion depends on how fast this machine is: timing-dependent numbers (the duty cycle) get wide
+bounds, everything else is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_antman import protocol as P
+from slurm_antman.bench_control import PeerSidecar
+from slurm_antman.evaluation import emulated_job as ej
+from slurm_antman.evaluation.emulated_gpu import Board, BoardError
+from slurm_antman.evaluation.workloads import BY_NAME
+
+REPO = Path(__file__).resolve().parents[1]
+RESNET = BY_NAME["resnet50"]  # 6 GiB, sm_util 0.8, 110 ms, sensitivity 0.9
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_dir(tmp_path):
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    d = f"/tmp/antman-emu-{os.getpid()}-{tmp_path.name[-20:]}"
+    os.makedirs(d, exist_ok=True)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _peer(short_dir: str, job_id: str, job_class: str = "opportunistic") -> PeerSidecar:
+    return PeerSidecar(os.path.join(short_dir, "jobs", job_id, "agent.sock"), job_id=job_id,
+                       job_class=job_class, heartbeat_s=0.2).start()
+
+
+def _env(job_id: str, peer: PeerSidecar | None, job_class: str = "opportunistic", gpus: str = "0",
+         restart: int | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTMAN_", "SLURM_", "CUDA_VISIBLE"))}
+    env.update(SLURM_JOB_ID=job_id, ANTMAN_JOB_ID=job_id, ANTMAN_CLASS=job_class, ANTMAN_GPUS=gpus,
+               SLURMD_NODENAME="emu1")
+    if peer is not None:
+        env["ANTMAN_SIDECAR_ENDPOINT"] = peer.endpoint
+    if restart is not None:
+        env["SLURM_RESTART_COUNT"] = str(restart)
+    return env
+
+
+def _start(tmp_path: Path, env: dict[str, str], *args: str, work_s: float = 1.0,
+           profile: str = "resnet50") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "slurm_antman.evaluation.emulated_job", "--profile", profile,
+           "--work-s", str(work_s), "--state-dir", str(tmp_path / "state"),
+           "--board-dir", str(tmp_path / "board"), "--iter-scale", "0.1", *args]
+    return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"the emulated job did not exit in {timeout} s; stderr:\n{err}")
+    return proc.returncode, err
+
+
+def _records(tmp_path: Path, job_id: str) -> list[dict]:
+    path = tmp_path / "state" / f"{job_id}.runs.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _ckpt(tmp_path: Path, job_id: str) -> dict:
+    return json.loads((tmp_path / "state" / f"{job_id}.ckpt").read_text())
+
+
+def _wait(cond, timeout: float = 30.0, what: str = "condition", proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the job exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout} s")
+        time.sleep(0.02)
+
+
+# --- the board -----------------------------------------------------------------------------------
+
+
+def test_two_jobs_on_one_gpu_see_each_other(tmp_path):
+    a = Board(str(tmp_path), "n1", [0], read_interval_s=0)
+    b = Board(str(tmp_path), "n1", [0], read_interval_s=0)
+    other_gpu = Board(str(tmp_path), "n1", [1], read_interval_s=0)
+    a.publish("101", 0.8, 6 << 30)
+    b.publish("102", 0.3, 2 << 30)
+    other_gpu.publish("103", 1.0, 1 << 30)
+    assert a.neighbour_load("101") == pytest.approx(0.3)
+    assert b.neighbour_load("102") == pytest.approx(0.8)
+    assert a.neighbour_mem("101") == 2 << 30
+    assert other_gpu.neighbour_load("103") == 0.0
+    # A two-GPU job waits for its busiest GPU.
+    both = Board(str(tmp_path), "n1", [0, 1], read_interval_s=0)
+    both.publish("104", 0.5, 1 << 30)
+    assert both.neighbour_load("104") == pytest.approx(1.1)
+    assert a.neighbour_load("101") == pytest.approx(0.8)
+    # The workload model's slowdown, from what the board says.
+    assert RESNET.slowdown(a.neighbour_load("101")) == pytest.approx(1.0 + 0.9 * 0.8)
+    b.withdraw("102")
+    both.withdraw("104")
+    assert a.neighbour_load("101") == 0.0
+    assert RESNET.slowdown(a.neighbour_load("101")) == 1.0
+
+
+def test_board_ignores_stale_and_garbage_entries(tmp_path):
+    now = time.time()
+    old = Board(str(tmp_path), "n1", [0], clock=lambda: now - 60)
+    old.publish("200", 1.0, 1 << 30)  # a job killed a minute ago
+    me = Board(str(tmp_path), "n1", [0], read_interval_s=0)
+    me.publish("201", 0.2, 1 << 30)
+    d = Path(me.gpu_dir(0))
+    (d / "202").write_text('{"load": 0.5, "mem_b')  # half-written
+    (d / "203").write_bytes(b"\xff\xfe garbage")
+    (d / "204").write_text('{"load": -1, "mem_bytes": 1, "t": %f}' % now)
+    (d / "205").write_text('[1, 2, 3]')
+    (d / "206").write_text('{"load": "NaN", "mem_bytes": 1, "t": %f}' % now)
+    (d / ".207.99.tmp").write_text('{"load": 0.5, "mem_bytes": 1, "t": %f}' % now)  # a write in progress
+    (d / "208").mkdir()
+    (d / "209").write_text('{"load": 0.25, "mem_bytes": 7, "t": %f}' % now)  # the one good neighbour
+    assert me.neighbour_load("201") == pytest.approx(0.25)
+    assert me.neighbour_mem("201") == 7
+    assert {e.job_id for e in me.entries(0)} == {"201", "209"}
+
+
+def test_board_reads_are_cached(tmp_path):
+    t = [100.0]
+    me = Board(str(tmp_path), "n1", [0], read_interval_s=1.0, monotonic=lambda: t[0])
+    other = Board(str(tmp_path), "n1", [0])
+    assert me.neighbour_load("1") == 0.0
+    other.publish("2", 0.5, 1)
+    assert me.neighbour_load("1") == 0.0  # within the read interval: no file I/O
+    t[0] += 1.0
+    assert me.neighbour_load("1") == 0.5
+
+
+def test_board_validation(tmp_path):
+    with pytest.raises(BoardError, match="node"):
+        Board(str(tmp_path), "../etc", [0])
+    with pytest.raises(BoardError, match="gpus"):
+        Board(str(tmp_path), "n1", [])
+    with pytest.raises(BoardError, match="gpus"):
+        Board(str(tmp_path), "n1", [-1])
+    b = Board(str(tmp_path), "n1", [0])
+    with pytest.raises(BoardError, match="job_id"):
+        b.publish(".hidden", 0.1, 1)
+    with pytest.raises(BoardError, match="load"):
+        b.publish("1", float("inf"), 1)
+    with pytest.raises(BoardError, match="mem_bytes"):
+        b.publish("1", 0.1, -5)
+
+
+# --- the agent's emulation hook ------------------------------------------------------------------
+
+
+def test_emulated_memory_stats():
+    from torch_patch.memory import MemoryController
+
+    m = MemoryController(use_cuda=False)
+    m.emulate(8 << 30)
+    s = m.stats()
+    assert (s.allocated_bytes, s.reserved_bytes, s.peak_bytes, s.spilled_bytes) == (8 << 30,) * 3 + (0,)
+    m.set_limit(3 << 30)
+    s = m.stats()
+    assert (s.reserved_bytes, s.allocated_bytes, s.peak_bytes) == (3 << 30,) * 3
+    assert s.spilled_bytes == 5 << 30 and s.limit_bytes == 3 << 30
+    m.set_limit(16 << 30)  # room enough: nothing spilled
+    assert (m.stats().reserved_bytes, m.stats().spilled_bytes) == (8 << 30, 0)
+    m.set_limit(None)
+    assert m.stats().reserved_bytes == 8 << 30
+
+
+def test_emulate_device_validation():
+    from torch_patch.agent import Agent
+
+    agent = Agent(job_id="5", use_cuda=False)
+    try:
+        for bad in (0, -1, 1.5, True, "6GiB"):
+            with pytest.raises(ValueError, match="mem_bytes must be a positive number of bytes"):
+                agent.emulate_device(bad, 0.5)
+        for bad in (0, 0.0, -0.1, 1.01, True, "0.5", float("nan")):
+            with pytest.raises(ValueError, match=r"sm_util must be a number in \(0, 1\]"):
+                agent.emulate_device(1 << 30, bad)
+        assert agent.memory.emulated_bytes is None, "a rejected call must change nothing"
+        agent.emulate_device(1 << 30, 1)
+        assert agent.memory.stats().reserved_bytes == 1 << 30
+    finally:
+        agent.stop()
+
+
+def test_emulate_device_refuses_cuda():
+    import torch
+    from torch_patch.agent import Agent
+
+    if torch.cuda.is_available():
+        agent = Agent(job_id="5", use_cuda=True)
+    else:
+        # No GPU here: an agent that believes it drives one, which is all emulate_device looks at.
+        agent = Agent(job_id="5", use_cuda=False)
+        agent.cuda = agent.memory.cuda = True
+    try:
+        with pytest.raises(ValueError, match="emulation is for CPU-only trace replays"):
+            agent.emulate_device(1 << 30, 0.5)
+        assert agent.memory.emulated_bytes is None
+    finally:
+        agent.stop()
+
+
+# --- the job -------------------------------------------------------------------------------------
+
+
+def test_reports_footprint_spill_and_utilisation(tmp_path, short_dir):
+    peer = _peer(short_dir, "301")
+    proc = _start(tmp_path, _env("301", peer), work_s=120)
+    try:
+        first = peer.wait_type("report", timeout=30).msg.body
+        assert (first.mem_reserved_bytes, first.mem_allocated_bytes, first.spilled_bytes) == (RESNET.mem_bytes, RESNET.mem_bytes, 0)
+        # Unthrottled, the agent's busy time is the iteration: the emulated GPU is busy sm_util of it.
+        assert first.busy_ms / first.iteration_ms == pytest.approx(RESNET.sm_util, abs=0.02)
+        reg = peer.of_type("register")[0].msg.body
+        assert (reg.job_id, reg.device, reg.job_class) == ("301", "cpu", "opportunistic")
+
+        limit = RESNET.mem_bytes // 3
+        seq, _ = peer.send_limits(limit, 1.0)
+        rep = peer.wait_type("report", timeout=10, where=lambda b: b.limits_seq == seq).msg.body
+        assert (rep.mem_reserved_bytes, rep.mem_allocated_bytes) == (limit, limit)
+        assert rep.spilled_bytes == RESNET.mem_bytes - limit
+
+        seq2, _ = peer.send_limits(limit, 0.5)
+        def throttled():
+            reps = [r.msg.body for r in peer.of_type("report") if r.msg.body.limits_seq == seq2]
+            return reps if len(reps) >= 3 else None
+
+        reps = _wait(throttled, what="three reports under share 0.5", proc=proc)
+        # Throttled to 0.5 by the agent's real idle time: busy/iteration ~ sm_util * 0.5 (loose: timing).
+        ratio = reps[-1].busy_ms / reps[-1].iteration_ms
+        assert 0.2 < ratio < 0.6, ratio
+        # What the job tells its GPU's neighbours.
+        entry = json.loads((tmp_path / "board" / "emu1" / "0" / "301").read_text())
+        assert entry["load"] == pytest.approx(RESNET.sm_util * 0.5) and entry["mem_bytes"] == RESNET.mem_bytes
+    finally:
+        proc.terminate()
+        rc, err = _finish(proc)
+        peer.stop()
+    assert rc == 143, err
+    rec, = _records(tmp_path, "301")
+    assert rec["completed"] is False and rec["class"] == "opportunistic"
+
+
+def test_job_completes_and_slows_by_its_neighbours_load(tmp_path, short_dir):
+    # A neighbour on the same emulated GPU, kept fresh while the job runs: load 1.0 -> slowdown 1.9.
+    neighbour = Board(str(tmp_path / "board"), "emu1", [1])
+    neighbour.publish("999", 1.0, 4 << 30)
+    peer = _peer(short_dir, "302", job_class="guaranteed")
+    proc = _start(tmp_path, _env("302", peer, job_class="guaranteed", gpus="1"), work_s=0.5)
+    try:
+        while proc.poll() is None:
+            neighbour.publish("999", 1.0, 4 << 30)
+            time.sleep(0.5)
+        rc, err = _finish(proc)
+        assert rc == 0, err
+        assert peer.wait_type("bye").msg.body.reason == "exit"
+    finally:
+        peer.stop()
+    rec, = _records(tmp_path, "302")  # exactly one line for one run
+    assert rec["completed"] is True and rec["work_done_s"] >= 0.5
+    assert (rec["job_id"], rec["profile"], rec["node"], rec["gpus"], rec["class"]) == \
+        ("302", "resnet50", "emu1", [1], "guaranteed")
+    assert rec["restart_count"] == 0 and rec["start_unix"] < rec["end_unix"]
+    assert rec["mean_slowdown"] == pytest.approx(RESNET.slowdown(1.0))
+    assert _ckpt(tmp_path, "302")["work_done_s"] == rec["work_done_s"]
+    # Its own board entry is gone; the neighbour's is untouched.
+    assert sorted(os.listdir(tmp_path / "board" / "emu1" / "1")) == ["999"]
+
+
+def test_preempt_checkpoints_and_the_requeued_run_resumes(tmp_path, short_dir):
+    peer = _peer(short_dir, "303")
+    proc = _start(tmp_path, _env("303", peer), work_s=3.0)
+    try:
+        peer.wait_type("report", timeout=30)
+        peer.send_body(P.Preempt(deadline_unix=time.time() + 30, grace_s=30, reason="guaranteed job waiting"))
+        ckpt = tmp_path / "state" / "303.ckpt"
+        _wait(ckpt.exists, what="the checkpoint from the preemption hook", proc=proc)
+        saved = _ckpt(tmp_path, "303")
+        assert saved["work_done_s"] > 0 and saved["restarts"] == 0
+        proc.send_signal(signal.SIGTERM)  # Slurm requeues the job
+        rc, err = _finish(proc)
+    finally:
+        peer.stop()
+    assert rc == 143, err
+    first, = _records(tmp_path, "303")
+    assert first["completed"] is False and first["work_done_s"] >= saved["work_done_s"]
+    assert _ckpt(tmp_path, "303")["work_done_s"] == first["work_done_s"]
+
+    # The requeued run (no sidecar this time: the agent runs alone) picks up where the first stopped.
+    rc, err = _finish(_start(tmp_path, _env("303", None, restart=1), work_s=3.0))
+    assert rc == 0, err
+    first, second = _records(tmp_path, "303")
+    assert second["restart_count"] == 1 and second["completed"] is True
+    assert second["resumed_from_s"] == first["work_done_s"] > 0
+    assert second["work_done_s"] >= 3.0
+    assert second["iterations"] < 3.0 / (RESNET.iter_ms / 1000 * 0.1)  # it did not start over
+    assert _ckpt(tmp_path, "303")["restarts"] == 1
+
+
+def test_sigterm_saves_and_exits_143(tmp_path):
+    proc = _start(tmp_path, _env("304", None), work_s=600)
+    entry = tmp_path / "board" / "emu1" / "0" / "304"
+    _wait(entry.exists, what="the job's board entry", proc=proc)
+    time.sleep(0.3)  # some iterations, so there is progress to save
+    proc.send_signal(signal.SIGTERM)
+    rc, err = _finish(proc)
+    assert rc == 143, err
+    rec, = _records(tmp_path, "304")
+    assert rec["completed"] is False and rec["work_done_s"] < 600
+    assert _ckpt(tmp_path, "304") == {"work_done_s": rec["work_done_s"], "restarts": 0}
+    assert not entry.exists(), "a terminated job withdraws from the board"
+
+
+def test_bad_arguments_exit_2_naming_the_flag(tmp_path):
+    proc = _start(tmp_path, _env("305", None), "--profile", "nope")
+    rc, err = _finish(proc)
+    assert rc == 2
+    assert "--profile 'nope'" in err and "allowed:" in err and "resnet50" in err and "cyclegan" in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--work-s", "0"], "--work-s must be a number > 0"),
+    (["--work-s", "nan"], "--work-s must be a number > 0"),
+    (["--spill-rate", "0"], "--spill-rate must be in (0, 1]"),
+    (["--spill-rate", "1.5"], "--spill-rate must be in (0, 1]"),
+    (["--iter-scale", "-1"], "--iter-scale must be a number > 0"),
+])
+def test_bad_flag_values(tmp_path, capsys, args, needle):
+    base = {"--profile": "lstm_lm", "--work-s": "1", "--state-dir": str(tmp_path / "s"),
+            "--board-dir": str(tmp_path / "b")}
+    argv = [x for k, v in base.items() if k not in args for x in (k, v)] + args
+    with pytest.raises(SystemExit) as e:
+        ej.parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_state_dir_must_be_a_directory(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("")
+    with pytest.raises(SystemExit) as e:
+        ej.parse_args(["--profile", "lstm_lm", "--work-s", "1", "--state-dir", str(f / "x"),
+                       "--board-dir", str(tmp_path / "b")])
+    assert e.value.code == 2 and "--state-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({}, "SLURM_JOB_ID=''"),
+    ({"SLURM_JOB_ID": "12a"}, "SLURM_JOB_ID='12a'"),
+    ({"SLURM_JOB_ID": "7", "ANTMAN_GPUS": "0,x"}, "ANTMAN_GPUS='0,x'"),
+    ({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": "GPU-1234"}, "CUDA_VISIBLE_DEVICES='GPU-1234'"),
+    ({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "-1"}, "SLURM_RESTART_COUNT='-1'"),
+])
+def test_bad_environment(env, needle):
+    with pytest.raises(ej.UsageError) as e:
+        ej.identity_from_env(env)
+    assert needle in str(e.value)
+
+
+def test_identity_from_environment():
+    i = ej.identity_from_env({"SLURM_JOB_ID": "9", "SLURMD_NODENAME": "n3", "ANTMAN_GPUS": "2,3",
+                              "CUDA_VISIBLE_DEVICES": "0,1", "SLURM_RESTART_COUNT": "2", "ANTMAN_CLASS": "guaranteed"})
+    assert i == ej.Identity("9", "n3", (2, 3), 2, "guaranteed")
+    i = ej.identity_from_env({"SLURM_JOB_ID": "9", "CUDA_VISIBLE_DEVICES": "1"})
+    assert (i.gpus, i.restart_count, i.job_class) == ((1,), 0, None) and i.node
+
+
+def test_missing_job_id_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    rc = ej.main(["--profile", "lstm_lm", "--work-s", "1", "--state-dir", str(tmp_path / "s"),
+                  "--board-dir", str(tmp_path / "b")])
+    assert rc == 2 and "SLURM_JOB_ID" in capsys.readouterr().err
