@@ -15,20 +15,26 @@ from .evaluation.simulator import POLICIES, SimConfig, simulate
 from .evaluation.workloads import GiB
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="antman bench simulate", description=__doc__)
+def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: float) -> None:
+    """The flags ``antman bench simulate`` and ``antman bench trace`` share (their defaults differ:
+    a simulated cluster is large, the devcluster small)."""
     p.add_argument("--trace", required=True, help="Philly (philly_pollux.csv) or openb pod list CSV")
     p.add_argument("--window", help="START:END in seconds from the trace start, or ISO START/END")
     p.add_argument("--tenants", help="comma-separated tenants (Philly virtual clusters) to keep")
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    p.add_argument("--nodes", type=int, default=nodes)
+    p.add_argument("--gpus", type=int, default=gpus, help="GPUs per node")
     p.add_argument("--gpu-mem-gib", type=float, default=32.0)
-    p.add_argument("--speedup", type=float, default=1.0, help="divide every trace time by this")
+    p.add_argument("--speedup", type=float, default=speedup, help="divide every trace time by this")
     p.add_argument("--policy", default="antman",
                    help=f"one of {', '.join(POLICIES)}, a comma-separated list, or 'all'")
     p.add_argument("--quota-scale", type=float, default=1.0,
                    help="tenant quotas: this times the cluster size times the tenant's GPU-time share")
     p.add_argument("--seed", type=int, default=0, help="workload profile assignment seed")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="antman bench simulate", description=__doc__)
+    add_trace_args(p, nodes=4, gpus=8, speedup=1.0)
     p.add_argument("--cycle-s", type=float, default=SimConfig.cycle_s,
                    help="least simulated seconds between coordinator cycles (and quota-file rewrites)")
     p.add_argument("--json", action="store_true", help="print the JSON document")

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .bench_simulate import _policies
+from .bench_simulate import _policies, add_trace_args
 from .evaluation import replay as rp
 from .evaluation import report, traces
 from .evaluation.simulator import SimConfig, simulate
@@ -25,16 +25,7 @@ KEYS = ("jobs_done", "sm_util", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="antman bench trace", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", required=True, help="Philly (philly_pollux.csv) or openb pod list CSV")
-    p.add_argument("--window", help="START:END in seconds from the trace start, or ISO START/END")
-    p.add_argument("--tenants", help="comma-separated tenants (Philly virtual clusters) to keep")
-    p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--gpus", type=int, default=4, help="GPUs per node (emulated)")
-    p.add_argument("--gpu-mem-gib", type=float, default=32.0)
-    p.add_argument("--speedup", type=float, default=60.0, help="divide every trace time by this")
-    p.add_argument("--policy", default="antman", help="exclusive, shared, antman, a comma-separated list, or all")
-    p.add_argument("--quota-scale", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="workload profile assignment seed")
+    add_trace_args(p, nodes=2, gpus=4, speedup=60.0)
     p.add_argument("--iter-scale", type=float, default=1.0, help="emulated mini-batch time = profile's x this")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="give up on jobs not done after this long")
     p.add_argument("--dir", help="work directory (devcluster, job state); default: a new temporary one")
@@ -66,11 +57,13 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
         results.append(rp.replay(jobs, cfg, work / policy, log))
         log(f"antman bench trace: {policy}: done in {time.perf_counter() - t:.0f} s")
         if a.with_simulator:
-            # The devcluster's coordinator cycles every second; so does the simulated one here.
+            # The devcluster's coordinator cycles every second; so does the simulated one here. Its
+            # jobs take seconds to start (Python, torch, registering): the simulator is told how long.
             sims.append(simulate(jobs, SimConfig(policy=policy, nodes=a.nodes, gpus_per_node=a.gpus,
                                                  gpu_mem_bytes=cfg.gpu_mem_bytes, speedup=a.speedup,
                                                  quota_scale=a.quota_scale, seed=a.seed, cycle_s=1.0,
-                                                 grace_s=float(cfg.grace_s))))
+                                                 grace_s=float(cfg.grace_s),
+                                                 start_overhead_s=results[-1].metrics["start_overhead_s"] or 0.0)))
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs),
             "jobs_left_out_too_wide": len(too_wide), "nodes": a.nodes, "gpus_per_node": a.gpus,
             "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup, "quota_scale": a.quota_scale, "seed": a.seed,

@@ -234,7 +234,8 @@ class Replay:
             if j.antman_class in ("guaranteed", "opportunistic"):
                 if r.submitted_as is None:
                     r.submitted_as = j.antman_class
-                if j.state == "RUNNING":
+                if j.state == "RUNNING" and self.cfg.policy != "exclusive":
+                    # (under exclusive every job runs guaranteed; its label is the admitted class)
                     r.ran_as = j.antman_class
         states = sidecar_states(self.antman_cfg, self.cluster.nodes)
         n = self.cfg.nodes * self.cfg.gpus_per_node
@@ -280,6 +281,7 @@ class Replay:
                 "duration_s": r.work_s, "restarts": restarts, "preemptions": restarts, "ooms": 0,
                 "lost_gpu_s": 0.0, "slurm_job_id": r.slurm_id, "slurm_state": r.state,
                 "runs": len({(x.get("restart_count"), x.get("rank", 0)) for x in recs}),
+                "mean_slowdown": max((float(x.get("mean_slowdown", 1.0)) for x in done), default=None),
             })
         n = self.cfg.nodes * self.cfg.gpus_per_node
         inside = [(t, u, m) for t, u, m in self.series if self.t0 <= t <= self.t_end_measure]
@@ -287,13 +289,23 @@ class Replay:
         makespan = [(t, u, m) for t, u, m in self.series if self.t0 <= t <= max(ends, default=self.t0)]
         metrics = summarize(rows)
         metrics.update(
-            policy=self.cfg.policy, gpus=n,
+            policy=self.cfg.policy, gpus=n, start_overhead_s=start_overhead(rows),
             sm_util=_mean([u for _, u, _ in inside]), mem_util=_mean([m for _, _, m in inside]),
             sm_util_makespan=_mean([u for _, u, _ in makespan]), mem_util_makespan=_mean([m for _, _, m in makespan]),
             measure_window_s=[self.t0, self.t_end_measure], telemetry_samples=len(inside),
             quotas=dict(self.quotas), wall_s=round(time.monotonic() - self._wall0, 1),
         )
         return SimResult(self.cfg.policy, metrics, rows, list(self.series))
+
+
+def start_overhead(rows: Sequence[dict]) -> Optional[float]:
+    """Median seconds a job's run took beyond its work: process start to first iteration and the
+    exit, measured on jobs that ran guaranteed, once, to completion (their work is slowed only by
+    ``mean_slowdown``, never throttled). The simulator takes it as ``start_overhead_s``."""
+    extra = sorted(r["end_s"] - r["first_start_s"] - r["duration_s"] * (r["mean_slowdown"] or 1.0)
+                   for r in rows if r["end_s"] is not None and r["first_start_s"] is not None
+                   and r["restarts"] == 0 and (r["class"] == "guaranteed"))
+    return round(max(0.0, extra[len(extra) // 2]), 3) if extra else None
 
 
 def _mean(xs: list[float]) -> float:
@@ -307,7 +319,7 @@ def replay(jobs: Sequence[Job], cfg: ReplayConfig, workdir: Path, log: Callable[
 AGREEMENT_KEYS = ("sm_util", "mem_util", "sm_util_makespan", "mem_util_makespan", "jct_mean_s",
                   "jct_guaranteed_mean_s", "queue_delay_mean_s")
 # simulated / replayed, per metric, that the replay test accepts: measured in docs/evaluation.md
-TOLERANCE = {"sm_util_makespan": (0.5, 2.0), "mem_util_makespan": (0.5, 2.0), "jct_mean_s": (0.5, 2.0)}
+TOLERANCE = {"sm_util_makespan": (0.75, 1.33), "mem_util_makespan": (0.75, 1.33), "jct_mean_s": (0.75, 1.33)}
 
 
 def agreement(replayed: dict, simulated: dict) -> dict:

@@ -75,6 +75,10 @@ class SimConfig:
     # only what it computes during the grace time. False: it loses the work since its last periodic
     # checkpoint (a job that registered no hook).
     checkpoint_on_notice: bool = True
+    # Seconds from a job's start to its first progress, added to every (re)start. 0 for trace-scale
+    # runs (minutes to days of work); the devcluster replay's emulated jobs spend a few seconds
+    # starting Python and torch, which ``antman bench trace --with-simulator`` measures and passes.
+    start_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -372,7 +376,9 @@ class Simulator:
         return out
 
     def _start(self, j: _Job, gpus: list[int]) -> None:
-        j.state, j.gpus, j.start, j.t_last, j.view = "RUNNING", gpus, self.now, self.now, None
+        # Progress begins after the job's start-up (interpreter, framework, first batch), which holds
+        # the GPUs but is not throttled: the agent only acts from the first boundary on.
+        j.state, j.gpus, j.start, j.t_last, j.view = "RUNNING", gpus, self.now, self.now + self.cfg.start_overhead_s, None
         if j.first_start is None:
             j.first_start = self.now
         if self.cfg.policy == "antman" or not j.ran_as:
@@ -397,8 +403,9 @@ class Simulator:
         return False
 
     def _advance(self, j: _Job) -> None:
-        j.work_left -= j.rate * (self.now - j.t_last)
-        j.t_last = self.now
+        if self.now > j.t_last:  # (still starting up otherwise)
+            j.work_left -= j.rate * (self.now - j.t_last)
+            j.t_last = self.now
 
     def _finish(self, j: _Job) -> None:
         self._advance(j)
@@ -469,7 +476,7 @@ class Simulator:
                 continue
             rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus)
             j.rate, j.version, j.view = rate, j.version + 1, None
-            self._push(self.now + max(j.work_left, 0.0) / rate, _FINISH, jid, j.version)
+            self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, _FINISH, jid, j.version)
 
     def _model_gpu(self, g: _Gpu) -> None:
         jobs = self.jobs
