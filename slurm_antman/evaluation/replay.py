@@ -300,11 +300,12 @@ class Replay:
 
 def start_overhead(rows: Sequence[dict]) -> Optional[float]:
     """Median seconds a job's run took beyond its work: process start to first iteration and the
-    exit, measured on jobs that ran guaranteed, once, to completion (their work is slowed only by
-    ``mean_slowdown``, never throttled). The simulator takes it as ``start_overhead_s``."""
+    exit, measured on jobs admitted guaranteed that ran once, to completion, never opportunistic (an
+    upgraded job was throttled before: its extra time is not start-up); their work is slowed only by
+    ``mean_slowdown``. The simulator takes it as ``start_overhead_s``."""
     extra = sorted(r["end_s"] - r["first_start_s"] - r["duration_s"] * (r["mean_slowdown"] or 1.0)
                    for r in rows if r["end_s"] is not None and r["first_start_s"] is not None
-                   and r["restarts"] == 0 and (r["class"] == "guaranteed"))
+                   and r["restarts"] == 0 and r["class"] == r["submitted_as"] == "guaranteed")
     return round(max(0.0, extra[len(extra) // 2]), 3) if extra else None
 
 
