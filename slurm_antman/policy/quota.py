@@ -81,15 +81,18 @@ def _pending(now: float, j: JobView, fits: bool, quota: Optional[int], have: int
     if j.requested not in WANTS_GUARANTEED:
         return ReleaseHold(j.job_id, reason=f"the job asked for {j.requested}, which needs no quota",
                            inputs=inputs) if held else None
-    text = "no quota configured" if quota is None else _quota_text(j.account, quota, have, j.gpus)
+    # Formatted only for a decision: most pending jobs get none, and a cycle looks at thousands.
+    def text() -> str:
+        return "no quota configured" if quota is None else _quota_text(j.account, quota, have, j.gpus)
+
     if fits:
         if j.job_class != "guaranteed":
-            return SetClass(j.job_id, "guaranteed", reason=f"within quota ({text})", inputs=inputs,
+            return SetClass(j.job_id, "guaranteed", reason=f"within quota ({text()})", inputs=inputs,
                             release_hold=held)
-        return ReleaseHold(j.job_id, reason=f"quota is free again ({text})", inputs=inputs) if held else None
+        return ReleaseHold(j.job_id, reason=f"quota is free again ({text()})", inputs=inputs) if held else None
     if j.requested == "auto":
         if j.job_class != "opportunistic":
-            return SetClass(j.job_id, "opportunistic", reason=f"auto over quota ({text})", inputs=inputs,
+            return SetClass(j.job_id, "opportunistic", reason=f"auto over quota ({text()})", inputs=inputs,
                             release_hold=held)
         return ReleaseHold(j.job_id, reason="auto job runs opportunistic", inputs=inputs) if held else None
     if j.job_class == "opportunistic":
@@ -99,11 +102,11 @@ def _pending(now: float, j: JobView, fits: bool, quota: Optional[int], have: int
     q2o = params.queue_to_opportunistic_s
     if q2o is not None and waited >= q2o:
         return SetClass(j.job_id, "opportunistic",
-                        reason=f"over quota ({text}) and waited {waited:.0f} s >= {q2o:g} s: runs opportunistic meanwhile",
+                        reason=f"over quota ({text()}) and waited {waited:.0f} s >= {q2o:g} s: runs opportunistic meanwhile",
                         inputs={**inputs, "waited_s": waited}, release_hold=held)
     if held:
         return None
-    return HoldForQuota(j.job_id, reason=f"guaranteed job would exceed its tenant's quota ({text})", inputs=inputs)
+    return HoldForQuota(j.job_id, reason=f"guaranteed job would exceed its tenant's quota ({text()})", inputs=inputs)
 
 
 def _upgrade(j: JobView, fits: bool, quota: Optional[int], have: int, gpus: Optional[list[GpuView]],
