@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from .bench_simulate import _policies, add_trace_args
+from .devcluster import DevclusterError
 from .evaluation import replay as rp
 from .evaluation import report, traces
 from .evaluation.simulator import SimConfig, simulate
@@ -89,6 +90,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (traces.TraceError, rp.ReplayError, ValueError) as e:
         print(f"antman bench trace: {e}", file=sys.stderr)
         return 2
+    except DevclusterError as e:
+        print(f"antman bench trace: the devcluster did not come up: {e}", file=sys.stderr)
+        return 1
     if a.json:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
