@@ -85,3 +85,18 @@ def test_bad_flags_are_named():
     with pytest.raises(rp.ReplayError, match="--speedup"):
         rp.ReplayConfig(speedup=0)
     assert isinstance(bench_trace._parser().parse_args(["--trace", "x"]), argparse.Namespace)
+
+
+def test_lost_gpu_time_and_start_overhead_from_records():
+    recs = [{"rank": 0, "restart_count": 0, "work_done_s": 10.0, "resumed_from_s": 0.0},
+            {"rank": 1, "restart_count": 0, "work_done_s": 10.0, "resumed_from_s": 0.0},
+            {"rank": 0, "restart_count": 1, "work_done_s": 20.0, "resumed_from_s": 8.0}]
+    assert rp.lost_gpu_s(recs, gpus=2) == 4.0  # 2 s of work after the last checkpoint, on 2 GPUs
+    assert rp.lost_gpu_s(recs[:1], gpus=2) == 0.0
+    row = {"end_s": 20.0, "first_start_s": 5.0, "duration_s": 10.0, "mean_slowdown": 1.2, "restarts": 0}
+    rows = [{**row, "class": "guaranteed", "submitted_as": "guaranteed"},
+            # upgraded (throttled before) and restarted jobs say nothing about start-up
+            {**row, "end_s": 90.0, "class": "guaranteed", "submitted_as": "opportunistic"},
+            {**row, "end_s": 90.0, "restarts": 1, "class": "guaranteed", "submitted_as": "guaranteed"}]
+    assert rp.start_overhead(rows) == 3.0
+    assert rp.start_overhead(rows[1:2]) is None

@@ -279,7 +279,7 @@ class Replay:
                 "first_start_s": self._to_replay_time(min(starts)) if starts else None,
                 "end_s": self._to_replay_time(end) if end is not None else None,
                 "duration_s": r.work_s, "restarts": restarts, "preemptions": restarts, "ooms": 0,
-                "lost_gpu_s": 0.0, "slurm_job_id": r.slurm_id, "slurm_state": r.state,
+                "lost_gpu_s": lost_gpu_s(recs, r.job.gpus), "slurm_job_id": r.slurm_id, "slurm_state": r.state,
                 "runs": len({(x.get("restart_count"), x.get("rank", 0)) for x in recs}),
                 "mean_slowdown": max((float(x.get("mean_slowdown", 1.0)) for x in done), default=None),
             })
@@ -296,6 +296,15 @@ class Replay:
             quotas=dict(self.quotas), wall_s=round(time.monotonic() - self._wall0, 1),
         )
         return SimResult(self.cfg.policy, metrics, rows, list(self.series))
+
+
+def lost_gpu_s(records: Sequence[dict], gpus: int) -> float:
+    """GPU time a requeue threw away: per interrupted run, the work it had done beyond what the next
+    run resumed from (rank 0's records), times the job's GPUs."""
+    runs = sorted((x for x in records if int(x.get("rank", 0)) == 0), key=lambda x: int(x.get("restart_count", 0)))
+    lost = sum(max(0.0, float(a.get("work_done_s", 0.0)) - float(b.get("resumed_from_s", 0.0)))
+               for a, b in zip(runs, runs[1:]))
+    return round(lost * gpus, 3)
 
 
 def start_overhead(rows: Sequence[dict]) -> Optional[float]:
