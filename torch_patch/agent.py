@@ -19,7 +19,6 @@ the GPU's memory and utilisation from the agents' reports.
 from __future__ import annotations
 
 import atexit
-import collections
 import dataclasses
 import logging
 import os
@@ -164,10 +163,7 @@ class Agent:
             raise ValueError(f"sm_util must be a number in (0, 1], got {sm_util!r}")
         self.memory.emulate(mem_bytes)  # validates mem_bytes
         self._busy_scale = float(sm_util)
-        throttle = self.throttle
-        throttle._unthrottled = collections.deque(maxlen=0)  # never learns a reference
-        throttle.reference_s = None
-        throttle.set_share(throttle.share)
+        self.throttle.forget_reference()
 
     # --- protocol thread -> training thread -----------------------------------------------------
 

@@ -115,6 +115,14 @@ class Throttle:
             elif self.mode == "launch" and not self._handles:
                 self._install_hooks()
 
+    def forget_reference(self) -> None:
+        """Never learn an unthrottled reference (and drop the one learned): for a job whose busy time
+        changes with its neighbours' load, where one learned under another load would be wrong."""
+        with self._lock:
+            self._unthrottled = collections.deque(maxlen=0)
+            self.reference_s = None
+        self.set_share(self._share)
+
     # --- accounting -------------------------------------------------------------------------
 
     def set_mode(self, mode: str) -> None:

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 DEFAULT_STALE_S = 10.0
 # A job reads its neighbours about once a second: loads change at the coordinator's and the local
@@ -68,6 +68,16 @@ def parse_entry(job_id: str, raw: bytes) -> Optional[Entry]:
     return Entry(job_id, float(load), mem, float(t))
 
 
+def write_json_atomic(path: str, data: Any) -> None:
+    """Readers see the old file or the new one, never half of one. No fsync: what is written must
+    survive the writer being killed, not the node crashing. The temporary name starts with a dot,
+    which readers of the board skip."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
 class Board:
     """One job's view of the boards of its GPUs on ``node``."""
 
@@ -112,13 +122,10 @@ class Board:
             raise BoardError(f"load must be a finite number >= 0, got {load!r}")
         if isinstance(mem_bytes, bool) or not isinstance(mem_bytes, int) or mem_bytes < 0:
             raise BoardError(f"mem_bytes must be an integer >= 0, got {mem_bytes!r}")
-        data = json.dumps({"load": float(load), "mem_bytes": mem_bytes, "t": self._clock()}).encode()
+        data = {"load": float(load), "mem_bytes": mem_bytes, "t": self._clock()}
         for d in self._dirs.values():
             os.makedirs(d, exist_ok=True)
-            tmp = os.path.join(d, f".{job_id}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, os.path.join(d, job_id))
+            write_json_atomic(os.path.join(d, job_id), data)
 
     def withdraw(self, job_id: str) -> None:
         _check_name("job_id", job_id)

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from .emulated_gpu import Board, BoardError
+from .emulated_gpu import Board, BoardError, write_json_atomic
 from .workloads import BY_NAME, Profile
 
 DEFAULT_SPILL_RATE = 0.5  # simulator.SPILL_RATE; not imported so the job does not load the simulator
@@ -123,17 +123,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if not os.access(path, os.W_OK | os.X_OK):
             p.error(f"{flag} {path!r}: the directory is not writable")
     return a
-
-
-def write_json_atomic(path: str, data: Any, append_newline: bool = False) -> None:
-    # Readers (a requeued run, the replay's report) see the old file or the new one, never half.
-    # No fsync: the checkpoint must survive the job being killed, not the node crashing.
-    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-        if append_newline:
-            f.write("\n")
-    os.replace(tmp, path)
 
 
 # --- SIGTERM ------------------------------------------------------------------------------------
@@ -274,11 +263,6 @@ class EmulatedJob:
             # Only now may the checkpoint be rewritten: a requeued run terminated before it had read
             # it must not overwrite the progress with zero.
             loaded = True
-            # torch first, as a training script does: in a job, its import starts the agent
-            # (torch_patch.activation), and install() then returns that agent. install() before
-            # torch would import torch under the agent's install lock and deadlock on the hook.
-            import torch  # noqa: F401
-
             import torch_patch
 
             agent = torch_patch.install()

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 
 from .. import devcluster as dc
 from ..errors import AntmanError
+from ..policy.quota import fits_quota
 from .metrics import summarize
 from .simulator import SimResult, tenant_quotas
 from .traces import Job
@@ -93,9 +94,7 @@ def fits(jobs: Sequence[Job], gpus_per_node: int) -> tuple[list[Job], list[Job]]
 def _overrides(cfg: ReplayConfig, quotas: dict[str, int]) -> dict:
     return {
         "grace_time_s": cfg.grace_s,
-        "nodes": {"gpu_memory_mb": cfg.gpu_mem_bytes >> 20,
-                  "cpus": cfg.gpus_per_node * (1 + cfg.slots_per_gpu) + 2,
-                  "memory_mb": 64000},
+        "nodes": {"gpu_memory_mb": cfg.gpu_mem_bytes >> 20, "memory_mb": 64000},
         "opportunistic": {"slots_per_gpu": cfg.slots_per_gpu},
         "sidecar": {"enforce": cfg.policy != "shared"},
         "tenants": [] if cfg.policy == "exclusive" else
@@ -186,7 +185,7 @@ class Replay:
         q = self.quotas.get(acct)
         held = sum(x.job.gpus for x in self.runs if x.submitted_as == "guaranteed" and x.slurm_id is not None
                    and x.job.tenant == r.job.tenant and x.state not in _TERMINAL)
-        return "guaranteed" if q is None or held + r.job.gpus <= q else "opportunistic"
+        return "guaranteed" if fits_quota(q, held, r.job.gpus) else "opportunistic"
 
     def _submit(self, r: _Run) -> None:
         n = r.job.gpus

@@ -39,6 +39,7 @@ from typing import Collection, Iterable, Mapping, Optional, Sequence
 from sidecar import local_policy as lp
 from sidecar.placement import GpuLoad, choose_gpus
 from slurm_antman import policy as cp
+from slurm_antman.policy.quota import fits_quota
 
 from .traces import Job
 from .workloads import GiB, Profile, assign
@@ -285,7 +286,7 @@ class Simulator:
         if j.requested != "auto":
             return
         q = self.quotas.get(j.job.tenant)
-        within = q is None or self.quota_file.get(j.job.tenant, 0) + j.job.gpus <= q
+        within = fits_quota(q, self.quota_file.get(j.job.tenant, 0), j.job.gpus)
         j.klass = j.submitted_as = "guaranteed" if within else "opportunistic"
 
     def _integrate(self, t: float) -> None:

@@ -32,6 +32,12 @@ def _reported_gpus(job: JobView, nodes: Mapping[str, NodeView]) -> list[GpuView]
     return [g for g in node.gpus if job.job_id in g.opportunistic_jobs]
 
 
+def fits_quota(quota: Optional[int], have: int, gpus: int) -> bool:
+    """job_submit.lua's and the coordinator's rule: a tenant's guaranteed GPUs plus this job's fit its
+    quota (no quota: always)."""
+    return quota is None or have + gpus <= quota
+
+
 def _fifo(job: JobView) -> tuple:
     return (job.submit_unix, len(job.job_id), job.job_id)
 
@@ -51,7 +57,7 @@ def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], param
     for j in candidates:
         quota: Optional[int] = quotas.get(j.account, params.default_quota)
         have = used.get(j.account, 0)
-        fits = quota is None or have + j.gpus <= quota
+        fits = fits_quota(quota, have, j.gpus)
         inputs = {"account": j.account, "quota": quota, "quota_used": have, "gpus": j.gpus,
                   "requested": j.requested, "job_class": j.job_class, "state": j.state,
                   "held_for_quota": j.held_for_quota, "submit_unix": j.submit_unix, "now": now}
