@@ -21,7 +21,7 @@ from .evaluation.simulator import SimConfig, simulate
 from .evaluation.workloads import GiB
 
 KEYS = ("jobs_done", "sm_util", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s", "queue_delay_mean_s",
-        "preemptions", "wall_s")
+        "preemptions", "oom_failures", "wall_s")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     add_trace_args(p, nodes=2, gpus=4, speedup=60.0)
     p.add_argument("--iter-scale", type=float, default=1.0, help="emulated mini-batch time = profile's x this")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="give up on jobs not done after this long")
+    p.add_argument("--oom-retry-s", type=float, default=rp.ReplayConfig.oom_retry_s,
+                   help="shared: seconds from a job's CUDA out-of-memory failure to its resubmission "
+                        "(the simulator's oom_retry_s; default %(default)s)")
     p.add_argument("--dir", help="work directory (devcluster, job state); default: a new temporary one")
     p.add_argument("--port-base", type=int, default=18900, help="the devcluster's first TCP port (loopback)")
     p.add_argument("--with-simulator", action="store_true",
@@ -52,7 +55,7 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
         cfg = rp.ReplayConfig(policy=policy, nodes=a.nodes, gpus_per_node=a.gpus,
                               gpu_mem_bytes=int(a.gpu_mem_gib * GiB), speedup=a.speedup,
                               quota_scale=a.quota_scale, seed=a.seed, iter_scale=a.iter_scale,
-                              max_wall_s=a.max_wall_s, port_base=a.port_base)
+                              max_wall_s=a.max_wall_s, port_base=a.port_base, oom_retry_s=a.oom_retry_s)
         log(f"antman bench trace: {policy}: {len(jobs)} jobs on {a.nodes} x {a.gpus} emulated GPUs ...")
         t = time.perf_counter()
         results.append(rp.replay(jobs, cfg, work / policy, log))
@@ -63,12 +66,12 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
             sims.append(simulate(jobs, SimConfig(policy=policy, nodes=a.nodes, gpus_per_node=a.gpus,
                                                  gpu_mem_bytes=cfg.gpu_mem_bytes, speedup=a.speedup,
                                                  quota_scale=a.quota_scale, seed=a.seed, cycle_s=1.0,
-                                                 grace_s=float(cfg.grace_s),
+                                                 grace_s=float(cfg.grace_s), oom_retry_s=cfg.oom_retry_s,
                                                  start_overhead_s=results[-1].metrics["start_overhead_s"] or 0.0)))
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs),
             "jobs_left_out_too_wide": len(too_wide), "nodes": a.nodes, "gpus_per_node": a.gpus,
             "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup, "quota_scale": a.quota_scale, "seed": a.seed,
-            "iter_scale": a.iter_scale, "source": "devcluster replay"}
+            "iter_scale": a.iter_scale, "oom_retry_s": a.oom_retry_s, "source": "devcluster replay"}
     doc = report.document(results, meta)
     if sims:
         doc["simulator"] = report.document(sims, {**meta, "source": "simulator", "cycle_s": 1.0})

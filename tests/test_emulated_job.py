@@ -22,7 +22,7 @@ import pytest
 from slurm_antman import protocol as P
 from slurm_antman.bench_control import PeerSidecar
 from slurm_antman.evaluation import emulated_job as ej
-from slurm_antman.evaluation.emulated_gpu import Board, BoardError
+from slurm_antman.evaluation.emulated_gpu import OK, OOM, WAIT, Board, BoardError, Entry, oom_decision, parse_entry
 from slurm_antman.evaluation.workloads import BY_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,6 +170,97 @@ def test_board_validation(tmp_path):
         b.publish("1", float("inf"), 1)
     with pytest.raises(BoardError, match="mem_bytes"):
         b.publish("1", 0.1, -5)
+
+
+# --- out of memory: the decision every job on a GPU takes alone ----------------------------------
+
+GIB = 1 << 30
+
+
+def _e(job_id: str, mem_gib: float, since, t: float) -> Entry:
+    return Entry(job_id, 0.5, int(mem_gib * GIB), t, since)
+
+
+def test_oom_the_last_arrival_fails_and_only_it():
+    a, b = _e("11", 6, 100.0, 105.0), _e("12", 6, 101.0, 105.0)
+    board = [a, b]
+    # 12 GiB on a 10 GiB GPU: 12 came last (its own entry on the board is ignored; it passes its numbers).
+    assert oom_decision(board, "12", 101.0, 6 * GIB, 10 * GIB) == OOM
+    assert oom_decision(board, "11", 100.0, 6 * GIB, 10 * GIB) == OK
+    # Room for both: nobody fails.
+    assert oom_decision(board, "12", 101.0, 6 * GIB, 12 * GIB) == OK
+    # A third job arrives: now it is the one that gives way; the earlier ones do not.
+    c = _e("13", 1, 102.0, 102.5)
+    assert oom_decision(board + [c], "12", 101.0, 6 * GIB, 10 * GIB) == OK
+    assert oom_decision(board + [c], "13", 102.0, 1 * GIB, 10 * GIB) == OOM
+    # A footprint larger than the GPU fails alone.
+    assert oom_decision([], "14", 103.0, 11 * GIB, 10 * GIB) == OOM
+
+
+def test_oom_a_tie_in_arrival_is_broken_by_job_id_the_same_way_from_both_sides():
+    # Same clock tick: Slurm's later (numerically larger) id arrived last, "10" after "9", not
+    # "9" after "10" as a string comparison would have it.
+    nine, ten = _e("9", 6, 100.0, 100.5), _e("10", 6, 100.0, 100.5)
+    assert oom_decision([nine, ten], "10", 100.0, 6 * GIB, 10 * GIB) == OOM
+    assert oom_decision([nine, ten], "9", 100.0, 6 * GIB, 10 * GIB) == OK
+    # Non-numeric ids (not Slurm's) still give one order.
+    x, y = _e("job-a", 6, 100.0, 100.5), _e("job-b", 6, 100.0, 100.5)
+    assert oom_decision([x, y], "job-b", 100.0, 6 * GIB, 10 * GIB) == OOM
+    assert oom_decision([x, y], "job-a", 100.0, 6 * GIB, 10 * GIB) == OK
+
+
+def test_oom_waits_for_neighbours_that_have_not_refreshed_since_it_arrived():
+    # A neighbour whose last refresh is older than this job's arrival may be dead (killed before it
+    # withdrew; its entry is not stale yet): no verdict until it refreshes or goes stale.
+    quiet = _e("20", 6, 50.0, 99.0)
+    assert oom_decision([quiet], "21", 100.0, 6 * GIB, 10 * GIB) == WAIT
+    assert oom_decision([_e("20", 6, 50.0, 100.4)], "21", 100.0, 6 * GIB, 10 * GIB) == OOM  # alive
+    assert oom_decision([], "21", 100.0, 6 * GIB, 10 * GIB) == OK  # went stale: the reader drops it
+    # The same tick as the arrival is not a refresh after it.
+    assert oom_decision([_e("20", 6, 50.0, 100.0)], "21", 100.0, 6 * GIB, 10 * GIB) == WAIT
+    # Live neighbours alone already overflow: no need to wait for the quiet one.
+    live = _e("22", 6, 60.0, 100.2)
+    assert oom_decision([quiet, live], "21", 100.0, 6 * GIB, 10 * GIB) == OOM
+
+
+def test_old_entries_without_since_are_read_and_count_as_earliest():
+    e = parse_entry("30", b'{"load": 0.4, "mem_bytes": 7, "t": 123.5}')
+    assert e == Entry("30", 0.4, 7, 123.5, None)
+    assert parse_entry("30", b'{"load": 0.4, "mem_bytes": 7, "t": 1, "since": 0.5}').since == 0.5
+    for bad in (b'"x"', b'true', b'NaN', b'[1]'):  # present but not a time: not a well-formed entry
+        assert parse_entry("30", b'{"load": 0.4, "mem_bytes": 7, "t": 1, "since": %s}' % bad) is None
+    # Its writer never fails itself, so a job that can must give way to it.
+    old = Entry("30", 0.4, 6 * GIB, 100.5, None)
+    assert oom_decision([old], "31", 100.0, 6 * GIB, 10 * GIB) == OOM
+
+
+def test_board_ties_and_shared_arrival_through_real_files(tmp_path):
+    t = [100.0]
+    clock = lambda: t[0]  # noqa: E731
+    a = Board(str(tmp_path), "n1", [0], clock=clock, read_interval_s=0)
+    b = Board(str(tmp_path), "n1", [0], clock=clock, read_interval_s=0)
+    a.publish("41", 0.0, 6 * GIB)
+    b.publish("42", 0.0, 6 * GIB)  # the same tick
+    assert a.since("41") == b.since("42") == 100.0
+    # Neither has refreshed since the other came: the later one waits, the earlier one goes on.
+    assert b.oom_check("42", 6 * GIB, 10 * GIB, fresh=True).decision == WAIT
+    assert a.oom_check("41", 6 * GIB, 10 * GIB, fresh=True).decision == OK
+    t[0] = 100.5
+    a.publish("41", 0.8, 6 * GIB)  # a refresh keeps the arrival
+    on_disk = json.loads((tmp_path / "n1" / "0" / "41").read_text())
+    assert (on_disk["since"], on_disk["t"]) == (100.0, 100.5)
+    check = b.oom_check("42", 6 * GIB, 10 * GIB, fresh=True)
+    assert (check.decision, check.gpu, check.others_bytes) == (OOM, 0, 6 * GIB)
+    b.withdraw("42")
+    assert b.since("42") is None
+    assert a.oom_check("41", 6 * GIB, 10 * GIB, fresh=True).decision == OK
+    # The second rank of a multi-GPU job shares its job's entry: it keeps the job's arrival.
+    t[0] = 101.0
+    rank1 = Board(str(tmp_path), "n1", [0], clock=clock)
+    rank1.publish("41", 0.8, 6 * GIB)
+    assert rank1.since("41") == 100.0
+    with pytest.raises(BoardError, match="has not published"):
+        Board(str(tmp_path), "n1", [0]).oom_check("43", 1, 10)
 
 
 # --- the agent's emulation hook ------------------------------------------------------------------
@@ -339,6 +430,110 @@ def test_sigterm_saves_and_exits_143(tmp_path):
     assert not entry.exists(), "a terminated job withdraws from the board"
 
 
+# --- out of memory, for real: two emulated jobs on one 10 GiB GPU, 6 GiB each ------------------
+
+OOM_ARGS = ("--gpu-mem-bytes", str(10 * GIB))
+
+
+def _running(tmp_path: Path, job_id: str, proc: subprocess.Popen) -> dict:
+    """Waits until the job computes (its entry carries its load: it is past its arrival)."""
+    entry = tmp_path / "board" / "emu1" / "0" / job_id
+
+    def loaded():
+        try:
+            d = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            return None
+        return d if d["load"] > 0 else None
+
+    return _wait(loaded, what=f"job {job_id} computing", proc=proc)
+
+
+def test_oom_the_later_job_fails_like_pytorch_and_the_first_runs_on(tmp_path):
+    first = _start(tmp_path, _env("401", None), *OOM_ARGS, work_s=600)
+    try:
+        arrived = _running(tmp_path, "401", first)
+        second = _start(tmp_path, _env("402", None), *OOM_ARGS, work_s=600)
+        rc, err = _finish(second)
+        assert rc == 1, err
+        assert "CUDA out of memory. Tried to allocate 6.00 GiB (GPU 0; 10.00 GiB total capacity; " \
+               "6.00 GiB already allocated" in err
+        assert first.poll() is None, "the first job must not fail"
+        rec, = _records(tmp_path, "402")
+        assert (rec["oom"], rec["completed"], rec["work_done_s"], rec["iterations"]) == (True, False, 0.0, 0)
+        assert not (tmp_path / "board" / "emu1" / "0" / "402").exists(), "the failed job withdrew"
+        # The survivor's arrival did not move.
+        assert json.loads((tmp_path / "board" / "emu1" / "0" / "401").read_text())["since"] == arrived["since"]
+    finally:
+        first.terminate()
+        rc, err = _finish(first)
+    assert rc == 143, err
+    rec, = _records(tmp_path, "401")
+    assert rec["oom"] is False and rec["work_done_s"] > 0
+
+
+def test_without_the_flag_nothing_runs_out_of_memory(tmp_path):
+    first = _start(tmp_path, _env("403", None), work_s=600)
+    try:
+        _running(tmp_path, "403", first)
+        rc, err = _finish(_start(tmp_path, _env("404", None), work_s=0.3))
+        assert rc == 0, err
+        assert first.poll() is None
+    finally:
+        first.terminate()
+        _finish(first)
+    rec, = _records(tmp_path, "404")
+    assert rec["completed"] is True and rec["oom"] is False
+
+
+def test_two_jobs_arriving_together_exactly_one_fails(tmp_path):
+    procs = {j: _start(tmp_path, _env(j, None), *OOM_ARGS, work_s=600) for j in ("405", "406")}
+    try:
+        _wait(lambda: any(p.poll() is not None for p in procs.values()), timeout=60, what="one job failing")
+        time.sleep(1.5)  # the other has seen the failed one withdraw, and goes on
+        ended = {j: p.returncode for j, p in procs.items() if p.poll() is not None}
+        assert list(ended.values()) == [1], ended
+        loser, = ended
+        winner, = set(procs) - {loser}
+        assert _records(tmp_path, loser)[0]["oom"] is True
+        assert (tmp_path / "board" / "emu1" / "0" / winner).exists()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+            _finish(p)
+
+
+def test_a_dead_neighbours_entry_delays_but_does_not_fail_the_job(tmp_path):
+    # A neighbour killed without withdrawing: its entry, 6 s old and never refreshed, still counts
+    # as fresh (stale after 10 s). The job waits for it instead of failing, then runs.
+    now = time.time()
+    dead = Board(str(tmp_path / "board"), "emu1", [0], clock=lambda: now - 6)
+    dead.publish("499", 0.8, 6 * GIB)
+    rc, err = _finish(_start(tmp_path, _env("407", None), *OOM_ARGS, work_s=0.3))
+    assert rc == 0, err
+    rec, = _records(tmp_path, "407")
+    assert (rec["completed"], rec["oom"]) == (True, False)
+    assert rec["end_unix"] >= now + 4  # it waited for the entry to go stale
+
+
+def test_a_live_neighbour_in_the_old_entry_format_makes_the_job_fail(tmp_path):
+    # An entry without "since" (from before it existed), kept fresh: it counts as there first.
+    entry = tmp_path / "board" / "emu1" / "0" / "498"
+    entry.parent.mkdir(parents=True)
+    proc = _start(tmp_path, _env("408", None), *OOM_ARGS, work_s=600)
+    try:
+        while proc.poll() is None:
+            entry.write_text(json.dumps({"load": 0.8, "mem_bytes": 6 * GIB, "t": time.time()}))
+            time.sleep(0.2)
+        rc, err = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 1 and "CUDA out of memory" in err, err
+    assert _records(tmp_path, "408")[0]["oom"] is True
+
+
 def test_bad_arguments_exit_2_naming_the_flag(tmp_path):
     proc = _start(tmp_path, _env("305", None), "--profile", "nope")
     rc, err = _finish(proc)
@@ -352,6 +547,8 @@ def test_bad_arguments_exit_2_naming_the_flag(tmp_path):
     (["--spill-rate", "0"], "--spill-rate must be in (0, 1]"),
     (["--spill-rate", "1.5"], "--spill-rate must be in (0, 1]"),
     (["--iter-scale", "-1"], "--iter-scale must be a number > 0"),
+    (["--gpu-mem-bytes", "0"], "--gpu-mem-bytes must be an integer >= 1"),
+    (["--gpu-mem-bytes", "16GiB"], "--gpu-mem-bytes: invalid int value"),
 ])
 def test_bad_flag_values(tmp_path, capsys, args, needle):
     base = {"--profile": "lstm_lm", "--work-s": "1", "--state-dir": str(tmp_path / "s"),

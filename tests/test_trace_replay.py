@@ -100,3 +100,88 @@ def test_lost_gpu_time_and_start_overhead_from_records():
             {**row, "end_s": 90.0, "restarts": 1, "class": "guaranteed", "submitted_as": "guaranteed"}]
     assert rp.start_overhead(rows) == 3.0
     assert rp.start_overhead(rows[1:2]) is None
+
+
+# --- OOM under shared: the driver's bookkeeping, without a cluster --------------------------------
+
+
+def _run_of(job_id: str = "philly-3") -> rp._Run:
+    from slurm_antman.evaluation.traces import Job
+    from slurm_antman.evaluation.workloads import assign
+
+    return rp._Run(Job(job_id, 3.0, 5.0, 1, "aaaa01"), assign(job_id), 3.0, 5.0)
+
+
+def _submitted(r: rp._Run, slurm_id: int) -> None:
+    # what Replay._submit records after sbatch returns
+    r.slurm_id = slurm_id
+    r.attempts.append(slurm_id)
+    r.state, r.retry_at = "PENDING", None
+
+
+def test_an_oom_failure_waits_the_retry_time_and_is_counted_once():
+    r = _run_of()
+    _submitted(r, 11)
+    rp.observe(r, 11, "RUNNING", False, now=5.0, retry_s=60.0)
+    assert r.state == "RUNNING"
+    rp.observe(r, 11, "FAILED", True, now=7.0, retry_s=60.0)
+    assert (r.state, r.ooms, r.retry_at) == (rp.OOM_RETRY, 1, 67.0)
+    assert r.state not in rp._TERMINAL, "a job waiting for its resubmission has not ended"
+    # squeue keeps listing the failed job: it is not counted again.
+    rp.observe(r, 11, "FAILED", True, now=8.0, retry_s=60.0)
+    assert (r.ooms, r.retry_at) == (1, 67.0)
+    assert not rp.due_for_retry(r, 66.9) and rp.due_for_retry(r, 67.0)
+    _submitted(r, 12)
+    assert not rp.due_for_retry(r, 100.0)
+    rp.observe(r, 11, "FAILED", True, now=70.0, retry_s=60.0)  # the old attempt, still listed
+    assert (r.state, r.ooms) == ("PENDING", 1)
+    rp.observe(r, 12, "COMPLETED", False, now=90.0, retry_s=60.0)
+    assert (r.state, r.ooms, r.attempts) == ("COMPLETED", 1, [11, 12])
+
+
+def test_a_failure_without_the_oom_record_is_reported_not_resubmitted():
+    r = _run_of()
+    _submitted(r, 21)
+    rp.observe(r, 21, "FAILED", False, now=5.0, retry_s=60.0)
+    assert (r.state, r.ooms, r.retry_at) == ("FAILED", 0, None)
+    assert r.state in rp._TERMINAL and not rp.due_for_retry(r, 1e9)
+    # Other terminal states are never taken for an OOM, whatever the records say.
+    r2 = _run_of()
+    _submitted(r2, 22)
+    rp.observe(r2, 22, "CANCELLED", True, now=5.0, retry_s=60.0)
+    assert (r2.state, r2.ooms) == ("CANCELLED", 0)
+
+
+def test_oom_record_detection():
+    assert rp.oom_failed([{"rank": 0, "oom": False}, {"rank": 1, "oom": True}])
+    assert not rp.oom_failed([{"rank": 0, "completed": False}])  # records from before the field
+    assert not rp.oom_failed([{"oom": "yes"}]) and not rp.oom_failed([])
+
+
+def test_a_resubmitted_jobs_row_spans_its_attempts():
+    r = _run_of()
+    r.attempts, r.slurm_id, r.ooms, r.state = [11, 12], 12, 1, "COMPLETED"
+    r.submitted_at, r.submitted_as, r.ran_as = 3.0, "opportunistic", "opportunistic"
+    failed = [{"rank": 0, "restart_count": 0, "start_unix": 1000.0, "end_unix": 1001.0, "completed": False,
+               "oom": True, "work_done_s": 0.0, "resumed_from_s": 0.0, "mean_slowdown": 1.0}]
+    ran = [{"rank": 0, "restart_count": 0, "start_unix": 1062.0, "end_unix": 1070.0, "completed": True,
+            "oom": False, "work_done_s": 5.0, "resumed_from_s": 0.0, "mean_slowdown": 1.3}]
+    row = rp.job_row(r, [failed, ran], lambda unix: unix - 1000.0 + 4.0)
+    assert (row["submit_s"], row["first_start_s"], row["end_s"]) == (3.0, 4.0, 74.0)
+    assert (row["ooms"], row["restarts"], row["preemptions"], row["lost_gpu_s"]) == (1, 1, 0, 0.0)
+    assert (row["runs"], row["attempts"], row["slurm_job_id"], row["mean_slowdown"]) == (2, 2, 12, 1.3)
+    # Not done: the row says so, no end.
+    r.state = rp.OOM_RETRY
+    assert rp.job_row(r, [failed, ran], lambda u: u)["end_s"] is None
+
+
+def test_replay_config_checks_memory_and_retry():
+    with pytest.raises(rp.ReplayError, match="--gpu-mem-gib must be >= 16"):
+        rp.ReplayConfig(gpu_mem_bytes=8 << 30)
+    with pytest.raises(rp.ReplayError, match="--oom-retry-s"):
+        rp.ReplayConfig(oom_retry_s=-1)
+    with pytest.raises(rp.ReplayError, match="--oom-retry-s"):
+        rp.ReplayConfig(oom_retry_s=float("nan"))
+    from slurm_antman.evaluation.simulator import SimConfig
+
+    assert rp.ReplayConfig().oom_retry_s == SimConfig().oom_retry_s == 60.0

@@ -4,12 +4,19 @@ A trace replay on the devcluster runs emulated training jobs (``emulated_job``) 
 workload model slows a job by the load of the *other* jobs on its GPU (``Profile.slowdown``), and the
 sidecar does not tell a job who its neighbours are, so the jobs on one GPU meet on a *board*: a
 directory ``ROOT/<node>/<gpu>/`` with one small JSON file per job, ``<job_id>``:
-``{"load": sm_util * share, "mem_bytes": footprint, "t": unix_time}``.
+``{"load": sm_util * share, "mem_bytes": footprint, "t": unix_time, "since": unix_time}``
+(``t``: the last refresh; ``since``: the job's first publish, its arrival on the GPU; entries written
+before ``since`` existed are still read, as having been there before anyone else).
 
 Files, not a server: the jobs of a node share its file system, a killed job needs no clean-up (its
 entry goes stale after ``stale_s``), and dozens of jobs reading once a second cost nothing. Writes are
 atomic (a temporary file, then ``os.replace``), and a reader skips whatever it cannot parse (a file
 from another tool, a truncated write on a full disk), so no reader ever fails on the board.
+
+Out of memory (the ``shared`` policy: nobody limits anyone's memory): when the footprints on a GPU
+sum over its memory, the job that arrived last fails, as the simulator has it. Every job on the GPU
+decides this alone, from the board only (:func:`oom_decision`), and all of them reach the same
+answer because "last" is a total order: ``since``, then the job id.
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ class Entry:
     load: float
     mem_bytes: int
     t: float
+    since: Optional[float] = None  # None: written by a job from before ``since`` existed
+
+
+# What a job concludes from the board about out-of-memory on its GPUs (see oom_decision).
+OK, WAIT, OOM = "ok", "wait", "oom"
 
 
 def _check_name(what: str, value: str) -> str:
@@ -65,7 +77,54 @@ def parse_entry(job_id: str, raw: bytes) -> Optional[Entry]:
             return None
     if isinstance(mem, bool) or not isinstance(mem, int) or mem < 0 or load < 0:
         return None
-    return Entry(job_id, float(load), mem, float(t))
+    since = d.get("since")  # absent in entries from before it existed: still a good entry
+    if since is not None and (isinstance(since, bool) or not isinstance(since, (int, float))
+                              or not math.isfinite(since)):
+        return None
+    return Entry(job_id, float(load), mem, float(t), None if since is None else float(since))
+
+
+def arrival_key(job_id: str, since: Optional[float]) -> tuple:
+    """The order of arrival on a GPU, the same for every reader: ``since``, ties (two jobs in the
+    same clock tick) broken by job id, numerically for Slurm's numeric ids (the later submission is
+    the later arrival). An entry without ``since`` counts as the earliest: its writer never fails
+    itself on OOM, so the job that can must be the one to give way."""
+    s = -math.inf if since is None else since
+    ident = (0, int(job_id), "") if job_id.isdigit() else (1, 0, job_id)
+    return (s, ident)
+
+
+def oom_decision(entries: Sequence[Entry], job_id: str, since: float, mem_bytes: int, capacity: int) -> str:
+    """What job ``job_id`` (arrived at ``since``, footprint ``mem_bytes``) concludes about one GPU of
+    ``capacity`` bytes from the fresh ``entries`` on its board (its own entry, if there, is ignored:
+    the job passes its own numbers).
+
+    - ``OK``: the footprints fit, or a job that arrived later is on the GPU (that one fails instead).
+    - ``OOM``: they overflow, this job arrived last, and the overflow holds counting only the
+      neighbours that refreshed their entry after this job arrived: alive for certain.
+    - ``WAIT``: it overflows only with neighbours that have not refreshed since this job arrived.
+      Such an entry may be a dead job's (killed before it could withdraw; it would go stale within
+      ``stale_s``) or one that was itself still deciding when this job came. Ask again: a live
+      neighbour refreshes within about a second, a dead one goes stale.
+    """
+    others = [e for e in entries if e.job_id != job_id]
+    if mem_bytes + sum(e.mem_bytes for e in others) <= capacity:
+        return OK
+    mine = arrival_key(job_id, since)
+    if any(arrival_key(e.job_id, e.since) > mine for e in others):
+        return OK
+    alive = sum(e.mem_bytes for e in others if e.t > since)
+    return OOM if mem_bytes + alive > capacity else WAIT
+
+
+@dataclass(frozen=True)
+class OomCheck:
+    """The verdict over a job's GPUs: the first GPU that overflows (OOM) or may (WAIT), and the bytes
+    the other jobs hold there, for the error message."""
+
+    decision: str
+    gpu: Optional[int] = None
+    others_bytes: int = 0
 
 
 def write_json_atomic(path: str, data: Any) -> None:
@@ -109,6 +168,7 @@ class Board:
         self._dirs = {g: os.path.join(root, node, str(g)) for g in self.gpus}
         self._cache: Optional[dict[int, list[Entry]]] = None
         self._read_at = 0.0
+        self._since: dict[str, float] = {}  # job id -> its arrival, fixed at its first publish
 
     def gpu_dir(self, gpu: int) -> str:
         return self._dirs[gpu]
@@ -122,10 +182,25 @@ class Board:
             raise BoardError(f"load must be a finite number >= 0, got {load!r}")
         if isinstance(mem_bytes, bool) or not isinstance(mem_bytes, int) or mem_bytes < 0:
             raise BoardError(f"mem_bytes must be an integer >= 0, got {mem_bytes!r}")
-        data = {"load": float(load), "mem_bytes": mem_bytes, "t": self._clock()}
+        now = self._clock()
+        since = self._since.get(job_id)
+        if since is None:
+            since = self._since[job_id] = self._arrival(job_id, now)
+        data = {"load": float(load), "mem_bytes": mem_bytes, "t": now, "since": since}
         for d in self._dirs.values():
             os.makedirs(d, exist_ok=True)
             write_json_atomic(os.path.join(d, job_id), data)
+
+    def _arrival(self, job_id: str, now: float) -> float:
+        """``now``, or the ``since`` of a fresh entry of the same job: the ranks of a multi-GPU job
+        publish one shared entry per GPU, and their arrival must not move when a later rank starts."""
+        earlier = [e.since for g in self.gpus for e in self.entries(g)
+                   if e.job_id == job_id and e.since is not None]
+        return min([now, *earlier])
+
+    def since(self, job_id: str) -> Optional[float]:
+        """This job's arrival as it was published, None before its first publish."""
+        return self._since.get(job_id)
 
     def withdraw(self, job_id: str) -> None:
         _check_name("job_id", job_id)
@@ -134,6 +209,7 @@ class Board:
                 os.unlink(os.path.join(d, job_id))
             except FileNotFoundError:
                 pass
+        self._since.pop(job_id, None)
         self._cache = None
 
     # --- reading ----------------------------------------------------------------------------
@@ -179,3 +255,20 @@ class Board:
         """Sum of the other jobs' footprints on a GPU, the largest over this board's GPUs."""
         per_gpu = self._read()
         return max((sum(e.mem_bytes for e in es if e.job_id != job_id) for es in per_gpu.values()), default=0)
+
+    def oom_check(self, job_id: str, mem_bytes: int, capacity: int, fresh: bool = False) -> OomCheck:
+        """:func:`oom_decision` over this board's GPUs, for a job that has published. ``fresh``
+        reads the board now instead of within ``read_interval_s`` (while the job waits to start)."""
+        since = self._since.get(job_id)
+        if since is None:
+            raise BoardError(f"job {job_id!r} has not published on this board: nothing to decide")
+        if fresh:
+            self._cache = None
+        waiting: Optional[OomCheck] = None
+        for g, es in self._read().items():
+            d = oom_decision(es, job_id, since, mem_bytes, capacity)
+            if d == OOM:
+                return OomCheck(OOM, g, sum(e.mem_bytes for e in es if e.job_id != job_id))
+            if d == WAIT and waiting is None:
+                waiting = OomCheck(WAIT, g)
+        return waiting or OomCheck(OK)

@@ -10,6 +10,9 @@ so a replay and a simulation of the same trace can be compared:
 - the compute share is enforced by the agent's real throttle, which adds idle time at the
   "kernel launches" (see :class:`_Kernel`) and at the ``torch_patch.step()`` boundary;
 - under a memory limit below the footprint the job spills and runs at ``spill_rate`` of that speed;
+- with ``--gpu-mem-bytes`` (the ``shared`` policy: nobody limits memory) it fails as PyTorch does when
+  the footprints on one of its GPUs exceed that and it arrived there last (``emulated_gpu.oom_decision``):
+  "CUDA out of memory" on stderr, a run record with ``"oom": true``, exit 1;
 - the agent reports the footprint as GPU memory and ``sm_util`` x duty as GPU busy time
   (``Agent.emulate_device``), which is what the sidecar's emulated telemetry adds up.
 
@@ -19,7 +22,7 @@ checkpoint by the preemption hook, every ~10 s and on SIGTERM, and resumed by a 
 run appends one record line to ``STATE_DIR/<job_id>.runs.jsonl`` for the replay's report.
 
 Exit status: 0 done, 143 terminated (SIGTERM: Slurm's cancel or requeue), 2 bad arguments or
-environment, 1 any other failure.
+environment, 1 out of GPU memory (as an uncaught ``RuntimeError`` in PyTorch) or any other failure.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
-from .emulated_gpu import Board, BoardError, write_json_atomic
+from .emulated_gpu import OOM, WAIT, Board, BoardError, OomCheck, write_json_atomic
 from .workloads import BY_NAME, Profile
 
 DEFAULT_SPILL_RATE = 0.5  # simulator.SPILL_RATE; not imported so the job does not load the simulator
@@ -46,11 +49,19 @@ PUBLISH_EVERY_S = 1.0
 # The longest sleep between two "kernel launches": the throttle pays at most 1 s of idle per hook, so
 # at the local policy's lowest share (0.05) a launch must not carry more than ~50 ms of busy time.
 KERNEL_MAX_S = 0.05
+# While a job that may not fit waits for its neighbours to prove they are alive (oom_decision's WAIT):
+# how often it looks again. A live neighbour refreshes about once a second.
+ARRIVAL_POLL_S = 0.05
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_TERMINATED = 0, 1, 2, 143
 
 
 class UsageError(ValueError):
     """A bad flag or environment variable: exit 2 with this message."""
+
+
+class OutOfMemory(RuntimeError):
+    """The emulated GPU is full and this job came last: what ``torch.cuda.OutOfMemoryError`` (a
+    RuntimeError) would end a real job with."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="speed while spilled to host memory, in (0, 1] (default %(default)s)")
     p.add_argument("--iter-scale", type=float, default=1.0,
                    help="mini-batch time multiplier, > 0 (default %(default)s)")
+    p.add_argument("--gpu-mem-bytes", type=int, default=None,
+                   help="each GPU's memory in bytes: fail with CUDA out of memory when the jobs' "
+                        "footprints on a GPU exceed it and this job arrived last (uncontrolled "
+                        "sharing); absent: never")
     return p
 
 
@@ -115,6 +130,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--spill-rate must be in (0, 1], got {a.spill_rate}")
     if not (math.isfinite(a.iter_scale) and a.iter_scale > 0):
         p.error(f"--iter-scale must be a number > 0, got {a.iter_scale}")
+    if a.gpu_mem_bytes is not None and a.gpu_mem_bytes < 1:
+        p.error(f"--gpu-mem-bytes must be an integer >= 1 (bytes of GPU memory), got {a.gpu_mem_bytes}")
     for flag, path in (("--state-dir", a.state_dir), ("--board-dir", a.board_dir)):
         try:
             os.makedirs(path, exist_ok=True)
@@ -186,8 +203,10 @@ def _kernel_class() -> type:
 
 class EmulatedJob:
     def __init__(self, profile: Profile, work_s: float, state_dir: str, board: Board, ident: Identity,
-                 spill_rate: float = DEFAULT_SPILL_RATE, iter_scale: float = 1.0) -> None:
+                 spill_rate: float = DEFAULT_SPILL_RATE, iter_scale: float = 1.0,
+                 gpu_mem_bytes: Optional[int] = None) -> None:
         self.profile = profile
+        self.gpu_mem_bytes = gpu_mem_bytes  # None: never out of memory
         self.work_s = work_s
         self.state_dir = state_dir
         self.board = board
@@ -225,7 +244,7 @@ class EmulatedJob:
             write_json_atomic(self.ckpt_path, {"work_done_s": self.work_done_s,
                                                "restarts": self.ident.restart_count})
 
-    def write_record(self, completed: bool) -> None:
+    def write_record(self, completed: bool, oom: bool = False) -> None:
         rec = {
             "job_id": self.ident.job_id,
             "start_unix": self.start_unix,
@@ -234,6 +253,7 @@ class EmulatedJob:
             "work_done_s": self.work_done_s,
             "resumed_from_s": self.resumed_from_s,
             "completed": completed,
+            "oom": oom,  # failed with CUDA out of memory: the replay resubmits the job
             "profile": self.profile.name,
             "node": self.ident.node,
             "gpus": list(self.ident.gpus),
@@ -254,8 +274,9 @@ class EmulatedJob:
     # --- the run ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Runs until the work is done (0) or SIGTERM (143). Writes the record either way."""
-        completed = False
+        """Runs until the work is done (0), SIGTERM (143) or out of GPU memory (1). Writes the record
+        in every case."""
+        completed = oom = False
         agent = None
         loaded = False
         try:
@@ -268,9 +289,15 @@ class EmulatedJob:
             agent = torch_patch.install()
             agent.emulate_device(self.profile.mem_bytes, self.profile.sm_util)
             torch_patch.on_preempt(lambda notice: self.save_checkpoint())
+            self._arrive()
             self._loop(agent)
             completed = True
             return EXIT_OK
+        except OutOfMemory as e:
+            oom = True
+            # PyTorch's last line for an uncaught OOM; the Slurm output file is where users look.
+            sys.stderr.write(f"RuntimeError: {e}\n")
+            return EXIT_FAILED
         except _Terminated:
             return EXIT_TERMINATED
         finally:
@@ -282,12 +309,40 @@ class EmulatedJob:
             finally:
                 if loaded:
                     self.save_checkpoint()
-                self.write_record(completed)
+                self.write_record(completed, oom)
                 if agent is not None:
                     # The sidecar learns at once (bye) instead of after missed heartbeats.
                     import torch_patch
 
                     torch_patch.uninstall()
+
+    def _arrive(self) -> None:
+        """Allocates: the footprint goes on the board (no load yet: nothing computes while the model
+        is being allocated), then, with a GPU memory size, the job fails here if it does not fit and
+        came last. It waits while the answer hangs on neighbours that have not refreshed since it
+        arrived; they do within about a second or go stale, so the wait is at most ``stale_s``."""
+        with self.guard.held():
+            self.board.publish(self.ident.job_id, 0.0, self.profile.mem_bytes)
+        if self.gpu_mem_bytes is None:
+            return
+        deadline = time.monotonic() + self.board.stale_s + 1.0
+        while True:
+            check = self.board.oom_check(self.ident.job_id, self.profile.mem_bytes, self.gpu_mem_bytes, fresh=True)
+            if check.decision != WAIT or time.monotonic() > deadline:
+                break  # (past the deadline: start, the loop's own check still watches)
+            # No refresh meanwhile: a later arrival must see this entry as undecided and wait for it.
+            time.sleep(ARRIVAL_POLL_S)
+        self._raise_if_oom(check)
+
+    def _check_memory(self) -> None:
+        """The same decision during the run, from the board read the slowdown uses. It fires only if
+        two jobs started so close together that neither saw the other when it arrived."""
+        if self.gpu_mem_bytes is not None:
+            self._raise_if_oom(self.board.oom_check(self.ident.job_id, self.profile.mem_bytes, self.gpu_mem_bytes))
+
+    def _raise_if_oom(self, check: OomCheck) -> None:
+        if check.decision == OOM:
+            raise OutOfMemory(oom_message(self.profile.mem_bytes, check.gpu, self.gpu_mem_bytes, check.others_bytes))
 
     def _loop(self, agent: Any) -> None:
         import torch_patch
@@ -304,6 +359,7 @@ class EmulatedJob:
                     self.board.publish(job_id, util * share, footprint)
                 published_share, last_publish = share, now
             slowdown = self.profile.slowdown(self.board.neighbour_load(job_id))
+            self._check_memory()
             limit = agent.memory.limit_bytes
             busy = self.iter_s * slowdown
             if limit is not None and limit < footprint:
@@ -321,6 +377,15 @@ class EmulatedJob:
                     last_ckpt = time.monotonic()
 
 
+def oom_message(want: int, gpu: Optional[int], capacity: int, others: int) -> str:
+    """PyTorch's wording, with the numbers of the emulated GPU."""
+    gib = float(1 << 30)
+    return (f"CUDA out of memory. Tried to allocate {want / gib:.2f} GiB (GPU {gpu}; "
+            f"{capacity / gib:.2f} GiB total capacity; {others / gib:.2f} GiB already allocated by "
+            f"other processes; {max(0, capacity - others) / gib:.2f} GiB free) [emulated: slurm_antman "
+            "trace replay, uncontrolled sharing]")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)  # exits 2
     try:
@@ -335,7 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.write(f"emulated_job: SLURMD_NODENAME (or the host name): {e}\n")
         return EXIT_USAGE
     job = EmulatedJob(BY_NAME[args.profile], args.work_s, args.state_dir, board, ident,
-                      spill_rate=args.spill_rate, iter_scale=args.iter_scale)
+                      spill_rate=args.spill_rate, iter_scale=args.iter_scale, gpu_mem_bytes=args.gpu_mem_bytes)
     job.guard.install()
     return job.run()
 

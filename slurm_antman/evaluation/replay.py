@@ -9,6 +9,9 @@ The three policies run the same jobs on the same devcluster configuration:
   simulator does.
 - ``shared``: ``--antman=auto`` with tenant quotas, so over-quota jobs go opportunistic and share GPUs,
   but the sidecars run observe-only (``sidecar.enforce: false``): nobody limits or throttles them.
+  The emulated jobs get the GPU's memory size (``--gpu-mem-bytes``): when the footprints on a GPU
+  exceed it, the job that arrived last fails with CUDA out of memory (Slurm: FAILED), as in the
+  simulator, and the driver resubmits it ``oom_retry_s`` later (``oom_failures`` counts the failures).
 - ``antman``: the full system.
 
 Times are in the simulator's units: trace seconds divided by ``speedup``, from the trace start, so a
@@ -34,10 +37,13 @@ from ..policy.quota import fits_quota
 from .metrics import summarize
 from .simulator import SimResult, tenant_quotas
 from .traces import Job
-from .workloads import GiB, Profile, assign
+from .workloads import MIN_GPU_MEMORY_BYTES, GiB, Profile, assign
 
 POLICIES = ("exclusive", "shared", "antman")
 _TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+# A trace job whose Slurm job failed with CUDA out of memory, waiting to be resubmitted: not terminal.
+# (Slurm's own OUT_OF_MEMORY above is the host memory cgroup's kill, a failure like any other.)
+OOM_RETRY = "OOM_RETRY"
 
 
 class ReplayError(AntmanError):
@@ -59,6 +65,7 @@ class ReplayConfig:
     poll_s: float = 1.0
     max_wall_s: float = 1800.0    # jobs not done by then are reported as not done
     port_base: int = 18900
+    oom_retry_s: float = 60.0     # SimConfig.oom_retry_s: replay seconds from an OOM to the resubmission
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -67,6 +74,12 @@ class ReplayConfig:
             raise ReplayError("--nodes and --gpus must be at least 1")
         if self.speedup <= 0 or self.iter_scale <= 0:
             raise ReplayError("--speedup and --iter-scale must be positive")
+        if self.gpu_mem_bytes < MIN_GPU_MEMORY_BYTES:
+            # A profile that cannot fit a GPU alone would fail with OOM and be resubmitted forever.
+            raise ReplayError(f"--gpu-mem-gib must be >= {MIN_GPU_MEMORY_BYTES / GiB:g}: every profile of the "
+                              "workload model must fit a GPU alone")
+        if not (0 <= self.oom_retry_s < float("inf")):
+            raise ReplayError(f"--oom-retry-s must be a number of seconds >= 0, got {self.oom_retry_s}")
 
 
 @dataclass
@@ -77,12 +90,38 @@ class _Run:
     profile: Profile
     submit_s: float                     # replay time it is due
     work_s: float
-    slurm_id: Optional[int] = None
-    submitted_at: Optional[float] = None  # replay time sbatch returned
+    slurm_id: Optional[int] = None      # the current Slurm job
+    attempts: list = field(default_factory=list)  # every Slurm job id it had, in order (OOM resubmissions)
+    submitted_at: Optional[float] = None  # replay time the first sbatch returned
     submitted_as: Optional[str] = None
     ran_as: Optional[str] = None
     state: str = "UNSUBMITTED"
+    ooms: int = 0                       # Slurm jobs of it that failed with CUDA out of memory
+    retry_at: Optional[float] = None    # replay time of the resubmission, while state is OOM_RETRY
     records: list = field(default_factory=list)
+
+
+def observe(r: _Run, slurm_id: int, state: str, oom_failed: bool, now: float, retry_s: float) -> None:
+    """Takes in what Slurm says of one of ``r``'s Slurm jobs. A FAILED job whose run record says it ran
+    out of GPU memory makes ``r`` wait ``retry_s`` for a resubmission (``OOM_RETRY``), counted once; any
+    other state, FAILED without that record included, is ``r``'s state as it is."""
+    if slurm_id != r.slurm_id or r.state == OOM_RETRY:
+        return  # an earlier attempt (squeue lists ended jobs for minutes), or a failure already counted
+    if state == "FAILED" and oom_failed:
+        r.ooms += 1
+        r.state, r.retry_at = OOM_RETRY, now + retry_s
+    else:
+        r.state = state
+
+
+def due_for_retry(r: _Run, now: float) -> bool:
+    return r.state == OOM_RETRY and r.retry_at is not None and r.retry_at <= now
+
+
+def oom_failed(records: Sequence[dict]) -> bool:
+    """Whether one Slurm job's run records say it failed with CUDA out of memory (any rank: a DDP
+    job dies with its first rank)."""
+    return any(x.get("oom") is True for x in records)
 
 
 def fits(jobs: Sequence[Job], gpus_per_node: int) -> tuple[list[Job], list[Job]]:
@@ -163,6 +202,9 @@ class Replay:
             while nxt < len(queue) and queue[nxt].submit_s <= now:
                 self._submit(queue[nxt])
                 nxt += 1
+            for r in self.runs:
+                if due_for_retry(r, now):
+                    self._submit(r)
             if time.monotonic() - last_poll >= self.cfg.poll_s:
                 last_poll = time.monotonic()
                 self._poll()
@@ -172,8 +214,9 @@ class Replay:
                 if time.monotonic() - self._wall0 > self.cfg.max_wall_s:
                     self.log(f"replay: {len(self.runs) - done} job(s) not done after {self.cfg.max_wall_s:.0f} s")
                     return
+            retries = [r.retry_at for r in self.runs if r.state == OOM_RETRY and r.retry_at is not None]
             wake = min(queue[nxt].submit_s if nxt < len(queue) else now + self.cfg.poll_s,
-                       now + self.cfg.poll_s)
+                       now + self.cfg.poll_s, *retries)
             time.sleep(max(0.0, min(self.cfg.poll_s, wake - self._now())))
 
     # -- submission --------------------------------------------------------------------------------
@@ -188,16 +231,30 @@ class Replay:
         return "guaranteed" if fits_quota(q, held, r.job.gpus) else "opportunistic"
 
     def _submit(self, r: _Run) -> None:
+        """sbatch for ``r``: its first submission, or its resubmission after an OOM (same profile, same
+        work: the failed job made no progress worth keeping, and a new job id starts no checkpoint)."""
         n = r.job.gpus
         cmd = [sys.executable, "-m", "slurm_antman.evaluation.emulated_job", "--profile", r.profile.name,
                "--work-s", f"{r.work_s:.3f}", "--state-dir", str(self.state_dir),
                "--board-dir", str(self.board_dir), "--iter-scale", str(self.cfg.iter_scale)]
+        if self.cfg.policy == "shared":
+            # Only here can footprints overflow a GPU: antman's memory limits make a job spill
+            # instead, and exclusive shares nothing.
+            cmd += ["--gpu-mem-bytes", str(self.cfg.gpu_mem_bytes)]
         line = " ".join(cmd)
         script = self.scripts / f"{r.job.job_id}.sh"
-        # One rank per GPU, as a DDP job runs: each rank's agent registers for its own GPU.
-        script.write_text("#!/bin/bash\n" + (f"exec {line}\n" if n == 1 else f"exec srun --ntasks={n} {line}\n"))
+        # One rank per GPU, as a DDP job runs: each rank's agent registers for its own GPU, and a rank
+        # that fails (OOM) takes the others down with it, as a collective would.
+        script.write_text("#!/bin/bash\n" + (f"exec {line}\n" if n == 1 else
+                                             f"exec srun --ntasks={n} --kill-on-bad-exit=1 {line}\n"))
         if self.cfg.policy == "exclusive":
-            flag, r.submitted_as = "--antman=guaranteed", self._admitted_exclusive(r)
+            flag = "--antman=guaranteed"
+            if r.submitted_as is None:
+                r.submitted_as = self._admitted_exclusive(r)
+        elif r.slurm_id is not None and r.submitted_as is not None:
+            # A resubmission keeps the class it was admitted as: the simulator's failed job goes back
+            # to its queue with its class, it is not submitted anew.
+            flag = f"--antman={r.submitted_as}"
         else:
             flag = "--antman=auto"
         argv = ["sbatch", "--parsable", "-J", f"t{r.job.job_id}", "-A", _account(r.job.tenant), flag,
@@ -210,8 +267,10 @@ class Replay:
             self.log(f"replay: sbatch for trace job {r.job.job_id} failed: {res.stderr.strip()}")
             return
         r.slurm_id = int(res.stdout.strip().split(";")[0])
-        r.submitted_at = self._now()
-        r.state = "PENDING"
+        r.attempts.append(r.slurm_id)
+        if r.submitted_at is None:  # JCT counts from the first submission, as in the simulator
+            r.submitted_at = self._now()
+        r.state, r.retry_at = "PENDING", None
         self.by_slurm[r.slurm_id] = r
 
     # -- watching ----------------------------------------------------------------------------------
@@ -227,15 +286,20 @@ class Replay:
             jobs = []
         for j in jobs:
             r = self.by_slurm.get(j.job_id)
-            if r is None:
-                continue
-            r.state = j.state
+            if r is None or j.job_id != r.slurm_id:
+                continue  # not ours, or an earlier attempt that failed with OOM
             if j.antman_class in ("guaranteed", "opportunistic"):
                 if r.submitted_as is None:
                     r.submitted_as = j.antman_class
                 if j.state == "RUNNING" and self.cfg.policy != "exclusive":
                     # (under exclusive every job runs guaranteed; its label is the admitted class)
                     r.ran_as = j.antman_class
+            failed_oom = j.state == "FAILED" and r.state != OOM_RETRY and oom_failed(self._records(j.job_id))
+            ooms = r.ooms
+            observe(r, j.job_id, j.state, failed_oom, now, self.cfg.oom_retry_s)
+            if r.ooms > ooms:
+                self.log(f"replay: trace job {r.job.job_id} (Slurm job {j.job_id}) failed with CUDA out of "
+                         f"memory; resubmitting at {r.retry_at:.0f} s")
         states = sidecar_states(self.antman_cfg, self.cluster.nodes)
         n = self.cfg.nodes * self.cfg.gpus_per_node
         util = mem = 0.0
@@ -248,9 +312,10 @@ class Replay:
 
     # -- results ------------------------------------------------------------------------------------
 
-    def _records(self, r: _Run) -> list[dict]:
+    def _records(self, slurm_id: int) -> list[dict]:
+        """The run records of one Slurm job (one line per run and rank)."""
         out = []
-        for path in sorted(self.state_dir.glob(f"{r.slurm_id}.*runs.jsonl")):
+        for path in sorted(self.state_dir.glob(f"{slurm_id}.*runs.jsonl")):
             for line in path.read_text().splitlines():
                 try:
                     out.append(json.loads(line))
@@ -264,24 +329,7 @@ class Replay:
     def _result(self) -> SimResult:
         # replay time <-> unix time: the loop's start
         self._unix0 = time.time() - (time.monotonic() - self._wall0)
-        rows = []
-        for r in self.runs:
-            recs = self._records(r) if r.slurm_id is not None else []
-            done = [x for x in recs if x.get("completed")]
-            starts = [x["start_unix"] for x in recs if x.get("start_unix")]
-            restarts = max((int(x.get("restart_count", 0)) for x in recs), default=0)
-            end = max(x["end_unix"] for x in done) if done and r.state == "COMPLETED" else None
-            rows.append({
-                "job_id": r.job.job_id, "tenant": r.job.tenant, "gpus": r.job.gpus, "profile": r.profile.name,
-                "class": r.ran_as or r.submitted_as or "none", "submitted_as": r.submitted_as,
-                "submit_s": r.submit_s if r.submitted_at is None else r.submitted_at,
-                "first_start_s": self._to_replay_time(min(starts)) if starts else None,
-                "end_s": self._to_replay_time(end) if end is not None else None,
-                "duration_s": r.work_s, "restarts": restarts, "preemptions": restarts, "ooms": 0,
-                "lost_gpu_s": lost_gpu_s(recs, r.job.gpus), "slurm_job_id": r.slurm_id, "slurm_state": r.state,
-                "runs": len({(x.get("restart_count"), x.get("rank", 0)) for x in recs}),
-                "mean_slowdown": max((float(x.get("mean_slowdown", 1.0)) for x in done), default=None),
-            })
+        rows = [job_row(r, [self._records(i) for i in r.attempts], self._to_replay_time) for r in self.runs]
         n = self.cfg.nodes * self.cfg.gpus_per_node
         inside = [(t, u, m) for t, u, m in self.series if self.t0 <= t <= self.t_end_measure]
         ends = [r["end_s"] for r in rows if r["end_s"] is not None]
@@ -293,8 +341,34 @@ class Replay:
             sm_util_makespan=_mean([u for _, u, _ in makespan]), mem_util_makespan=_mean([m for _, _, m in makespan]),
             measure_window_s=[self.t0, self.t_end_measure], telemetry_samples=len(inside),
             quotas=dict(self.quotas), wall_s=round(time.monotonic() - self._wall0, 1),
+            oom_failures=sum(r.ooms for r in self.runs),  # failed attempts, as SimResult counts them
         )
         return SimResult(self.cfg.policy, metrics, rows, list(self.series))
+
+
+def job_row(r: _Run, attempts: Sequence[Sequence[dict]], to_replay_time: Callable[[float], float]) -> dict:
+    """One trace job's row, with the simulator's keys, from the run records of each of its Slurm jobs
+    (``attempts``, in submission order: OOM failures, then the last one). Its start is the first
+    attempt's, its end the last one's; ``restarts`` counts requeues and OOM failures, as the
+    simulator's does, ``preemptions`` the requeues only. An OOM failure loses no GPU time (the
+    simulator's job fails while allocating): only requeues within one Slurm job count."""
+    recs = [x for a in attempts for x in a]
+    done = [x for x in (attempts[-1] if attempts else []) if x.get("completed")]
+    starts = [x["start_unix"] for x in recs if x.get("start_unix")]
+    requeues = sum(max((int(x.get("restart_count", 0)) for x in a), default=0) for a in attempts)
+    end = max(x["end_unix"] for x in done) if done and r.state == "COMPLETED" else None
+    return {
+        "job_id": r.job.job_id, "tenant": r.job.tenant, "gpus": r.job.gpus, "profile": r.profile.name,
+        "class": r.ran_as or r.submitted_as or "none", "submitted_as": r.submitted_as,
+        "submit_s": r.submit_s if r.submitted_at is None else r.submitted_at,
+        "first_start_s": to_replay_time(min(starts)) if starts else None,
+        "end_s": to_replay_time(end) if end is not None else None,
+        "duration_s": r.work_s, "restarts": requeues + r.ooms, "preemptions": requeues, "ooms": r.ooms,
+        "lost_gpu_s": round(sum(lost_gpu_s(a, r.job.gpus) for a in attempts), 3),
+        "slurm_job_id": r.slurm_id, "attempts": len(r.attempts), "slurm_state": r.state,
+        "runs": len({(i, x.get("restart_count"), x.get("rank", 0)) for i, a in enumerate(attempts) for x in a}),
+        "mean_slowdown": max((float(x.get("mean_slowdown", 1.0)) for x in done), default=None),
+    }
 
 
 def lost_gpu_s(records: Sequence[dict], gpus: int) -> float:
@@ -338,4 +412,5 @@ def agreement(replayed: dict, simulated: dict) -> dict:
         a, b = replayed.get(k), simulated.get(k)
         out[k] = None if a in (None, 0) or b is None else round(b / a, 4)
     out["jobs_done"] = [replayed.get("jobs_done"), simulated.get("jobs_done")]
+    out["oom_failures"] = [replayed.get("oom_failures"), simulated.get("oom_failures")]
     return out
