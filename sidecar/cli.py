@@ -38,6 +38,7 @@ def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
         headroom_bytes=sc.memory_headroom_mb * MiB,
         min_opportunistic_bytes=sc.min_opportunistic_memory_mb * MiB,
         target_slowdown=sc.target_slowdown,
+        slow_preempt_s=sc.slow_preempt_s,
         grace_s=float(conf.grace_time_s),
     )
 

@@ -37,9 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     add_trace_args(p, nodes=4, gpus=8, speedup=1.0)
     p.add_argument("--cycle-s", type=float, default=SimConfig.cycle_s,
                    help="least simulated seconds between coordinator cycles (and quota-file rewrites)")
+    p.add_argument("--slow-preempt-s", type=_seconds_or_none, default=SimConfig.slow_preempt_s,
+                   help="the sidecar's slow_preempt_s: seconds over the slowdown target at the minimum share "
+                        "before an opportunistic neighbour is preempted; 'none': throttle only")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
+
+
+def _seconds_or_none(text: str) -> Optional[float]:
+    if text.strip().lower() in ("none", "null", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds, or 'none'") from None
 
 
 def _policies(text: str) -> list[str]:
@@ -63,7 +75,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
-                          cycle_s=a.cycle_s) for p in policies]
+                          cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s) for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
         return 2
@@ -76,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         results.append(r)
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
-            "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "load_s": round(load_s, 3)}
+            "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
+            "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))

@@ -139,6 +139,12 @@ class Sidecar(_Strict):
         default=1024, ge=1, description="Below this an opportunistic job is preempted rather than shrunk.")
     target_slowdown: float = Field(default=0.02, gt=0, le=1,
                                    description="Slowdown of the guaranteed job the compute feedback aims under.")
+    slow_preempt_s: Optional[float] = Field(
+        default=None, gt=0,
+        description="Seconds a guaranteed job may stay over target_slowdown while its GPU's opportunistic jobs are "
+                    "already at the minimum compute share; then the newest of them is preempted (one per period). "
+                    "null (default): only throttle. Slurm may place the requeued job back on the same GPU, so "
+                    "enable it where nodes have GPUs to spare (docs/evaluation.md measures both).")
     enforce: bool = Field(
         default=True,
         description="false: observe only. The sidecar measures, places and reports as usual but gives every job "

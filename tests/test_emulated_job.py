@@ -23,10 +23,12 @@ from slurm_antman import protocol as P
 from slurm_antman.bench_control import PeerSidecar
 from slurm_antman.evaluation import emulated_job as ej
 from slurm_antman.evaluation.emulated_gpu import OK, OOM, WAIT, Board, BoardError, Entry, oom_decision, parse_entry
+from slurm_antman.evaluation.published import pair_slowdowns
 from slurm_antman.evaluation.workloads import BY_NAME
 
 REPO = Path(__file__).resolve().parents[1]
-RESNET = BY_NAME["resnet50"]  # 6 GiB, sm_util 0.8, 110 ms, sensitivity 0.9
+RESNET = BY_NAME["resnet50"]
+LSTM = BY_NAME["lstm_lm"]
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -105,32 +107,31 @@ def test_two_jobs_on_one_gpu_see_each_other(tmp_path):
     a = Board(str(tmp_path), "n1", [0], read_interval_s=0)
     b = Board(str(tmp_path), "n1", [0], read_interval_s=0)
     other_gpu = Board(str(tmp_path), "n1", [1], read_interval_s=0)
-    a.publish("101", 0.8, 6 << 30)
-    b.publish("102", 0.3, 2 << 30)
-    other_gpu.publish("103", 1.0, 1 << 30)
-    assert a.neighbour_load("101") == pytest.approx(0.3)
-    assert b.neighbour_load("102") == pytest.approx(0.8)
+    a.publish("101", 0.8, 6 << 30, RESNET.kind)
+    b.publish("102", 0.3, 2 << 30, LSTM.kind, 0.5)
+    other_gpu.publish("103", 1.0, 1 << 30, RESNET.kind)
+    # The workload model's measured interference at the neighbour's share, from what the board says.
+    assert a.slowdown("101", RESNET) == pytest.approx(RESNET.slowdown([(LSTM.kind, 0.5)]))
+    assert a.slowdown("101", RESNET) == pytest.approx(1 + 0.5 * (pair_slowdowns()[(RESNET.kind, LSTM.kind)] - 1))
+    assert b.slowdown("102", LSTM) == pytest.approx(LSTM.slowdown([(RESNET.kind, 1.0)]))
     assert a.neighbour_mem("101") == 2 << 30
-    assert other_gpu.neighbour_load("103") == 0.0
-    # A two-GPU job waits for its busiest GPU.
+    assert other_gpu.slowdown("103", RESNET) == 1.0
+    # A two-GPU job waits for its slowest GPU.
     both = Board(str(tmp_path), "n1", [0, 1], read_interval_s=0)
-    both.publish("104", 0.5, 1 << 30)
-    assert both.neighbour_load("104") == pytest.approx(1.1)
-    assert a.neighbour_load("101") == pytest.approx(0.8)
-    # The workload model's slowdown, from what the board says.
-    assert RESNET.slowdown(a.neighbour_load("101")) == pytest.approx(1.0 + 0.9 * 0.8)
+    both.publish("104", 0.5, 1 << 30, LSTM.kind)
+    assert both.slowdown("104", LSTM) == pytest.approx(LSTM.slowdown([(RESNET.kind, 1.0), (LSTM.kind, 0.5)]))
+    assert a.slowdown("101", RESNET) == pytest.approx(RESNET.slowdown([(LSTM.kind, 0.5), (LSTM.kind, 1.0)]))
     b.withdraw("102")
     both.withdraw("104")
-    assert a.neighbour_load("101") == 0.0
-    assert RESNET.slowdown(a.neighbour_load("101")) == 1.0
+    assert a.slowdown("101", RESNET) == 1.0
 
 
 def test_board_ignores_stale_and_garbage_entries(tmp_path):
     now = time.time()
     old = Board(str(tmp_path), "n1", [0], clock=lambda: now - 60)
-    old.publish("200", 1.0, 1 << 30)  # a job killed a minute ago
+    old.publish("200", 1.0, 1 << 30, RESNET.kind)  # a job killed a minute ago
     me = Board(str(tmp_path), "n1", [0], read_interval_s=0)
-    me.publish("201", 0.2, 1 << 30)
+    me.publish("201", 0.2, 1 << 30, RESNET.kind)
     d = Path(me.gpu_dir(0))
     (d / "202").write_text('{"load": 0.5, "mem_b')  # half-written
     (d / "203").write_bytes(b"\xff\xfe garbage")
@@ -139,8 +140,11 @@ def test_board_ignores_stale_and_garbage_entries(tmp_path):
     (d / "206").write_text('{"load": "NaN", "mem_bytes": 1, "t": %f}' % now)
     (d / ".207.99.tmp").write_text('{"load": 0.5, "mem_bytes": 1, "t": %f}' % now)  # a write in progress
     (d / "208").mkdir()
-    (d / "209").write_text('{"load": 0.25, "mem_bytes": 7, "t": %f}' % now)  # the one good neighbour
-    assert me.neighbour_load("201") == pytest.approx(0.25)
+    (d / "210").write_text('{"load": 0.5, "mem_bytes": 1, "t": %f, "kind": "../x"}' % now)
+    (d / "211").write_text('{"load": 0.5, "mem_bytes": 1, "t": %f, "kind": "T64", "share": -1}' % now)
+    # the one good neighbour: at a quarter share
+    (d / "209").write_text('{"load": 0.25, "mem_bytes": 7, "t": %f, "kind": "T64", "share": 0.25}' % now)
+    assert me.slowdown("201", RESNET) == pytest.approx(RESNET.slowdown([("T64", 0.25)]))
     assert me.neighbour_mem("201") == 7
     assert {e.job_id for e in me.entries(0)} == {"201", "209"}
 
@@ -149,11 +153,11 @@ def test_board_reads_are_cached(tmp_path):
     t = [100.0]
     me = Board(str(tmp_path), "n1", [0], read_interval_s=1.0, monotonic=lambda: t[0])
     other = Board(str(tmp_path), "n1", [0])
-    assert me.neighbour_load("1") == 0.0
-    other.publish("2", 0.5, 1)
-    assert me.neighbour_load("1") == 0.0  # within the read interval: no file I/O
+    assert me.slowdown("1", RESNET) == 1.0
+    other.publish("2", 0.5, 1, RESNET.kind)
+    assert me.slowdown("1", RESNET) == 1.0  # within the read interval: no file I/O
     t[0] += 1.0
-    assert me.neighbour_load("1") == 0.5
+    assert me.slowdown("1", RESNET) > 1.0
 
 
 def test_board_validation(tmp_path):
@@ -361,14 +365,15 @@ def test_reports_footprint_spill_and_utilisation(tmp_path, short_dir):
 
 
 def test_job_completes_and_slows_by_its_neighbours_load(tmp_path, short_dir):
-    # A neighbour on the same emulated GPU, kept fresh while the job runs: load 1.0 -> slowdown 1.9.
+    # An uncontrolled Transformer on the same emulated GPU, kept fresh while the job runs: the
+    # measured pair slows ResNet-50 to 2.07x.
     neighbour = Board(str(tmp_path / "board"), "emu1", [1])
-    neighbour.publish("999", 1.0, 4 << 30)
+    neighbour.publish("999", 1.0, 4 << 30, "T64")
     peer = _peer(short_dir, "302", job_class="guaranteed")
     proc = _start(tmp_path, _env("302", peer, job_class="guaranteed", gpus="1"), work_s=0.5)
     try:
         while proc.poll() is None:
-            neighbour.publish("999", 1.0, 4 << 30)
+            neighbour.publish("999", 1.0, 4 << 30, "T64")
             time.sleep(0.5)
         rc, err = _finish(proc)
         assert rc == 0, err
@@ -380,7 +385,7 @@ def test_job_completes_and_slows_by_its_neighbours_load(tmp_path, short_dir):
     assert (rec["job_id"], rec["profile"], rec["node"], rec["gpus"], rec["class"]) == \
         ("302", "resnet50", "emu1", [1], "guaranteed")
     assert rec["restart_count"] == 0 and rec["start_unix"] < rec["end_unix"]
-    assert rec["mean_slowdown"] == pytest.approx(RESNET.slowdown(1.0))
+    assert rec["mean_slowdown"] == pytest.approx(RESNET.slowdown([("T64", 1.0)]))
     assert _ckpt(tmp_path, "302")["work_done_s"] == rec["work_done_s"]
     # Its own board entry is gone; the neighbour's is untouched.
     assert sorted(os.listdir(tmp_path / "board" / "emu1" / "1")) == ["999"]
@@ -430,9 +435,9 @@ def test_sigterm_saves_and_exits_143(tmp_path):
     assert not entry.exists(), "a terminated job withdraws from the board"
 
 
-# --- out of memory, for real: two emulated jobs on one 10 GiB GPU, 6 GiB each ------------------
+# --- out of memory, for real: two emulated ResNet-50 jobs on a GPU that holds one and a half -------
 
-OOM_ARGS = ("--gpu-mem-bytes", str(10 * GIB))
+OOM_ARGS = ("--gpu-mem-bytes", str(RESNET.mem_bytes * 3 // 2))
 
 
 def _running(tmp_path: Path, job_id: str, proc: subprocess.Popen) -> dict:
@@ -456,8 +461,9 @@ def test_oom_the_later_job_fails_like_pytorch_and_the_first_runs_on(tmp_path):
         second = _start(tmp_path, _env("402", None), *OOM_ARGS, work_s=600)
         rc, err = _finish(second)
         assert rc == 1, err
-        assert "CUDA out of memory. Tried to allocate 6.00 GiB (GPU 0; 10.00 GiB total capacity; " \
-               "6.00 GiB already allocated" in err
+        gib, cap = RESNET.mem_bytes / GIB, RESNET.mem_bytes * 3 // 2 / GIB
+        assert (f"CUDA out of memory. Tried to allocate {gib:.2f} GiB (GPU 0; {cap:.2f} GiB total capacity; "
+                f"{gib:.2f} GiB already allocated") in err
         assert first.poll() is None, "the first job must not fail"
         rec, = _records(tmp_path, "402")
         assert (rec["oom"], rec["completed"], rec["work_done_s"], rec["iterations"]) == (True, False, 0.0, 0)

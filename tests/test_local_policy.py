@@ -108,6 +108,48 @@ def test_preempt_newest_when_shrinking_cannot_suffice():
     assert [r.job_id for r in d3.new_preemptions] == ["202"]
 
 
+def _slow_at_floor(params=P, start=0.0, ms=110.0, steps=40, jobs_opp=(("201", 2.0), ("202", 3.0))):
+    """A guaranteed job measured alone at 100 ms, then ``ms`` beside the opportunistic jobs, one
+    report a second; returns the decisions."""
+    d = run([guar(10, 1, 100.0)], now=start, params=params)
+    out = []
+    for i in range(steps):
+        d = run([guar(10, i + 2, ms), *(opp(j, t) for j, t in jobs_opp)], d.state, now=start + 1 + i,
+                params=params)
+        out.append(d)
+    return out
+
+
+def test_preempt_newest_when_the_floor_share_is_not_enough():
+    params = PolicyParams(slow_preempt_s=20.0)
+    ds = _slow_at_floor(params, steps=70)
+    floor_at = next(i for i, d in enumerate(ds) if d.state.gpu_budget[0] <= P.min_share)
+    asked = [(i, r) for i, d in enumerate(ds) for r in d.new_preemptions]
+    # The newest goes first, once the guaranteed job has been over target at the floor for 20 s ...
+    (i, req), *rest = asked
+    assert req.job_id == "202" and i - floor_at >= 20 - 1
+    assert "guaranteed job 100 runs 10.0% slower than alone (target 2%)" in req.reason
+    assert "minimum compute share 5%" in req.reason and req.deadline_unix == req.requested_unix + P.grace_s
+    # ... and the next one only after a whole further period without relief.
+    assert [r.job_id for _, r in rest] == ["201"] and rest[0][0] - i >= 20
+    # A job asked to leave is held at the minimum until Slurm requeues it.
+    assert ds[i + 1].limits["202"].compute_share == P.min_share
+
+
+def test_relief_or_no_limit_means_no_preemption_for_speed():
+    # Over target only briefly: the loop's backoff brings it under, nobody is preempted.
+    params = PolicyParams(slow_preempt_s=20.0)
+    d = run([guar(10, 1, 100.0)], now=0.0, params=params)
+    for i in range(60):
+        ms = 110.0 if i % 15 < 10 else 100.5   # relief every 15 s
+        d = run([guar(10, i + 2, ms), opp("201", 2.0)], d.state, now=1.0 + i, params=params)
+        assert not d.new_preemptions, i
+    # Throttle-only sites: never.
+    assert not any(d.new_preemptions for d in _slow_at_floor(PolicyParams(slow_preempt_s=None), steps=300))
+    # Not slow, only at the floor from an earlier phase: nothing either.
+    assert not any(d.new_preemptions for d in _slow_at_floor(params, ms=100.5, steps=60))
+
+
 def test_no_guaranteed_job_means_full_share():
     d = run([opp("201", 2.0)])
     assert d.limits["201"].compute_share == 1.0

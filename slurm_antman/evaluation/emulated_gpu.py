@@ -4,9 +4,11 @@ A trace replay on the devcluster runs emulated training jobs (``emulated_job``) 
 workload model slows a job by the load of the *other* jobs on its GPU (``Profile.slowdown``), and the
 sidecar does not tell a job who its neighbours are, so the jobs on one GPU meet on a *board*: a
 directory ``ROOT/<node>/<gpu>/`` with one small JSON file per job, ``<job_id>``:
-``{"load": sm_util * share, "mem_bytes": footprint, "t": unix_time, "since": unix_time}``
-(``t``: the last refresh; ``since``: the job's first publish, its arrival on the GPU; entries written
-before ``since`` existed are still read, as having been there before anyone else).
+``{"load": sm_util * share, "mem_bytes": footprint, "t": unix_time, "since": unix_time, "kind": kind,
+"share": share}`` (``t``: the last refresh; ``since``: the job's first publish, its arrival on the GPU;
+entries written before ``since`` existed are still read, as having been there before anyone else;
+``kind`` and ``share``: the workload model's interference kind and the job's compute share, from
+which a neighbour's slowdown follows, ``Profile.slowdown``; an entry without a kind slows nobody).
 
 Files, not a server: the jobs of a node share its file system, a killed job needs no clean-up (its
 entry goes stale after ``stale_s``), and dozens of jobs reading once a second cost nothing. Writes are
@@ -49,6 +51,8 @@ class Entry:
     mem_bytes: int
     t: float
     since: Optional[float] = None  # None: written by a job from before ``since`` existed
+    kind: Optional[str] = None     # the workload model's interference kind; None: unknown
+    share: float = 1.0             # the job's compute share (1.0: uncontrolled)
 
 
 # What a job concludes from the board about out-of-memory on its GPUs (see oom_decision).
@@ -81,7 +85,12 @@ def parse_entry(job_id: str, raw: bytes) -> Optional[Entry]:
     if since is not None and (isinstance(since, bool) or not isinstance(since, (int, float))
                               or not math.isfinite(since)):
         return None
-    return Entry(job_id, float(load), mem, float(t), None if since is None else float(since))
+    kind, share = d.get("kind"), d.get("share", 1.0)
+    if kind is not None and (not isinstance(kind, str) or not _NAME_RE.match(kind)):
+        return None
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+        return None
+    return Entry(job_id, float(load), mem, float(t), None if since is None else float(since), kind, float(share))
 
 
 def arrival_key(job_id: str, since: Optional[float]) -> tuple:
@@ -175,9 +184,14 @@ class Board:
 
     # --- writing ----------------------------------------------------------------------------
 
-    def publish(self, job_id: str, load: float, mem_bytes: int) -> None:
+    def publish(self, job_id: str, load: float, mem_bytes: int, kind: Optional[str] = None,
+                share: float = 1.0) -> None:
         """Puts (or refreshes) ``job_id``'s entry on each of this board's GPUs."""
         _check_name("job_id", job_id)
+        if kind is not None:
+            _check_name("kind", kind)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not math.isfinite(share) or share < 0:
+            raise BoardError(f"share must be a finite number >= 0, got {share!r}")
         if isinstance(load, bool) or not isinstance(load, (int, float)) or not math.isfinite(load) or load < 0:
             raise BoardError(f"load must be a finite number >= 0, got {load!r}")
         if isinstance(mem_bytes, bool) or not isinstance(mem_bytes, int) or mem_bytes < 0:
@@ -186,7 +200,9 @@ class Board:
         since = self._since.get(job_id)
         if since is None:
             since = self._since[job_id] = self._arrival(job_id, now)
-        data = {"load": float(load), "mem_bytes": mem_bytes, "t": now, "since": since}
+        data = {"load": float(load), "mem_bytes": mem_bytes, "t": now, "since": since, "share": float(share)}
+        if kind is not None:
+            data["kind"] = kind
         for d in self._dirs.values():
             os.makedirs(d, exist_ok=True)
             write_json_atomic(os.path.join(d, job_id), data)
@@ -245,11 +261,12 @@ class Board:
             self._read_at = now
         return self._cache
 
-    def neighbour_load(self, job_id: str) -> float:
-        """Sum of the other jobs' loads on a GPU, the largest over this board's GPUs (a multi-GPU
-        job's mini-batch waits for its slowest GPU). Cached for ``read_interval_s``."""
+    def slowdown(self, job_id: str, profile: Any) -> float:
+        """``profile.slowdown`` beside the other jobs on each GPU, the largest over this board's GPUs
+        (a multi-GPU job's mini-batch waits for its slowest GPU). Cached for ``read_interval_s``."""
         per_gpu = self._read()
-        return max((sum(e.load for e in es if e.job_id != job_id) for es in per_gpu.values()), default=0.0)
+        return max((profile.slowdown([(e.kind, e.share) for e in es if e.job_id != job_id and e.kind])
+                    for es in per_gpu.values()), default=1.0)
 
     def neighbour_mem(self, job_id: str) -> int:
         """Sum of the other jobs' footprints on a GPU, the largest over this board's GPUs."""

@@ -5,8 +5,8 @@ through the real torch_patch agent, so the sidecar and the coordinator cannot te
 job, and it behaves like the simulator's workload model (``workloads.Profile``, ``simulator._model_gpu``),
 so a replay and a simulation of the same trace can be compared:
 
-- a mini-batch takes ``iter_ms * slowdown(neighbour_load)``, the load being the other jobs' ``sm_util *
-  share`` on the same emulated GPU, read from the GPU's board (``emulated_gpu``);
+- a mini-batch takes ``iter_ms * slowdown``, the workload model's measured interference of the other
+  jobs on the same emulated GPU at their compute shares, read from the GPU's board (``emulated_gpu``);
 - the compute share is enforced by the agent's real throttle, which adds idle time at the
   "kernel launches" (see :class:`_Kernel`) and at the ``torch_patch.step()`` boundary;
 - under a memory limit below the footprint the job spills and runs at ``spill_rate`` of that speed;
@@ -356,9 +356,9 @@ class EmulatedJob:
             now = time.monotonic()
             if share != published_share or now - last_publish >= PUBLISH_EVERY_S:
                 with self.guard.held():
-                    self.board.publish(job_id, util * share, footprint)
+                    self.board.publish(job_id, util * share, footprint, self.profile.kind, share)
                 published_share, last_publish = share, now
-            slowdown = self.profile.slowdown(self.board.neighbour_load(job_id))
+            slowdown = self.board.slowdown(job_id, self.profile)
             self._check_memory()
             limit = agent.memory.limit_bytes
             busy = self.iter_s * slowdown

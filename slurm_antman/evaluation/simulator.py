@@ -47,7 +47,7 @@ from .workloads import GiB, Profile, assign
 POLICIES = ("exclusive", "shared", "antman")
 
 # Event kinds, in the order they are handled at one instant: finishes free GPUs before new jobs look.
-_FINISH, _SUBMIT, _WAKE, _CYCLE = 0, 1, 2, 3
+_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW = 0, 1, 2, 3, 4
 
 SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
 
@@ -80,6 +80,8 @@ class SimConfig:
     # runs (minutes to days of work); the devcluster replay's emulated jobs spend a few seconds
     # starting Python and torch, which ``antman bench trace --with-simulator`` measures and passes.
     start_overhead_s: float = 0.0
+    # The local policy's preemption for speed (``sidecar.slow_preempt_s``); None: throttle only.
+    slow_preempt_s: Optional[float] = lp.PolicyParams.slow_preempt_s
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -97,6 +99,8 @@ class SimConfig:
             raise ValueError(f"quota_scale must be >= 0, got {self.quota_scale}")
         if not self.cycle_s >= 0:
             raise ValueError(f"--cycle-s must be >= 0, got {self.cycle_s}")
+        if self.slow_preempt_s is not None and not self.slow_preempt_s > 0:
+            raise ValueError(f"--slow-preempt-s must be > 0 (or 'none'), got {self.slow_preempt_s}")
 
 
 @dataclass(slots=True)
@@ -142,6 +146,9 @@ class _Gpu:
     mem_used: int = 0
     lp_state: lp.PolicyState = field(default_factory=lp.PolicyState)
     need: Optional[cp.PreemptNeed] = None
+    # Since when its guaranteed job has been over target with its neighbours at the minimum share
+    # (the local policy's slow_preempt_s rule), as the steady state of this mix says.
+    slow_since: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +183,11 @@ class Simulator:
             grace_s=cfg.grace_s, slots_per_gpu=cfg.slots_per_gpu, util_threshold=cfg.util_threshold,
             min_opp_mem_bytes=lp.PolicyParams().min_opportunistic_bytes,
             headroom_bytes=lp.PolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
-        self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s)
+        self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s)
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
-        self._share_cache: dict[tuple, dict[str, float]] = {}
+        self._share_cache: dict[tuple, tuple[dict[str, float], bool]] = {}
+        self.slow_gpus: set[int] = set()
         self.util_sum = 0.0
         self.mem_sum = 0
         self.t_int = 0.0
@@ -248,6 +256,7 @@ class Simulator:
                     self._finish(j)
                 elif kind == _WAKE:
                     self.force_cycle = True  # a grace time is over: requeue now, not a cycle later
+                # _SLOW (a GPU's slow_preempt_s is over): only a change, handled at the next due cycle
                 self.changed = True
             self._maybe_cycle()
             self._schedule()
@@ -489,12 +498,14 @@ class Simulator:
             shares, spill = self._local_policy(g, guar, opp)
         else:
             shares = {j.job.job_id: 1.0 for j in opp}
-        load = {j.job.job_id: j.profile.sm_util * shares.get(j.job.job_id, 1.0) for j in guar + opp}
-        total = sum(load.values())
+            self._track_slow(g, guar, False)
+        here = guar + opp
+        duty = {j.job.job_id: shares.get(j.job.job_id, 1.0) for j in here}
+        total = sum(j.profile.sm_util * duty[j.job.job_id] for j in here)
         g.rate = {}
-        for j in guar + opp:
+        for j in here:
             jid = j.job.job_id
-            r = 1.0 / j.profile.slowdown(total - load[jid])
+            r = 1.0 / j.profile.slowdown((o.profile.kind, duty[o.job.job_id]) for o in here if o is not j)
             if jid in shares:
                 r *= shares[jid]
             if jid in spill:
@@ -520,7 +531,8 @@ class Simulator:
                                     d.new_preemptions[0].reason, self.now)
         if not any(j.job.job_id in d.state.preempted for j in opp):
             g.need = None
-        steady = self._steady_shares(tuple(j.profile.name for j in guar), tuple(j.profile.name for j in opp))
+        steady, slow = self._steady_shares(tuple(j.profile.name for j in guar), tuple(j.profile.name for j in opp))
+        self._track_slow(g, guar, slow)
         shares: dict[str, float] = {}
         spill: set[str] = set()
         for j in opp:
@@ -531,7 +543,32 @@ class Simulator:
                 spill.add(jid)
         return shares, spill
 
-    def _steady_shares(self, guar: tuple[str, ...], opp: tuple[str, ...]) -> dict[str, float]:
+    def _track_slow(self, g: _Gpu, guar: list[_Job], slow: bool) -> None:
+        """The local policy's preemption for speed: a GPU whose mix stays over target at the floor
+        asks the coordinator for room ``slow_preempt_s`` later (``_cycle`` raises the need)."""
+        wait = self.lp_params.slow_preempt_s
+        if not (slow and guar and wait is not None):
+            g.slow_since = None
+            self.slow_gpus.discard(g.index)
+        elif g.slow_since is None:
+            g.slow_since = self.now
+            self.slow_gpus.add(g.index)
+            self._push(self.now + wait, _SLOW, guar[0].job.job_id, 0)
+
+    def _slow_needs(self) -> None:
+        wait = self.lp_params.slow_preempt_s
+        for i in sorted(self.slow_gpus):
+            g = self.gpus[i]
+            if g.slow_since is None or self.now - g.slow_since < wait or g.need is not None or not g.guar:
+                continue
+            g.need = cp.PreemptNeed(self.node_names[g.node], g.local, g.guar[0],
+                                    f"over the slowdown target at the minimum share for {self.now - g.slow_since:.0f} s",
+                                    self.now)
+            # Re-armed by the next change of this GPU's jobs if the mix is still too slow.
+            g.slow_since = None
+            self.slow_gpus.discard(i)
+
+    def _steady_shares(self, guar: tuple[str, ...], opp: tuple[str, ...]) -> tuple[dict[str, float], bool]:
         key = (guar, tuple(sorted(opp)))
         hit = self._share_cache.get(key)
         if hit is not None:
@@ -549,8 +586,8 @@ class Simulator:
         history: list[list[float]] = []
         shares = [self.lp_params.initial_share] * len(op)
         for it in range(1, 121):
-            load = sum(p.sm_util * s for p, s in zip(op, shares))
-            reps = tuple(lp.JobInfo(j.job_id, j.job_class, j.gpus, 0.0, 0, it, p.iter_ms * p.slowdown(load))
+            beside = [(p.kind, s) for p, s in zip(op, shares)]
+            reps = tuple(lp.JobInfo(j.job_id, j.job_class, j.gpus, 0.0, 0, it, p.iter_ms * p.slowdown(beside))
                          for j, p in zip(gjobs, gp))
             d = lp.decide(lp.Snapshot(info, reps + tuple(ojobs)), state, self.lp_params, float(it))
             state = d.state
@@ -558,7 +595,8 @@ class Simulator:
             history.append(shares)
         tail = history[-60:]
         mean = [sum(h[k] for h in tail) / len(tail) for k in range(len(op))]
-        out = {p.name: m for p, m in zip(op, mean)}
+        # Slow: the guaranteed job ends over target with the budget at the floor (decide's rule).
+        out = ({p.name: m for p, m in zip(op, mean)}, bool(state.over_since))
         self._share_cache[key] = out
         return out
 
@@ -599,6 +637,7 @@ class Simulator:
         return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * per, self.opp_slots[k], self.now)
 
     def _cycle(self) -> None:
+        self._slow_needs()
         needs = tuple(g.need for g in self.gpus if g.need is not None)
         st = self.cp_state
         self.counts["cycles"] += 1

@@ -2,29 +2,35 @@
 slows when it shares one, and a deterministic assignment of a profile to every trace job.
 
 Every number is documented with its source in docs/workload_model.md; ``SOURCES`` holds the same
-text so a report can print it. Numbers not taken from a publication are marked as estimates there,
-with the command that is to measure them on a GPU.
+text so a report can print it.
 
-Interference (why a formula and not a table of pairs): a trace mixes ten models into a hundred
-pairs, and published pairwise measurements cover a handful. A job's GPU time is time-sliced with its
-neighbours, so its mini-batch stretches in proportion to how busy the neighbours keep the GPU:
+Interference is measured, not modelled: each profile has a ``kind``, one of the job types whose
+slowdowns beside each other on one V100 Gavel published (``published.GAVEL_V100_PAIRS``), either the
+same model (exact) or its nearest measured relative (proxy). Job i beside neighbours j, each running
+a ``share_j`` of the time (1.0 uncontrolled; the compute share the local policy gives an
+opportunistic job under AntMan, whose throttle keeps it idle the rest of the time), takes
 
-    slowdown_i = 1 + sensitivity_i * sum_j (util_j * share_j)
+    slowdown_i = 1 + sum_j (measured_slowdown(kind_i beside kind_j) - 1) * share_j
 
-``util_j`` is neighbour j's solo SM utilisation and ``share_j`` its compute share (1.0 uncontrolled;
-the compute share the local policy gives an opportunistic job under AntMan, whose throttle holds the
-job's busy/(busy+idle) ratio at the share, so its GPU duty falls by that factor). Two jobs that each
-keep the GPU fully busy (util 1, sensitivity 1) both run at half speed, as time-slicing predicts.
-An opportunistic job throttled to ``share`` progresses at ``share / slowdown`` of its solo rate.
+times its solo mini-batch time: beside one uncontrolled neighbour exactly the measured pair, and an
+interference that lasts only while the neighbour runs. An opportunistic job throttled to ``share``
+progresses at ``share / slowdown`` of its solo rate.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
+
+from .published import pair_slowdowns
 
 GiB = 1 << 30
+
+# (victim kind, neighbour kind) -> extra mini-batch time beside that neighbour running all the time.
+# A pair measured as faster together than alone (noise) counts as no interference.
+INTERFERENCE: Mapping[tuple[str, str], float] = {k: max(0.0, d - 1.0) for k, d in pair_slowdowns().items()}
+KINDS = frozenset(k for k, _ in INTERFERENCE)
 
 # Smallest GPU the zoo must fit on: a 16 GB V100 (Philly's and PAI's clusters had 12-32 GB GPUs; the
 # largest footprint here stays under 16 GiB so every profile runs anywhere a trace job ran).
@@ -40,46 +46,59 @@ class Profile:
     mem_bytes: int                # peak GPU memory per GPU (weights, grads, optimizer, activations, context)
     sm_util: float                # solo SM utilisation, 0..1, averaged over the run (input stalls included)
     iter_ms: float                # solo mini-batch time on a V100-class GPU
-    sensitivity: float            # how much a busy neighbour stretches this job's mini-batch (see module doc)
+    kind: str                     # the measured job type its interference is taken from (module doc)
     weight: float                 # share of trace jobs given this profile
 
-    def slowdown(self, neighbour_load: float) -> float:
-        """Mini-batch time over the solo time, with neighbours keeping the GPU ``neighbour_load`` busy
-        (sum of their util * share)."""
-        return 1.0 + self.sensitivity * max(0.0, neighbour_load)
+    def slowdown(self, neighbours: Iterable[tuple[str, float]]) -> float:
+        """Mini-batch time over the solo time beside ``neighbours``: (kind, share) of every other job
+        on the GPU."""
+        return 1.0 + sum(INTERFERENCE.get((self.kind, k), 0.0) * max(0.0, share) for k, share in neighbours)
 
     @property
     def mem_gib(self) -> float:
         return self.mem_bytes / GiB
 
 
-def _p(name, domain, params, batch, mem_gib, util, iter_ms, sens, weight) -> Profile:
-    return Profile(name, domain, params, batch, int(mem_gib * GiB), util, iter_ms, sens, weight)
+def _p(name, domain, params, batch, mem_gib, util, iter_ms, kind, weight) -> Profile:
+    return Profile(name, domain, params, batch, int(mem_gib * GiB), util, iter_ms, kind, weight)
 
 
-# Parameter counts are published (see SOURCES); the per-job resource numbers are estimates (see
-# docs/workload_model.md for each one's reasoning and the command that will measure it).
+# Where each number comes from (docs/workload_model.md has the table with every source):
+# - params: the model as built in model_zoo (torchvision's and the papers' counts, tests/test_model_zoo.py);
+# - mem: ``antman bench models --device meta``: the traced peak tensor bytes of a steady-state step
+#   plus CUDA_CONTEXT_BYTES (a lower bound of what NVML shows: allocator cache and cuDNN workspaces
+#   are not in it);
+# - util: nvidia-smi GPU utilisation published in the Lucid artifact (profile itself or its nearest
+#   relative there);
+# - iter_ms: measured on a V100 (Gavel, DLPerf) where the same model was; otherwise the model's
+#   traced FLOPs per step at the measured ResNet-50's (CNN, recurrent) or BERT's (transformer) rate;
+# - kind: the Gavel job type whose measured pair slowdowns it takes (exact or nearest relative);
+# - weight: the mix, an estimate.
 ZOO: tuple[Profile, ...] = (
-    _p("resnet50", "vision", 25.6, 32, 6.0, 0.80, 110.0, 0.9, 0.18),
-    _p("vgg16", "vision", 138.4, 32, 8.5, 0.85, 180.0, 1.0, 0.08),
-    _p("inception_v3", "vision", 27.2, 32, 7.0, 0.75, 150.0, 0.9, 0.08),
-    _p("bert_base_finetune", "nlp", 110.0, 32, 9.0, 0.70, 250.0, 0.8, 0.12),
-    _p("gpt2_small", "nlp", 124.0, 8, 12.0, 0.80, 300.0, 0.9, 0.08),
-    _p("lstm_lm", "nlp", 66.0, 64, 3.0, 0.45, 60.0, 0.6, 0.12),
-    _p("transformer_nmt", "nlp", 65.0, 64, 8.0, 0.65, 200.0, 0.8, 0.10),
-    _p("deepspeech2", "speech", 38.0, 32, 7.5, 0.55, 400.0, 0.7, 0.08),
-    _p("rl_ppo_atari", "rl", 1.7, 256, 1.5, 0.20, 30.0, 0.4, 0.08),
-    _p("cyclegan", "vision", 28.3, 1, 4.0, 0.60, 250.0, 0.8, 0.08),
+    _p("resnet50", "vision", 25.6, 32, 3.51, 1.00, 128.4, "R50_32", 0.18),
+    _p("vgg16", "vision", 138.4, 32, 4.44, 1.00, 490.0, "R50_32", 0.08),
+    _p("inception_v3", "vision", 27.2, 32, 3.90, 1.00, 181.0, "R50_32", 0.08),
+    _p("bert_base_finetune", "nlp", 109.5, 32, 4.36, 0.997, 268.0, "T64", 0.12),
+    _p("gpt2_small", "nlp", 124.4, 8, 11.42, 0.997, 890.0, "T64", 0.08),
+    _p("lstm_lm", "nlp", 66.0, 64, 1.46, 0.97, 113.0, "LM80", 0.12),
+    _p("transformer_nmt", "nlp", 63.1, 64, 4.62, 0.75, 116.0, "T64", 0.10),
+    _p("deepspeech2", "speech", 41.2, 32, 6.46, 0.97, 713.0, "LM80", 0.08),
+    _p("rl_ppo_atari", "rl", 1.7, 256, 0.82, 0.15, 139.4, "A3C", 0.08),
+    _p("cyclegan", "vision", 28.3, 1, 3.10, 0.578, 225.9, "CG", 0.08),
 )
 
 BY_NAME: Mapping[str, Profile] = {p.name: p for p in ZOO}
 
 SOURCES: Mapping[str, str] = {
-    "params": "parameter counts: torchvision model docs (resnet50 25.6M, vgg16 138.4M, inception_v3 27.2M), "
-              "Devlin et al. NAACL'19 (BERT-base 110M), Radford et al. 2019 (GPT-2 small, 124M as released), "
-              "Vaswani et al. NeurIPS'17 Table 3 (Transformer base 65M)",
-    "estimates": "mem_bytes, sm_util, iter_ms, sensitivity: estimates (docs/workload_model.md gives the "
-                 "reasoning for each), to be measured on a GPU with `antman bench models` (not written yet)",
+    "params": "parameter counts: the models of evaluation/model_zoo.py, which match torchvision's and the "
+              "papers' published counts (tests/test_model_zoo.py)",
+    "mem": "traced peak tensor bytes of a training step (`antman bench models --device meta`) plus a 781 MB "
+           "CUDA context (pytorch/pytorch#34323)",
+    "util": "nvidia-smi GPU utilisation from the Lucid artifact (S-Lab-System-Group/Lucid "
+            "simulation/analyzer/single_data.csv @9b9ba894), the profile or its nearest relative",
+    "iter_ms": "V100 FP32 measurements (Gavel oracle_throughputs_v2.json; DLPerf BERT-base) or traced FLOPs "
+               "at a measured model's rate; docs/workload_model.md",
+    "interference": "measured V100 pair slowdowns, " + "Gavel (published.GAVEL_SOURCE)",
     "mix": "mix weights: estimate; docs/workload_model.md",
 }
 
@@ -114,8 +133,10 @@ def validate(zoo: Sequence[Profile] = ZOO, gpu_memory_bytes: int = MIN_GPU_MEMOR
             out.append(f"{p.name}: memory {p.mem_gib:.1f} GiB does not fit a {gpu_memory_bytes / GiB:g} GiB GPU")
         if not 0.0 < p.sm_util <= 1.0:
             out.append(f"{p.name}: sm_util {p.sm_util} outside (0, 1]")
-        if p.iter_ms <= 0 or p.sensitivity < 0 or p.weight <= 0:
-            out.append(f"{p.name}: iter_ms, sensitivity and weight must be positive")
+        if p.iter_ms <= 0 or p.weight <= 0:
+            out.append(f"{p.name}: iter_ms and weight must be positive")
+        if p.kind not in KINDS:
+            out.append(f"{p.name}: kind {p.kind!r} has no measured interference; known: {', '.join(sorted(KINDS))}")
     if len({p.name for p in zoo}) != len(zoo):
         out.append("profile names repeat")
     return out
