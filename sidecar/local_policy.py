@@ -208,33 +208,25 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
         guar_demand = sum(j.mem_demand_bytes for j in on_gpu[g] if j.job_class == "guaranteed")
         available = info.memory_total_bytes - info.foreign_bytes - guar_demand - p.headroom_bytes
         opp = sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
-        leaving = [j for j in opp if j.job_id in preempted]
         active = [j for j in opp if j.job_id not in preempted]
+
+        def ask_to_leave(victim: JobInfo, reason: str) -> None:
+            req = PreemptRequest(victim.job_id, g, reason, now, now + p.grace_s)
+            preempted[victim.job_id] = req
+            new_preempt.append(req)
+
         # A job asked to leave is not counted: its memory returns when Slurm requeues it.
         while active and available < len(active) * p.min_opportunistic_bytes:
             victim = active.pop()
-            req = PreemptRequest(
-                victim.job_id, g,
-                f"GPU {g}: guaranteed demand {guar_demand // MiB} MiB leaves {max(available, 0) // MiB} MiB "
-                f"for {len(active) + 1} opportunistic job(s) that need "
-                f"{p.min_opportunistic_bytes // MiB} MiB each",
-                now, now + p.grace_s)
-            preempted[victim.job_id] = req
-            new_preempt.append(req)
-            leaving.append(victim)
+            ask_to_leave(victim, f"GPU {g}: guaranteed demand {guar_demand // MiB} MiB leaves "
+                                 f"{max(available, 0) // MiB} MiB for {len(active) + 1} opportunistic job(s) "
+                                 f"that need {p.min_opportunistic_bytes // MiB} MiB each")
         since = over_since.get(g)
         if active and since is not None and p.slow_preempt_s is not None and now - since >= p.slow_preempt_s:
-            victim = active.pop()
             worst, who = worst_on.get(g, (float("nan"), "?"))
-            req = PreemptRequest(
-                victim.job_id, g,
-                f"GPU {g}: guaranteed job {who} runs {worst:.1%} slower than alone (target "
-                f"{p.target_slowdown:.0%}) with opportunistic jobs at the minimum compute share "
-                f"{p.min_share:.0%} for {now - since:.0f} s",
-                now, now + p.grace_s)
-            preempted[victim.job_id] = req
-            new_preempt.append(req)
-            leaving.append(victim)
+            ask_to_leave(active.pop(), f"GPU {g}: guaranteed job {who} runs {worst:.1%} slower than alone (target "
+                                       f"{p.target_slowdown:.0%}) with opportunistic jobs at the minimum compute "
+                                       f"share {p.min_share:.0%} for {now - since:.0f} s")
             over_since[g] = now  # the next one only if a whole period passes without relief
         if active:
             each = max(p.min_opportunistic_bytes, _quantize(available // len(active), p.quantum_bytes))

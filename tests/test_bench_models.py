@@ -1,5 +1,5 @@
-"""antman bench models: the step-memory trace, the sensitivity fit, and the worker machinery (run for
-real on the CPU; the GPU run carries the ``gpu`` marker)."""
+"""antman bench models: the step-memory trace, the workload model it is compared with, and the worker
+machinery (run for real on the CPU; the GPU run carries the ``gpu`` marker)."""
 
 from __future__ import annotations
 
@@ -74,17 +74,11 @@ def test_warmup_must_create_optimizer_state():
         trace_step(m, inputs, step, warmup_steps=0)
 
 
-def test_fit_sensitivity_recovers_the_slope_and_skips_unusable_pairs():
-    util = {"a": 0.8, "b": 0.4, "c": 0.5}
-    # a: slope 0.5 exactly against both partners; b: slope 1.0 against a only
-    slowdown = {("a", "b"): 1 + 0.5 * 0.4, ("a", "c"): 1 + 0.5 * 0.5, ("b", "a"): 1 + 1.0 * 0.8,
-                ("b", "unknown"): 9.0, ("c", "a"): float("nan")}
-    s = bm.fit_sensitivity(slowdown, util)
-    assert s["a"] == pytest.approx(0.5)
-    assert s["b"] == pytest.approx(1.0)
-    assert "c" not in s
-    # A partner that made the job faster (noise) does not give a negative slope.
-    assert bm.fit_sensitivity({("a", "b"): 0.9}, util) == {"a": 0.0}
+def test_the_model_column_is_the_workload_models_measured_pair():
+    from slurm_antman.evaluation.published import pair_slowdowns
+
+    assert bm.model_slowdown("resnet50", "transformer_nmt") == pytest.approx(pair_slowdowns()[("R50_32", "T64")])
+    assert bm.model_slowdown("transformer_nmt", "resnet50") == pytest.approx(pair_slowdowns()[("T64", "R50_32")])
 
 
 def test_unknown_profile_is_a_clear_error():
@@ -119,6 +113,7 @@ def test_cpu_workers_run_alone_and_in_pairs(tmp_path):
     for who in "ab":
         assert pair[f"slowdown_{who}"] == pytest.approx(pair[f"iter_ms_{who}"] / row["solo"]["iter_ms"])
         assert math.isfinite(pair[f"slowdown_{who}"]) and pair[f"slowdown_{who}"] > 0
+        assert pair[f"model_slowdown_{who}"] == pytest.approx(bm.model_slowdown("rl_ppo_atari", "rl_ppo_atari"))
     assert "rl_ppo_atari" in p.stdout  # the table
 
 
