@@ -1,7 +1,7 @@
 """Real PyTorch training loops for the workload model's ten profiles (``workloads.ZOO``).
 
-``antman bench models`` runs these to *measure* what docs/workload_model.md estimates (peak memory,
-SM utilisation, mini-batch time). Each profile is its paper's architecture, written here from the
+``antman bench models`` runs these to measure the numbers docs/workload_model.md uses (peak memory
+and FLOPs anywhere; SM utilisation, mini-batch time and pairwise slowdown on a GPU). Each profile is its paper's architecture, written here from the
 papers' descriptions with nothing but ``torch`` (no torchvision, no Hugging Face), and trained the
 standard way in fp32 on synthetic data made once in ``build()``, so ``step()`` is pure training: no
 data loading, no host-to-device copies.
@@ -58,7 +58,7 @@ PUBLISHED_PARAMS_M: Mapping[str, float] = {
     # Config-derived from the configuration in _deepspeech2 (2 convs, 5 bi-GRU x 800 with summed
     # directions, 29 characters): convs 0.251 M + GRUs 40.906 M + BN and output 0.031 M = 41,187,904.
     # The DeepSpeech2 paper's models are larger; no canonical count exists for this size
-    # (docs/workload_model.md's 38 M was an estimate; hidden 768 instead of 800 would give 38.2 M).
+    # (hidden 768 instead of 800 would give 38.2 M).
     "deepspeech2": 41.187904,
     # Config-derived: Nature-DQN CNN (Mnih et al. 2015) with PPO's policy (18 actions) and value
     # heads (Schulman et al. 2017): 1,693,875.
