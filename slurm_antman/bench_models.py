@@ -10,7 +10,7 @@ the numbers the workload model uses:
   ``torch.cuda`` peak allocated/reserved bytes, the process's memory and the GPU's utilisation as
   NVML reports them), then, with ``--pairs-with``, each model beside each named partner at the same
   time on the same GPU with no control: both mini-batch times against their solo times give the
-  interference, and ``sensitivity`` is fitted from them (see ``fit_sensitivity``).
+  interference, printed next to what the workload model takes from Gavel's published pairs.
 - ``--device cpu`` runs the same process machinery on the CPU (the numbers mean nothing for a GPU;
   it exists so the machinery is tested where there is no GPU).
 
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .evaluation.workloads import BY_NAME, GiB
 
