@@ -90,7 +90,7 @@ ZOO: tuple[Profile, ...] = (
 BY_NAME: Mapping[str, Profile] = {p.name: p for p in ZOO}
 
 SOURCES: Mapping[str, str] = {
-    "params": "parameter counts: the models of evaluation/model_zoo.py, which match torchvision's and the "
+    "params": "parameter counts: the models of evaluation/model_zoo/, which match torchvision's and the "
               "papers' published counts (tests/test_model_zoo.py)",
     "mem": "traced peak tensor bytes of a training step (`antman bench models --device meta`) plus a 781 MB "
            "CUDA context (pytorch/pytorch#34323)",
