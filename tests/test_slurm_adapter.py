@@ -83,9 +83,10 @@ def test_wait_for_timeout_and_ended(backend):
     jid = backend.submit(wrap="sleep 30", options={"hold": True})
     with pytest.raises(WaitTimeout, match=f"job {jid} still PENDING"):
         backend.wait_for(jid, ["RUNNING"], timeout=1)
+    # Waiting for COMPLETED, not RUNNING: a poll may catch the short job RUNNING before it fails.
     quick = backend.submit(wrap="exit 3")
     with pytest.raises(JobEnded, match="FAILED"):
-        backend.wait_for(quick, ["RUNNING"], timeout=30)
+        backend.wait_for(quick, ["COMPLETED"], timeout=30)
 
 
 def test_nodes(backend):
