@@ -206,17 +206,37 @@ def one_gpu_sidecar(sockdir):
     r.stop()
 
 
-def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_sidecar, sockdir):
+def _guaranteed_reporting(sockdir) -> SimAgent:
+    """Job 100, guaranteed on GPU 0, registered, its first report (100 ms, 2 GiB) seen by the sidecar."""
     g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
     ga = SimAgent(g.endpoint, "100", "guaranteed", pid=1)
-    ga.register()
-    ga.report(100.0, 2 * GiB)
-    wait_for(lambda: job_of(client.node_state(sockdir), "100").iteration_ms == 100.0, what="guaranteed report")
+    try:
+        ga.register()
+        ga.report(100.0, 2 * GiB)
+        wait_for(lambda: job_of(client.node_state(sockdir), "100").iteration_ms == 100.0, what="guaranteed report")
+    except BaseException:
+        ga.close()
+        raise
+    return ga
+
+
+def _opportunistic_beside(sockdir):
+    """Job 200, opportunistic, placed on GPU 0 beside job 100; its agent and its registration reply."""
     o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
     assert o.gpus == [0]
     oa = SimAgent(o.endpoint, "200", pid=2)
     try:
-        reg = oa.register().body
+        return oa, oa.register().body
+    except BaseException:
+        oa.close()
+        raise
+
+
+def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_sidecar, sockdir):
+    ga = _guaranteed_reporting(sockdir)
+    oa = None
+    try:
+        oa, reg = _opportunistic_beside(sockdir)
         assert reg.job_class == "opportunistic" and reg.throttle != "off" and reg.heartbeat_s == 0.2
         headroom = 512 * MiB
         assert reg.mem_limit_bytes == GPU_MB * MiB - 2 * GiB - headroom
@@ -239,24 +259,18 @@ def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_
         assert job_of(st, "100").mem_limit_bytes is None and job_of(st, "100").compute_share == 1.0
     finally:
         ga.close()
-        oa.close()
+        if oa is not None:
+            oa.close()
 
 
 def test_observe_only_sidecar_measures_but_never_limits_or_preempts(sockdir):
     """sidecar.enforce: false, the scenario above: the same placement and measurements, but the
     opportunistic job keeps unlimited memory and a full share, and no preemption follows."""
     r = Running(sockdir, make_config(gpus=1, enforce=False))
-    g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
-    ga = SimAgent(g.endpoint, "100", "guaranteed", pid=1)
-    oa = None
+    ga = oa = None
     try:
-        ga.register()
-        ga.report(100.0, 2 * GiB)
-        wait_for(lambda: job_of(client.node_state(sockdir), "100").iteration_ms == 100.0, what="guaranteed report")
-        o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
-        assert o.gpus == [0]
-        oa = SimAgent(o.endpoint, "200", pid=2)
-        reg = oa.register().body
+        ga = _guaranteed_reporting(sockdir)
+        oa, reg = _opportunistic_beside(sockdir)
         assert reg.job_class == "opportunistic"
         assert (reg.mem_limit_bytes, reg.compute_share) == (None, 1.0)
         oa.report(50.0, 3 * GiB)
@@ -268,9 +282,9 @@ def test_observe_only_sidecar_measures_but_never_limits_or_preempts(sockdir):
         assert st.preemptions == []
         assert (job_of(st, "200").mem_limit_bytes, job_of(st, "200").compute_share) == (None, 1.0)
     finally:
-        ga.close()
-        if oa is not None:
-            oa.close()
+        for agent in (ga, oa):
+            if agent is not None:
+                agent.close()
         r.stop()
 
 

@@ -74,34 +74,3 @@ def pair_slowdowns() -> dict[tuple[str, str], float]:
         out[(a, b)] = GAVEL_V100_SOLO[a][1] / ra
         out[(b, a)] = GAVEL_V100_SOLO[b][1] / rb
     return out
-
-
-def fit_interference(slowdown: Mapping[tuple[str, str], float], iterations: int = 200) -> tuple[dict, dict]:
-    """The workload model's interference formula, ``slowdown_ij - 1 = s_i * p_j``, fitted to measured
-    pairs by alternating least squares: ``s_i`` how much job i suffers, ``p_j`` how hard job j
-    presses on a neighbour, scaled so the hardest-pressing job has p = 1 (the product is what the
-    data fixes; the scale is a convention).
-
-    A rank-1 product cannot reproduce every pair (``fit_residuals`` says how far it is off), but it
-    needs one number per job, so profiles without their own measurement can borrow one.
-    """
-    jobs = sorted({i for i, _ in slowdown} | {j for _, j in slowdown})
-    p = {j: 1.0 for j in jobs}
-    s = {i: 1.0 for i in jobs}
-    for _ in range(iterations):
-        s = {i: _ls([(p[j], d - 1.0) for (a, j), d in slowdown.items() if a == i]) for i in jobs}
-        p = {j: _ls([(s[i], d - 1.0) for (i, b), d in slowdown.items() if b == j]) for j in jobs}
-    top = max(p.values())
-    return {i: v * top for i, v in s.items()}, {j: v / top for j, v in p.items()}
-
-
-def _ls(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope through the origin of y = k x."""
-    den = sum(x * x for x, _ in points)
-    return sum(x * y for x, y in points) / den if den > 0 else 0.0
-
-
-def fit_residuals(slowdown: Mapping[tuple[str, str], float], s: Mapping[str, float],
-                  p: Mapping[str, float]) -> dict[tuple[str, str], float]:
-    """Fitted minus measured slowdown, per pair."""
-    return {(i, j): 1.0 + s[i] * p[j] - d for (i, j), d in slowdown.items()}
