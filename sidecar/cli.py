@@ -40,6 +40,7 @@ def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
         target_slowdown=sc.target_slowdown,
         slow_preempt_s=sc.slow_preempt_s,
         grace_s=float(conf.grace_time_s),
+        min_progress=conf.opportunistic.min_progress,
     )
 
 

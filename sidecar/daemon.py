@@ -378,7 +378,8 @@ class Sidecar:
                 self._retire_job(old.job_id)
             self._sample(time.time())  # place on fresh numbers, not the last tick's
             choice = choose_gpus(self._gpu_loads(), b.gpus, self.opt.slots_per_gpu,
-                                 self.opt.utilization_threshold, self.opt.utilization_window_s)
+                                 self.opt.utilization_threshold, self.opt.utilization_window_s,
+                                 self.opt.params.target_slowdown, self.opt.params.min_progress)
             gpus, placement, note = choice.gpus, choice.placement, choice.note
             if placement == "fallback":
                 log.warning("job %s: fallback placement on GPU(s) %s: %s", b.job_id, gpus, note)

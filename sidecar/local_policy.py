@@ -17,6 +17,14 @@ The rules (AntMan's, with TGS-style rate control for compute):
   the guaranteed job is entering a heavier phase and must not wait a report for its speed back.
 * If the opportunistic jobs on a GPU cannot all keep their minimum memory, the newest ones are
   asked to be preempted (last in, first out) until the rest fit.
+* Opportunistic jobs alone on a GPU (no guaranteed job there) are not throttled against each other:
+  there is nobody to protect, and jobs that leave the GPU idle much of the time interleave. Their
+  progress (iteration time against their time alone on the GPU) is measured instead, and where
+  sharing is a loss (their progress adds up to less than one job alone) the newest is *crawling*.
+* An opportunistic job progressing under ``min_progress`` of its solo rate (at the floor share
+  beside a busy guaranteed job, say) is crawling too. The sidecar reports since when; the
+  coordinator moves it (``slurm_antman.policy.moves``) once that has lasted ``move_after_s`` and a
+  GPU elsewhere promises more.
 * If throttling is not enough either (the guaranteed job stays over its target while the budget is
   at its floor, ``min_share``, for ``slow_preempt_s``), the newest opportunistic job on that GPU is
   asked to be preempted, one per period: measured interference between two jobs can be so large
@@ -49,6 +57,8 @@ class PolicyParams:
     # GPU. None (the default): never, throttle only. Off by default because a requeued job is often
     # placed right back on the same GPU (docs/evaluation.md measures the churn).
     slow_preempt_s: Optional[float] = None
+    # An opportunistic job progressing under this fraction of its solo rate is crawling (module doc).
+    min_progress: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,10 @@ class PolicyState:
     preempted: Mapping[str, PreemptRequest] = field(default_factory=dict)
     # GPU -> since when its guaranteed job has been over target with the budget at its floor.
     over_since: Mapping[int, float] = field(default_factory=dict)
+    # Opportunistic jobs: their iteration times (solo: while nothing else ran on their GPUs).
+    opportunistic: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
+    # Opportunistic job -> since when it has been crawling.
+    crawling: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -120,6 +134,37 @@ class Decision:
     new_preemptions: tuple[PreemptRequest, ...]
     state: PolicyState
     slowdown: Mapping[str, float]  # guaranteed job -> latest measured slowdown, for display
+    # Opportunistic job -> its progress, the fraction of its solo rate it makes (when measured).
+    progress: Mapping[str, float] = field(default_factory=dict)
+
+
+def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float) -> Optional[float]:
+    """An opportunistic job's progress: its solo iteration time over its latest. Before it has run
+    alone, the best time seen stands in, and the job cannot be credited with more than its compute
+    share (its throttle keeps it idle the rest of the time)."""
+    if not latest_ms or latest_ms <= 0:
+        return None
+    base = track.baseline_ms
+    if base is None:
+        return None
+    value = min(1.0, base / latest_ms)
+    return value if track.solo_ms is not None else min(value, share)
+
+
+def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
+             prev: Mapping[str, float], now: float, p: PolicyParams) -> dict[str, float]:
+    """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or the
+    newest on a GPU without a guaranteed job whose opportunistic jobs together make less progress
+    than one of them alone. ``order``: each GPU's opportunistic jobs, oldest first."""
+    out: dict[str, float] = {}
+    for g, jobs in order.items():
+        known = [progress[j] for j in jobs if j in progress]
+        for j in jobs:
+            if j in progress and progress[j] < p.min_progress:
+                out[j] = prev.get(j, now)
+        if g not in guaranteed_on and len(jobs) > 1 and len(known) == len(jobs) and sum(known) < 1.0:
+            out[jobs[-1]] = prev.get(jobs[-1], now)
+    return out
 
 
 def _quantize(n: int, q: int) -> int:
@@ -171,6 +216,15 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
             slowdown[j.job_id] = s
         if r:
             rose.add(j.job_id)
+
+    # Opportunistic jobs: solo baselines (nothing else on their GPUs) and best times.
+    opp_tracks: dict[str, GuaranteedTrack] = {}
+    for j in snap.jobs:
+        if j.job_class != "opportunistic":
+            continue
+        alone = all(len(on_gpu[g]) == 1 for g in j.gpus if g in on_gpu)
+        prev = state.opportunistic.get(j.job_id)
+        opp_tracks[j.job_id] = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
 
     # Compute budget per GPU for its opportunistic jobs.
     budget: dict[int, float] = {}
@@ -230,7 +284,9 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
             over_since[g] = now  # the next one only if a whole period passes without relief
         if active:
             each = max(p.min_opportunistic_bytes, _quantize(available // len(active), p.quantum_bytes))
-            share = max(p.min_share, budget[g] / len(active))
+            guarded = any(j.job_class == "guaranteed" for j in on_gpu[g])
+            # Nobody to protect: opportunistic jobs run unthrottled beside each other (module doc).
+            share = max(p.min_share, budget[g] / len(active)) if guarded else 1.0
             for j in active:
                 per_job_mem.setdefault(j.job_id, []).append(each)
                 per_job_share.setdefault(j.job_id, []).append(share)
@@ -246,8 +302,18 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
         else:  # no known GPU: nothing to share it with
             limits[j.job_id] = UNLIMITED
 
+    progress: dict[str, float] = {}
+    for j in snap.jobs:
+        if j.job_class == "opportunistic" and j.job_id not in preempted:
+            v = progress_of(opp_tracks[j.job_id], j.iteration_ms, limits[j.job_id].compute_share)
+            if v is not None:
+                progress[j.job_id] = v
+    order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
+                 if j.job_id not in preempted] for g in gpus}
+    guarded_gpus = {g for g in gpus if any(j.job_class == "guaranteed" for j in on_gpu[g])}
+    crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
+
     new_state = replace(state, guaranteed=tracks,
-                        gpu_budget={g: b for g, b in budget.items()
-                                     if any(j.job_class == "guaranteed" for j in on_gpu[g])},
-                        preempted=preempted, over_since=over_since)
-    return Decision(limits, tuple(new_preempt), new_state, slowdown)
+                        gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
+                        preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl)
+    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress)

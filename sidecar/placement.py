@@ -5,6 +5,9 @@ telemetry, by AntMan's rules."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
+
+from slurm_antman.policy.progress import predicted_progress
 
 
 @dataclass(frozen=True)
@@ -28,32 +31,47 @@ class Placement:
     note: str
 
 
-def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float) -> str:
+def _progress(g: GpuLoad, target_slowdown: float) -> float:
+    return predicted_progress(g.utilization_avg, g.guaranteed_jobs, g.opportunistic_jobs, target_slowdown)
+
+
+def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
+             min_progress: float, avoid: Collection[int]) -> str:
+    if g.index in avoid:
+        return f"GPU {g.index}: the job was moved off it for crawling"
     if g.opportunistic_jobs >= slots_per_gpu:
         return f"GPU {g.index}: {g.opportunistic_jobs}/{slots_per_gpu} opportunistic slots taken"
     if g.guaranteed_jobs > 1:
         return f"GPU {g.index}: {g.guaranteed_jobs} guaranteed jobs (at most 1 may take opportunistic work)"
     if g.utilization_avg > threshold:
         return f"GPU {g.index}: utilisation {g.utilization_avg:.2f} > {threshold:.2f} over {window_s:g} s"
+    if min_progress > 0 and _progress(g, target_slowdown) < min_progress:
+        return (f"GPU {g.index}: predicted progress {_progress(g, target_slowdown):.2f} < {min_progress:.2f} "
+                f"({g.guaranteed_jobs} guaranteed, {g.opportunistic_jobs} opportunistic, utilisation "
+                f"{g.utilization_avg:.2f})")
     return ""
 
 
 def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: float,
-                window_s: float) -> Placement:
+                window_s: float, target_slowdown: float = 0.02, min_progress: float = 0.0,
+                avoid: Collection[int] = ()) -> Placement:
     """``count`` distinct GPUs; never fewer than ``min(count, len(gpus))``: the job is already
-    allocated, so when too few GPUs qualify the least-loaded are taken and the note says why."""
+    allocated, so when too few GPUs qualify the least-loaded are taken and the note says why.
+    The best first: the most progress predicted (``policy.progress``), then the most spare memory.
+    ``avoid``: GPUs the job was moved off (placement memory), taken only when nothing else is left."""
     if not gpus:
         raise ValueError("this node has no GPUs to place an opportunistic job on")
-    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s) for g in gpus}
+    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid)
+               for g in gpus}
     # Ties go to the highest index: Slurm hands out the physical gpu GRES lowest index first, so a
     # guaranteed job whose Prolog has not registered yet most likely sits on a low one.
     fit = sorted((g for g in gpus if not reasons[g.index]),
-                 key=lambda g: (-g.spare_bytes, g.guaranteed_jobs + g.opportunistic_jobs, g.utilization_avg,
-                                -g.index))
+                 key=lambda g: (-_progress(g, target_slowdown), -g.spare_bytes,
+                                g.guaranteed_jobs + g.opportunistic_jobs, g.utilization_avg, -g.index))
     if len(fit) >= count:
         return Placement([g.index for g in fit[:count]], "fit", "")
     rest = sorted((g for g in gpus if reasons[g.index]),
-                  key=lambda g: (g.opportunistic_jobs + g.guaranteed_jobs, g.utilization_avg,
+                  key=lambda g: (g.index in avoid, g.opportunistic_jobs + g.guaranteed_jobs, g.utilization_avg,
                                  -g.spare_bytes, g.index))
     chosen = fit + rest[: count - len(fit)]
     note = (f"{len(fit)} of {count} GPU(s) met the opportunistic rules; chose the least-loaded: "

@@ -116,6 +116,20 @@ class Opportunistic(_Strict):
                     "pending job by the GPU request it was submitted with, so the job still waits for a free "
                     "physical GPU; once running it is limited, throttled and preemptable like any "
                     "opportunistic job.")
+    min_progress: float = Field(
+        default=0.25, gt=0, le=1,
+        description="Fraction of its solo rate an opportunistic job must be expected to make on a GPU for the GPU to "
+                    "take it (predicted from the GPU's utilisation and jobs; none qualifies: the job waits), and "
+                    "measured to make once running; under it the job is crawling.")
+    move_after_s: Optional[float] = Field(
+        default=600.0, gt=0,
+        description="Seconds a job may crawl before the coordinator moves it (notice, grace time, requeue, placed "
+                    "away from the GPU it crawled on) to a GPU that promises move_gain times its progress. null: "
+                    "never move.")
+    move_gain: float = Field(
+        default=2.0, ge=1,
+        description="How many times its current progress a GPU must promise before a crawling job is moved there "
+                    "(a move costs a checkpoint, a restart and the grace time).")
 
 
 def _bind_address(v: str) -> str:

@@ -175,10 +175,24 @@ def load(i, used_gib=0, util=0.0, g=0, o=0):
     return GpuLoad(i, 80 * GiB, int(used_gib * GiB), util, g, o)
 
 
-def test_choose_most_spare_memory_then_compute():
+def test_choose_most_predicted_progress_then_spare_memory():
+    # Beside a guaranteed job the 2 % target leaves 0.02 / util: the least busy GPU promises most.
     gpus = [load(0, 40, 0.1, g=1), load(1, 10, 0.5, g=1), load(2, 10, 0.2, g=1)]
-    assert choose_gpus(gpus, 1, 2, 0.8, 10).gpus == [2]
-    assert choose_gpus(gpus, 2, 2, 0.8, 10).gpus == [2, 1]
+    assert choose_gpus(gpus, 1, 2, 0.8, 10).gpus == [0]
+    assert choose_gpus(gpus, 3, 2, 0.8, 10).gpus == [0, 2, 1]
+    # An idle GPU beats any shared one; equal promise goes to the most spare memory.
+    gpus = [load(0, 10, 0.1, o=1), load(1, 0, 0.0), load(2, 40, 0.1, o=1)]
+    assert choose_gpus(gpus, 3, 2, 0.8, 10).gpus == [1, 0, 2]
+
+
+def test_choose_waits_out_gpus_under_min_progress_and_avoids_where_it_crawled():
+    gpus = [load(0, 0, 0.5, g=1), load(1, 0, 0.6, o=1), load(2, 0, 0.0)]
+    p = choose_gpus(gpus, 1, 2, 0.8, 10, min_progress=0.25, avoid=[2])
+    # GPU 2 is idle but the job crawled there; GPU 0 promises 0.04 beside its guaranteed job.
+    assert p.gpus == [1] and p.placement == "fit"
+    p = choose_gpus(gpus, 2, 2, 0.8, 10, min_progress=0.25, avoid=[2])
+    assert p.gpus == [1, 0] and p.placement == "fallback"
+    assert "predicted progress 0.04 < 0.25" in p.note
 
 
 def test_choose_skips_busy_full_and_doubly_guaranteed():

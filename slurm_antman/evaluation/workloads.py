@@ -1,20 +1,30 @@
 """The workload model: a small zoo of deep-learning training jobs, what each needs from a GPU, how it
-slows when it shares one, and a deterministic assignment of a profile to every trace job.
+slows when it shares one, and a deterministic assignment of a profile (and a utilisation) to every
+trace job.
 
 Every number is documented with its source in docs/workload_model.md; ``SOURCES`` holds the same
 text so a report can print it.
 
-Interference is measured, not modelled: each profile has a ``kind``, one of the job types whose
-slowdowns beside each other on one V100 Gavel published (``published.GAVEL_V100_PAIRS``), either the
-same model (exact) or its nearest measured relative (proxy). Job i beside neighbours j, each running
-a ``share_j`` of the time (1.0 uncontrolled; the compute share the local policy gives an
-opportunistic job under AntMan, whose throttle keeps it idle the rest of the time), takes
+Interference follows from each job's idle time. A profile's ``sm_util`` is how busy it keeps a GPU
+as a benchmark runs it, and its ``kind`` names the job type whose slowdown beside each other job type
+Gavel measured on one V100 (``published.GAVEL_V100_PAIRS``) as benchmarks, i.e. at full utilisation.
+A job in a production cluster keeps the GPU busy only a fraction of that: its *duty*
+``b = min(1, u / sm_util)`` for a production utilisation ``u`` (``utilisation.py`` draws ``u`` from
+published production figures). Job i beside neighbours j, each running a ``share_j`` of the time
+(1.0 uncontrolled; the compute share the local policy gives an opportunistic job, whose throttle keeps
+it idle the rest of the time), takes
 
-    slowdown_i = 1 + sum_j (measured_slowdown(kind_i beside kind_j) - 1) * share_j
+    slowdown_i = 1 + b_i * sum_j b_j * share_j * (1 + pi_ij)
 
-times its solo mini-batch time: beside one uncontrolled neighbour exactly the measured pair, and an
-interference that lasts only while the neighbour runs. An opportunistic job throttled to ``share``
-progresses at ``share / slowdown`` of its solo rate.
+times its solo mini-batch time. ``b_i * b_j * share_j`` is the fraction of i's time in which both
+have work on the GPU (their busy periods overlap at random: neither knows the other's phase), and in
+that time the pair time-slices (each gets half: 1) and pays a contention penalty ``pi_ij`` on top
+(caches, memory bandwidth, context switches; negative where two kernels overlap better than a
+time slice). The penalty is calibrated to Gavel's measured pairs at full utilisation (b = 1,
+share = 1): ``pi_ij = measured_slowdown_ij - 2``, so two benchmark-busy jobs slow by exactly the
+measured pair, and two that each keep the GPU 40 % of its benchmark busy mostly interleave
+(1 + 0.16 (1 + pi)). An opportunistic job throttled to ``share`` progresses at
+``share / slowdown`` of its solo rate.
 """
 
 from __future__ import annotations
@@ -27,9 +37,22 @@ from .published import pair_slowdowns
 
 GiB = 1 << 30
 
-# (victim kind, neighbour kind) -> extra mini-batch time beside that neighbour running all the time.
-# A pair measured as faster together than alone (noise) counts as no interference.
+# (victim kind, neighbour kind) -> extra mini-batch time beside that neighbour running all the time,
+# both at full utilisation: 1 + pi, the time slice plus the contention penalty (module doc). A pair
+# measured as faster together than alone (noise) counts as no interference.
 INTERFERENCE: Mapping[tuple[str, str], float] = {k: max(0.0, d - 1.0) for k, d in pair_slowdowns().items()}
+
+
+def contention_penalty(victim_kind: str, neighbour_kind: str) -> float:
+    """``pi``: what a measured pair costs beyond an even time slice (``measured - 2``)."""
+    return INTERFERENCE[(victim_kind, neighbour_kind)] - 1.0
+
+
+def pair_slowdown(victim_kind: str, neighbour_kind: str, duty_victim: float, duty_neighbour: float,
+                  share_neighbour: float = 1.0) -> float:
+    """The formula for one pair: what ``antman bench models --pairs-with`` checks on a GPU."""
+    load = max(0.0, duty_neighbour) * max(0.0, share_neighbour)
+    return 1.0 + max(0.0, duty_victim) * load * INTERFERENCE.get((victim_kind, neighbour_kind), 0.0)
 KINDS = frozenset(k for k, _ in INTERFERENCE)
 
 # Smallest GPU the zoo must fit on: a 16 GB V100 (Philly's and PAI's clusters had 12-32 GB GPUs; the
@@ -49,10 +72,17 @@ class Profile:
     kind: str                     # the measured job type its interference is taken from (module doc)
     weight: float                 # share of trace jobs given this profile
 
-    def slowdown(self, neighbours: Iterable[tuple[str, float]]) -> float:
-        """Mini-batch time over the solo time beside ``neighbours``: (kind, share) of every other job
-        on the GPU."""
-        return 1.0 + sum(INTERFERENCE.get((self.kind, k), 0.0) * max(0.0, share) for k, share in neighbours)
+    def slowdown(self, neighbours: Iterable[tuple[str, float]], duty: float = 1.0) -> float:
+        """Mini-batch time over the solo time beside ``neighbours``: (kind, load) of every other job
+        on the GPU, its load being its duty times its compute share; ``duty`` is this job's own
+        (module doc). With every duty 1 this is the measured pair beside one uncontrolled neighbour."""
+        return 1.0 + max(0.0, duty) * sum(
+            INTERFERENCE.get((self.kind, k), 0.0) * max(0.0, load) for k, load in neighbours)
+
+    def duty(self, utilisation: float) -> float:
+        """The fraction of its benchmark's GPU work a job does when it keeps the GPU ``utilisation``
+        busy: its utilisation over the benchmark's, at most 1."""
+        return min(1.0, max(0.0, utilisation) / self.sm_util)
 
     @property
     def mem_gib(self) -> float:

@@ -1,6 +1,7 @@
 """The policy core: one pure function from a snapshot and the remembered state to decisions.
 
-Order inside a cycle: preemption first (a guaranteed job is waiting), then quotas (classes, holds,
+Order inside a cycle: preemption first (a guaranteed job is waiting), then moves of crawling
+opportunistic jobs, then quotas (classes, holds,
 upgrades), then placement (opportunistic GRES counts). A job gets at most one decision per cycle.
 
 Decisions that follow from the snapshot alone (classes, holds, upgrades, slot counts) would repeat
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from . import placement, preemption, quota
+from . import moves, placement, preemption, quota
 from .decisions import Decision
 from .model import CoordinatorState, Issued, PolicyParams, Snapshot
 
@@ -24,6 +25,12 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     nodes = {n.name: n for n in snap.nodes}
 
     pre = preemption.step(now, snap.needs, state, params, jobs, nodes)
+    moved, moving, avoid = moves.step(now, nodes, jobs, params, pre.touched | pre.preempting.keys() | pre.requeued.keys())
+    pre.decisions.extend(moved)
+    pre.preempting.update(moving)
+    pre.touched.update(moving)
+    # Placement memory lasts while the job does (it is a preference at placement, never a ban).
+    avoid = {**{k: v for k, v in state.avoid.items() if k in jobs and k not in avoid}, **avoid}
 
     skip = pre.touched | pre.preempting.keys() | pre.requeued.keys()
     derived: list[Decision] = quota.step(now, jobs.values(), snap.quotas, params, skip, nodes)
@@ -48,5 +55,6 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
         preempting=MappingProxyType(pre.preempting),
         requeued=MappingProxyType(pre.requeued),
         issued=MappingProxyType(issued),
+        avoid=MappingProxyType(avoid),
     )
     return decisions, new_state

@@ -29,6 +29,10 @@ class GpuView:
     util: float  # 0..1
     guaranteed_jobs: tuple[str, ...] = ()
     opportunistic_jobs: tuple[str, ...] = ()
+    # (job, fraction of its solo rate) for its opportunistic jobs whose progress the sidecar measured.
+    progress: tuple[tuple[str, float], ...] = ()
+    # (job, since when) for the opportunistic jobs the sidecar finds crawling (policy.moves).
+    crawling: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,14 @@ class PolicyParams:
     # A snapshot-derived decision (class, hold, slots, upgrade) that Slurm does not reflect yet is not
     # repeated before this many seconds: the executor may simply not have been seen through yet.
     reissue_after_s: float = 60.0
+    # The sidecars' slowdown target, which bounds what an opportunistic job gets beside a guaranteed one.
+    target_slowdown: float = 0.02
+    # A GPU takes opportunistic jobs only where one would progress at least this fraction of its solo
+    # rate (policy.progress); a job under it is crawling.
+    min_progress: float = 0.25
+    # A job crawling this long is moved to a GPU promising ``move_gain`` times its progress; None: never.
+    move_after_s: Optional[float] = 600.0
+    move_gain: float = 2.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PolicyParams":
@@ -102,6 +114,10 @@ class PolicyParams:
             min_opp_mem_bytes=int(cfg.sidecar.min_opportunistic_memory_mb) * mib,
             headroom_bytes=int(cfg.sidecar.memory_headroom_mb) * mib,
             queue_to_opportunistic_s=cfg.opportunistic.queue_to_opportunistic_s,
+            target_slowdown=float(cfg.sidecar.target_slowdown),
+            min_progress=float(cfg.opportunistic.min_progress),
+            move_after_s=cfg.opportunistic.move_after_s,
+            move_gain=float(cfg.opportunistic.move_gain),
         )
 
 
@@ -156,6 +172,8 @@ class CoordinatorState:
     preempting: Mapping[str, Preemption] = field(default_factory=lambda: _frozen(None))
     requeued: Mapping[str, Requeued] = field(default_factory=lambda: _frozen(None))
     issued: Mapping[str, Issued] = field(default_factory=lambda: _frozen(None))
+    # Placement memory of moved jobs (policy.moves.Avoid): job -> the GPU it crawled on.
+    avoid: Mapping[str, Any] = field(default_factory=lambda: _frozen(None))
 
     @classmethod
     def empty(cls) -> "CoordinatorState":
@@ -192,6 +210,7 @@ class CoordinatorState:
             "preempting": [_fields(p) for p in self.preempting.values()],
             "requeued": [_fields(r) for r in self.requeued.values()],
             "issued": {k: _fields(v) for k, v in self.issued.items()},
+            "avoid": [_fields(a) for a in self.avoid.values()],
         }
 
     @classmethod
@@ -203,12 +222,15 @@ class CoordinatorState:
             pre = [Preemption(**p) for p in data.get("preempting", [])]
             req = [Requeued(**r) for r in data.get("requeued", [])]
             iss = {str(k): Issued(**v) for k, v in dict(data.get("issued", {})).items()}
+            from .moves import Avoid
+            avo = [Avoid(**a) for a in data.get("avoid", [])]
         except TypeError as e:
             raise ValueError(f"coordinator state: malformed entry: {e}") from None
         return cls(
             preempting=_frozen({p.job_id: p for p in pre}),
             requeued=_frozen({r.job_id: r for r in req}),
             issued=_frozen(iss),
+            avoid=_frozen({a.job_id: a for a in avo}),
         )
 
 

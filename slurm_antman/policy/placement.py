@@ -6,12 +6,17 @@ from typing import Collection, Mapping
 
 from .decisions import SetOppSlots
 from .model import HOLDING_STATES, GpuView, JobView, NodeView, PolicyParams
+from .progress import predicted_progress
 
 
 def gpu_qualifies(g: GpuView, params: PolicyParams) -> bool:
+    """Room for one more opportunistic job: memory, AntMan's utilisation rule, at most one guaranteed
+    job, and a predicted progress worth running for (policy.progress): otherwise the job waits."""
     spare = g.mem_total_bytes - g.mem_used_bytes
     return (spare >= params.min_opp_mem_bytes + params.headroom_bytes and g.util < params.util_threshold
-            and len(g.guaranteed_jobs) <= 1)
+            and len(g.guaranteed_jobs) <= 1
+            and predicted_progress(g.util, len(g.guaranteed_jobs), len(g.opportunistic_jobs),
+                                   params.target_slowdown) >= params.min_progress)
 
 
 def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
@@ -39,11 +44,13 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
     need_mem = params.min_opp_mem_bytes + params.headroom_bytes
     threshold = params.util_threshold
     # The hot loop of a cycle (every GPU of the cluster): gpu_qualifies() inlined.
+    target, floor = params.target_slowdown, params.min_progress
     for g in node.gpus:
         n_opp = len(g.opportunistic_jobs)
         reported += n_opp
         if (g.util < threshold and g.mem_total_bytes - g.mem_used_bytes >= need_mem
-                and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus):
+                and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus
+                and predicted_progress(g.util, len(g.guaranteed_jobs), n_opp, target) >= floor):
             qualifying += 1
             if n_opp < slots:
                 free += slots - n_opp

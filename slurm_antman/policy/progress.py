@@ -1,0 +1,32 @@
+"""What an opportunistic job can expect to make of a GPU, from what its node's sidecar measures (pure).
+
+Progress is the fraction of its solo rate a job makes. The prediction uses only telemetry a sidecar
+has for every GPU (its utilisation and which jobs hold it), not the jobs' models, so the coordinator
+(slot counts, moves) and the sidecar (which GPU backs a slot) predict the same way:
+
+- an idle GPU: 1;
+- beside opportunistic jobs only: 1 / (1 + util). The newcomer's work overlaps the others' busy
+  time, a fraction ``util`` of it, and each overlap costs an even time slice (the contention penalty
+  of docs/workload_model.md is unknown before the pair has run, and about 0 on average over
+  Gavel's measured pairs);
+- beside a guaranteed job: the compute share the local policy's slowdown target leaves, divided
+  among the opportunistic jobs. Each unit of an opportunistic job's duty costs the guaranteed job
+  about ``util`` of slowdown (the same overlap argument), so the target allows ``target / util``.
+"""
+
+from __future__ import annotations
+
+# Below this the measured utilisation is noise: a GPU is never treated as completely idle while a
+# job holds it.
+MIN_UTIL = 0.01
+
+
+def predicted_progress(util: float, guaranteed_jobs: int, opportunistic_jobs: int,
+                       target_slowdown: float) -> float:
+    """What one more opportunistic job would progress at on a GPU (module doc)."""
+    if guaranteed_jobs == 0 and opportunistic_jobs == 0:
+        return 1.0
+    u = max(MIN_UTIL, min(1.0, util))
+    if guaranteed_jobs == 0:
+        return 1.0 / (1.0 + u)
+    return min(1.0, target_slowdown / u) / (opportunistic_jobs + 1)
