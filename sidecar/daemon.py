@@ -92,6 +92,7 @@ class Sidecar:
         self.dir = SocketDir(options.socket_dir)
         self.jobs: dict[str, Job] = {}
         self.policy_state = PolicyState()
+        self.progress: dict[str, float] = {}  # opportunistic job -> progress, as the last decision measured
         self.util = UtilizationWindow(options.utilization_window_s)
         self.gpu_samples: list[GpuSample] = []
         self.proc_samples: list[ProcessSample] = []
@@ -491,6 +492,7 @@ class Sidecar:
         self._dirty = False
         decision = decide(self._snapshot(), self.policy_state, self.opt.params, now)
         self.policy_state = decision.state
+        self.progress = dict(decision.progress)
         if not self.opt.enforce:
             # Observe only: the policy still runs (its state and the slowdowns it measures are
             # reported), but nothing it decides reaches a job.
@@ -576,7 +578,8 @@ class Sidecar:
                 job_id=j.job_id, job_class=j.job_class, gpus=list(j.gpus), mem_limit_bytes=j.limits.mem_limit_bytes,
                 mem_used_bytes=sum(self._agent_mem(a, proc_mem) for a in j.agents.values()) if j.agents else None,
                 compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
-                last_checkpoint_unix=None))  # agents do not report checkpoints (yet): the job's start counts
+                last_checkpoint_unix=None,  # agents do not report checkpoints (yet): the job's start counts
+                progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id)))
         pre = [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason, since_unix=r.requested_unix)
                for r in self.policy_state.preempted.values() if r.job_id in self.jobs]
         return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,

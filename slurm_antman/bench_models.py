@@ -11,6 +11,12 @@ the numbers the workload model uses:
   NVML reports them), then, with ``--pairs-with``, each model beside each named partner at the same
   time on the same GPU with no control: both mini-batch times against their solo times give the
   interference, printed next to what the workload model takes from Gavel's published pairs.
+- ``--duties 1.0,0.5``: also run each model, alone and in every pair, at reduced duty, the way a
+  production job with a data-loader stall keeps the GPU only part of its benchmark busy: between
+  steps the worker sleeps on the CPU (the GPU idle) for ``1/b - 1`` times its solo step time. Each pair
+  at each combination of duties checks the interference formula of ``evaluation.workloads``
+  (``slowdown = 1 + b_i b_j (d_ij - 1)``) against the measurement, calibrated with the same run's
+  full-duty pair (docs/workload_model.md, "Checking the interference formula on a GPU").
 - ``--device cpu`` runs the same process machinery on the CPU (the numbers mean nothing for a GPU;
   it exists so the machinery is tested where there is no GPU).
 
@@ -25,13 +31,14 @@ import argparse
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import threading
 import time
 from typing import Any, Optional, Sequence
 
-from .evaluation.workloads import BY_NAME, GiB
+from .evaluation.workloads import BY_NAME, GiB, pair_slowdown
 
 # What a PyTorch process holds on a GPU before its first tensor: the CUDA context and the loaded
 # kernel images. pytorch/pytorch#34323 reports 781 MB in nvidia-smi for a process that only
@@ -52,6 +59,84 @@ class BenchModelsError(RuntimeError):
 def model_slowdown(victim: str, neighbour: str) -> float:
     """What the workload model says ``victim`` slows to beside an uncontrolled ``neighbour``."""
     return BY_NAME[victim].slowdown([(BY_NAME[neighbour].kind, 1.0)])
+
+
+def parse_duties(text: Optional[str]) -> list[float]:
+    """``--duties``, highest first. 1.0 is always in: the full-duty pair calibrates the formula."""
+    out = []
+    for part in (text if text is not None else "1.0").split(","):
+        try:
+            duty = float(part)
+        except ValueError:
+            duty = math.nan
+        if not 0.0 < duty <= 1.0:  # NaN fails too
+            raise BenchModelsError(f"--duties {part.strip()!r}: each duty must be a number in (0, 1], "
+                                   "comma-separated (e.g. --duties 1.0,0.5)")
+        out.append(duty)
+    return sorted(set(out) | {1.0}, reverse=True)
+
+
+def stall_ms(solo_iter_ms: float, duty: float) -> float:
+    """The mean CPU-side sleep per step that keeps a job busy ``duty`` of its time alone: one
+    full-duty mini-batch of work in every ``solo_iter_ms / duty``."""
+    return (1.0 / duty - 1.0) * solo_iter_ms
+
+
+def measured_duty(nominal: float, at_duty: dict, full: dict) -> tuple[float, str]:
+    """The duty the formula is given, and where it came from. The formula's duty is the job's GPU
+    utilisation over its benchmark's (``Profile.duty``), so NVML's utilisation at this duty over the
+    one at full duty where both were measured; without NVML (``--device cpu``) the nominal duty."""
+    u, u_full = at_duty.get("util"), full.get("util")
+    if _finite(u) and _finite(u_full) and u_full > 0:
+        return min(1.0, max(0.0, u / u_full)), "nvml"
+    return nominal, "nominal"
+
+
+def time_duty(at_duty: dict, full: dict) -> float:
+    """The busy fraction of the run at this duty over the full-duty run's, from the worker's clock:
+    the cross-check the sleep does what it should, on any device (on a GPU "busy" includes the
+    CPU's kernel launches, which is why the formula takes NVML's figure there)."""
+    return (at_duty["busy_ms"] / at_duty["iter_ms"]) / (full["busy_ms"] / full["iter_ms"])
+
+
+def predicted_slowdown(full_duty_slowdown: float, duty_victim: float, duty_neighbour: float,
+                       share_neighbour: float = 1.0) -> float:
+    """The formula of ``workloads.pair_slowdown`` with a measured pair as its calibration instead of
+    Gavel's: a slowdown of the whole mini-batch, idle time included. Not clamped at 1, so at duty 1
+    it returns the calibration exactly, noise and all."""
+    return 1.0 + duty_victim * duty_neighbour * share_neighbour * (full_duty_slowdown - 1.0)
+
+
+def duty_combinations(duties: Sequence[float], same: bool) -> list[tuple[float, float]]:
+    """(duty_a, duty_b) to run a pair at, the full-duty calibration first; a model beside itself
+    needs (1.0, 0.5) once, not also (0.5, 1.0)."""
+    return [(da, db) for da in duties for db in duties if not (same and da < db)]
+
+
+def pair_entry(a: str, b: str, ra: dict, rb: dict, solo_a: dict, solo_b: dict,
+               full: Optional[dict] = None) -> dict:
+    """One pair at one combination of duties (``doc["pairs"]``): each side's mini-batch time, stall
+    included, over its solo one at the same duty, next to the formula's prediction from ``full`` (this
+    pair at full duty, measured in the same run; None: this is it) and from Gavel's pairs. ``solo_*``
+    are the solo records at the duties run (``_solo``)."""
+    q: dict[str, Any] = {"a": a, "b": b, "duty_a": solo_a["duty"], "duty_b": solo_b["duty"],
+                         "iter_ms_a": ra["iter_ms"], "iter_ms_b": rb["iter_ms"]}
+    for who, r, solo in (("a", ra, solo_a), ("b", rb, solo_b)):
+        q[f"slowdown_{who}"] = r["iter_ms"] / solo["iter_ms"]
+        q[f"busy_ms_{who}"] = r.get("busy_ms")
+    calibration = full if full is not None else q
+    for who, victim, other, mine, theirs in (("a", a, b, solo_a, solo_b), ("b", b, a, solo_b, solo_a)):
+        bv, bn = mine["formula_duty"], theirs["formula_duty"]
+        q[f"model_slowdown_{who}"] = model_slowdown(victim, other)
+        q[f"formula_duty_{who}"] = bv
+        q[f"formula_slowdown_{who}"] = predicted_slowdown(calibration[f"slowdown_{who}"], bv, bn)
+        q[f"formula_gavel_slowdown_{who}"] = pair_slowdown(BY_NAME[victim].kind, BY_NAME[other].kind, bv, bn)
+        q[f"formula_error_{who}"] = abs(q[f"formula_slowdown_{who}"] - q[f"slowdown_{who}"])
+    return q
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def parse_names(text: Optional[str], what: str) -> list[str]:
@@ -130,7 +215,8 @@ class _UtilSampler:
         return sum(self._utils) / len(self._utils) if self._utils else float("nan")
 
 
-def worker(name: str, device: str, batch: Optional[int], warmup: int, threads: Optional[int]) -> dict:
+def worker(name: str, device: str, batch: Optional[int], warmup: int, threads: Optional[int],
+           mean_stall_ms: float = 0.0) -> dict:
     import torch
 
     from .evaluation.model_zoo import build
@@ -152,15 +238,25 @@ def worker(name: str, device: str, batch: Optional[int], warmup: int, threads: O
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         sampler.start()
-    n, t0 = 0, time.perf_counter()
+    # The stall is drawn from [0, 2 x its mean] each step, and comes before the step, so the first one
+    # also gives a random phase: a fixed stall would lock two equal jobs started on the same "go"
+    # into being busy together and idle together, not the random overlap the formula assumes.
+    # Production data-loader stalls vary as well.
+    rng, stall_s = random.Random(), mean_stall_ms / 1000.0
+    n, busy, t0 = 0, 0.0, time.perf_counter()
     while True:
+        if stall_s > 0:
+            time.sleep(rng.uniform(0.0, 2.0 * stall_s))  # after the last sync: the GPU idles
+        s0 = time.perf_counter()
         loop.step()
         sync()  # a mini-batch ends when its kernels do, not when Python has queued them
+        busy += time.perf_counter() - s0
         n += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= window_s:
             break
-    out: dict[str, Any] = {"name": name, "batch": loop.batch, "steps": n, "iter_ms": elapsed / n * 1000.0}
+    out: dict[str, Any] = {"name": name, "batch": loop.batch, "steps": n, "iter_ms": elapsed / n * 1000.0,
+                           "busy_ms": busy / n * 1000.0, "stall_ms": mean_stall_ms}
     if cuda:
         out["util"] = sampler.stop()
         out["nvml_process_mem_bytes"] = sampler.process_mem_bytes
@@ -173,9 +269,11 @@ def worker(name: str, device: str, batch: Optional[int], warmup: int, threads: O
 # --- orchestration ----------------------------------------------------------------------------------
 
 
-def _worker_cmd(name: str, a: argparse.Namespace) -> list[str]:
+def _worker_cmd(name: str, a: argparse.Namespace, stall: float = 0.0) -> list[str]:
     cmd = [sys.executable, "-m", "slurm_antman.bench_models", "--worker", name, "--device", a.device,
            "--warmup", str(a.warmup)]
+    if stall > 0:
+        cmd += ["--stall-ms", repr(stall)]
     if a.batch:
         cmd += ["--batch", str(a.batch)]
     if a.threads:
@@ -183,12 +281,15 @@ def _worker_cmd(name: str, a: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def run_together(names: Sequence[str], a: argparse.Namespace) -> list[dict]:
-    """Runs one worker per name at the same time and returns their results in order."""
+def run_together(names: Sequence[str], a: argparse.Namespace,
+                 stalls_ms: Optional[Sequence[float]] = None) -> list[dict]:
+    """Runs one worker per name at the same time (each with its stall per step, none by default)
+    and returns their results in order."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen(_worker_cmd(n, a), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for n in names]
+    stalls_ms = stalls_ms or [0.0] * len(names)
+    procs = [subprocess.Popen(_worker_cmd(n, a, st), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for n, st in zip(names, stalls_ms)]
     try:
         for n, p in zip(names, procs):
             line = p.stdout.readline().strip()
@@ -217,20 +318,24 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
 
     names = parse_names(a.profiles or "all", "--profiles")
     partners = parse_names(a.pairs_with, "--pairs-with")
+    duties = parse_duties(a.duties)
     if a.device == "cuda" and not torch.cuda.is_available():
         raise BenchModelsError("--device cuda: no CUDA GPU is visible to PyTorch; use --device meta to "
                                "measure memory without one")
     if partners and a.device == "meta":
         raise BenchModelsError("--pairs-with needs --device cuda (or cpu): meta tensors take no time")
+    if duties != [1.0] and a.device == "meta":
+        raise BenchModelsError("--duties needs --device cuda (or cpu): meta tensors take no time")
     doc: dict[str, Any] = {"device": a.device, "torch": torch.__version__, "batch_override": a.batch,
-                           "context_bytes_assumed": CUDA_CONTEXT_BYTES, "profiles": {}, "pairs": []}
+                           "context_bytes_assumed": CUDA_CONTEXT_BYTES, "duties": duties, "profiles": {},
+                           "pairs": []}
     for n in names:
         log(f"antman bench models: {n}: tracing step memory ...")
-        row: dict[str, Any] = {"traced": traced_memory(n, "meta", a.batch)}
+        doc["profiles"][n] = {"traced": traced_memory(n, "meta", a.batch)}
         if a.device != "meta":
-            log(f"antman bench models: {n}: timing alone on {a.device} ...")
-            row["solo"] = run_together([n], a)[0]
-        doc["profiles"][n] = row
+            for duty in duties:
+                log(f"antman bench models: {n}: timing alone on {a.device} at duty {duty:g} ...")
+                _solo(doc, n, a, duty)
     done: set[frozenset] = set()
     for n in names:
         for m in partners:
@@ -238,25 +343,43 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
             if key in done:
                 continue
             done.add(key)
-            log(f"antman bench models: {n} beside {m} ...")
-            ra, rb = run_together([n, m], a)
-            pair = {"a": n, "b": m, "iter_ms_a": ra["iter_ms"], "iter_ms_b": rb["iter_ms"]}
-            for who, r, other in (("a", ra, m), ("b", rb, n)):
-                pair[f"slowdown_{who}"] = r["iter_ms"] / _solo_iter_ms(doc, r["name"], a)
-                pair[f"model_slowdown_{who}"] = model_slowdown(r["name"], other)
-            if a.device == "cuda":
-                pair["util_together"] = ra.get("util")
-            doc["pairs"].append(pair)
+            full = None
+            for da, db in duty_combinations(duties, same=n == m):
+                sa, sb = _solo(doc, n, a, da), _solo(doc, m, a, db)
+                log(f"antman bench models: {n} at duty {da:g} beside {m} at duty {db:g} ...")
+                ra, rb = run_together([n, m], a, [sa["stall_ms"], sb["stall_ms"]])
+                pair = pair_entry(n, m, ra, rb, sa, sb, full)
+                if a.device == "cuda":
+                    pair["util_together"] = ra.get("util")
+                doc["pairs"].append(pair)
+                full = full or pair
     return doc
 
 
-def _solo_iter_ms(doc: dict, name: str, a: argparse.Namespace) -> Optional[float]:
+def _solo(doc: dict, name: str, a: argparse.Namespace, duty: float) -> dict:
+    """The solo record of ``name`` at ``duty`` (``row["solo"]`` at 1.0, ``row["solo_at_duty"]``
+    below), timed on first use: a partner outside --profiles is timed here."""
     row = doc["profiles"].get(name)
-    if row is None:  # a partner outside --profiles: time it alone once
+    if row is None:
         row = doc["profiles"][name] = {"traced": traced_memory(name, "meta", a.batch)}
     if "solo" not in row:
-        row["solo"] = run_together([name], a)[0]
-    return row["solo"]["iter_ms"]
+        row["solo"] = _with_duty(run_together([name], a)[0], 1.0, None)
+    if duty == 1.0:
+        return row["solo"]
+    at = row.setdefault("solo_at_duty", {})
+    key = f"{duty:g}"
+    if key not in at:  # the stall comes from this run's own full-duty time, not the profile's
+        stall = stall_ms(row["solo"]["iter_ms"], duty)
+        at[key] = _with_duty(run_together([name], a, [stall])[0], duty, row["solo"])
+    return at[key]
+
+
+def _with_duty(r: dict, duty: float, full: Optional[dict]) -> dict:
+    full = full if full is not None else r
+    r["duty"] = duty
+    r["formula_duty"], r["duty_source"] = measured_duty(duty, r, full)
+    r["duty_time"] = time_duty(r, full)
+    return r
 
 
 def table(doc: dict) -> str:
@@ -270,14 +393,22 @@ def table(doc: dict) -> str:
             f"{n:<20}{t['batch']:>6}{t['params'] / 1e6:>10.1f}{t['step_flops'] / 1e9:>8.0f}"
             f"{t['peak_bytes'] / GiB:>10.2f}{t['with_context_bytes'] / GiB:>10.2f}{p.mem_gib:>10.2f}"
             f"{_fmt(s.get('iter_ms'), 9, '.1f')}{p.iter_ms:>9.0f}{_fmt(s.get('util'), 6, '.2f')}{p.sm_util:>6.2f}")
+    for n, r in doc["profiles"].items():
+        for key, s in r.get("solo_at_duty", {}).items():
+            lines.append(f"solo {n} at duty {key}: iter ms {s['iter_ms']:.1f} (stall {s['stall_ms']:.1f}), "
+                         f"util {_fmt(s.get('util'), 0, '.2f')}, duty {s['formula_duty']:.2f} "
+                         f"({s['duty_source']}), by the clock {s['duty_time']:.2f}")
     for q in doc["pairs"]:
-        lines.append(f"pair {q['a']} + {q['b']}: slowdown {q['slowdown_a']:.2f} / {q['slowdown_b']:.2f} "
-                     f"(model {q['model_slowdown_a']:.2f} / {q['model_slowdown_b']:.2f})")
+        lines.append(f"pair {q['a']}@{q['duty_a']:g} + {q['b']}@{q['duty_b']:g}: "
+                     f"slowdown {q['slowdown_a']:.2f} / {q['slowdown_b']:.2f}, "
+                     f"formula {q['formula_slowdown_a']:.2f} / {q['formula_slowdown_b']:.2f} "
+                     f"(error {q['formula_error_a']:.2f} / {q['formula_error_b']:.2f}), "
+                     f"model {q['formula_gavel_slowdown_a']:.2f} / {q['formula_gavel_slowdown_b']:.2f}")
     return "\n".join(lines)
 
 
 def _fmt(v: Optional[float], width: int, spec: str) -> str:
-    return f"{v:>{width}{spec}}" if isinstance(v, (int, float)) and math.isfinite(v) else f"{'-':>{width}}"
+    return f"{v:>{width}{spec}}" if _finite(v) else f"{'-':>{width}}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -288,12 +419,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profiles", help="comma-separated profiles, or 'all' (default)")
     p.add_argument("--pairs-with", help="also run every profile beside each of these (comma list or 'all')")
     p.add_argument("--batch", type=int, help="override every profile's batch (quick checks)")
+    p.add_argument("--duties", default="1.0",
+                   help="comma list of duties in (0, 1] to run every model at, alone and in pairs: at "
+                        "duty b a worker sleeps (1/b - 1) x its solo step time after each step, the GPU "
+                        "idle; 1.0 always runs, it calibrates the check (default: 1.0)")
     p.add_argument("--window-s", type=float, default=10.0, help="timed window per run")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before the window")
     p.add_argument("--threads", type=int, help="torch threads per worker (cpu)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="write the JSON document to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--stall-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     return p
 
 
@@ -311,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a.device = "cuda" if torch.cuda.is_available() else "meta"
     try:
         if a.worker:
-            print(json.dumps(worker(a.worker, a.device, a.batch, a.warmup, a.threads)), flush=True)
+            print(json.dumps(worker(a.worker, a.device, a.batch, a.warmup, a.threads, a.stall_ms)), flush=True)
             return 0
         doc = measure(a)
     except BenchModelsError as e:

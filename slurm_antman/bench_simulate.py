@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Optional
 
-from .evaluation import report, traces
+from .evaluation import report, traces, utilisation
 from .evaluation.simulator import POLICIES, SimConfig, simulate
 from .evaluation.workloads import GiB
 
@@ -30,6 +30,9 @@ def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: f
     p.add_argument("--quota-scale", type=float, default=1.0,
                    help="tenant quotas: this times the cluster size times the tenant's GPU-time share")
     p.add_argument("--seed", type=int, default=0, help="workload profile assignment seed")
+    p.add_argument("--utilisation", default=SimConfig.utilisation, choices=utilisation.MODES,
+                   help="how busy jobs keep their GPUs: production (drawn from published cluster figures, "
+                        "docs/workload_model.md) or saturated (as busy as a benchmark: the pessimistic case)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-preempt-s", type=_seconds_or_none, default=SimConfig.slow_preempt_s,
                    help="the sidecar's slow_preempt_s: seconds over the slowdown target at the minimum share "
                         "before an opportunistic neighbour is preempted; 'none': throttle only")
+    p.add_argument("--min-progress", type=float, default=SimConfig.min_progress,
+                   help="antman: opportunistic.min_progress (a GPU takes an opportunistic job only where it is "
+                        "predicted to make this fraction of its solo rate; under it a running job crawls)")
+    p.add_argument("--move-after-s", type=_seconds_or_none, default=SimConfig.move_after_s,
+                   help="antman: opportunistic.move_after_s (seconds a job may crawl before it is moved); 'none'")
+    p.add_argument("--move-gain", type=float, default=SimConfig.move_gain,
+                   help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -75,7 +85,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
         cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
-                          cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s) for p in policies]
+                          cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
+                          min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain)
+                for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
         return 2
@@ -89,13 +101,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
+            "utilisation": a.utilisation, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
+            "move_gain": a.move_gain,
             "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))
     else:
-        keys = ("jobs_done", "sm_util", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s", "queue_delay_mean_s",
-                "preemptions", "preemption_lost_gpu_s", "oom_failures", "wall_s")
+        keys = ("jobs_done", "sm_util", "useful_util_queued", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s",
+                "queue_delay_mean_s", "preemptions", "moves", "preemption_lost_gpu_s", "oom_failures", "wall_s")
         print("policy      " + " ".join(f"{k:>22}" for k in keys))
         for r in results:
             vals = [r.metrics.get(k) for k in keys]

@@ -27,6 +27,9 @@ KEYS = ("jobs_done", "sm_util", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="antman bench trace", description=__doc__.split("\n\n")[0])
     add_trace_args(p, nodes=2, gpus=4, speedup=60.0)
+    # The emulated jobs run their model's benchmark duty: production idle time is not emulated yet,
+    # so the replay and its simulator run saturated (a clear error below for anything else).
+    p.set_defaults(utilisation="saturated")
     p.add_argument("--iter-scale", type=float, default=1.0, help="emulated mini-batch time = profile's x this")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="give up on jobs not done after this long")
     p.add_argument("--oom-retry-s", type=float, default=rp.ReplayConfig.oom_retry_s,
@@ -43,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
     policies = _policies(a.policy)
+    if a.utilisation != "saturated":
+        raise rp.ReplayError(f"--utilisation {a.utilisation}: the devcluster replay's emulated jobs run as busy as "
+                             "their benchmark; only --utilisation saturated is supported here")
     tenants = [t.strip() for t in a.tenants.split(",") if t.strip()] if a.tenants else None
     jobs = traces.load_sorted(a.trace, a.window, tenants)
     jobs, too_wide = rp.fits(jobs, a.gpus)
@@ -66,6 +72,7 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
             sims.append(simulate(jobs, SimConfig(policy=policy, nodes=a.nodes, gpus_per_node=a.gpus,
                                                  gpu_mem_bytes=cfg.gpu_mem_bytes, speedup=a.speedup,
                                                  quota_scale=a.quota_scale, seed=a.seed, cycle_s=1.0,
+                                                 utilisation="saturated",
                                                  grace_s=float(cfg.grace_s), oom_retry_s=cfg.oom_retry_s,
                                                  start_overhead_s=results[-1].metrics["start_overhead_s"] or 0.0)))
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs),

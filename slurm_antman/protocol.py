@@ -316,6 +316,10 @@ class ReportJob:
     compute_share: float = _f(float, gt=0.0, le=1.0)
     iteration_ms: Optional[float] = _f(float, ge=0.0, nullable=True)
     last_checkpoint_unix: Optional[float] = _f(float, ge=0.0, nullable=True)
+    # Opportunistic jobs: the fraction of its solo rate it makes, and since when it crawls (both
+    # optional: a sidecar that does not send them is read as having measured nothing).
+    progress: Optional[float] = _f(float, ge=0.0, le=1.0, nullable=True, default=None)
+    crawling_since_unix: Optional[float] = _f(float, ge=0.0, nullable=True, default=None)
 
 
 @_dc

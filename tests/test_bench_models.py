@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -110,11 +111,159 @@ def test_cpu_workers_run_alone_and_in_pairs(tmp_path):
     assert row["solo"]["steps"] >= 1 and row["solo"]["iter_ms"] > 0
     (pair,) = doc["pairs"]
     assert pair["a"] == pair["b"] == "rl_ppo_atari"
+    assert doc["duties"] == [1.0] and pair["duty_a"] == pair["duty_b"] == 1.0
     for who in "ab":
         assert pair[f"slowdown_{who}"] == pytest.approx(pair[f"iter_ms_{who}"] / row["solo"]["iter_ms"])
         assert math.isfinite(pair[f"slowdown_{who}"]) and pair[f"slowdown_{who}"] > 0
         assert pair[f"model_slowdown_{who}"] == pytest.approx(bm.model_slowdown("rl_ppo_atari", "rl_ppo_atari"))
+        # At full duty the formula is its own calibration, and Gavel's is the model column.
+        assert pair[f"formula_slowdown_{who}"] == pytest.approx(pair[f"slowdown_{who}"])
+        assert pair[f"formula_error_{who}"] == pytest.approx(0.0, abs=1e-12)
+        assert pair[f"formula_gavel_slowdown_{who}"] == pytest.approx(pair[f"model_slowdown_{who}"])
     assert "rl_ppo_atari" in p.stdout  # the table
+
+
+# --- the interference formula's check (--duties) ------------------------------------------------------
+
+
+def test_prediction_is_the_measured_pair_at_full_duty_and_none_at_zero():
+    for d in (0.93, 1.0, 1.8, 4.94):  # 0.93: a pair measured faster together (noise) stays as measured
+        assert bm.predicted_slowdown(d, 1.0, 1.0) == d
+        assert bm.predicted_slowdown(d, 0.0, 1.0) == bm.predicted_slowdown(d, 1.0, 0.0) == 1.0
+
+
+def test_prediction_scales_with_the_product_of_duties():
+    d = 2.5
+    for ba, bb in ((0.5, 0.5), (1.0, 0.5), (0.5, 1.0), (0.3, 0.8), (0.25, 0.25)):
+        assert bm.predicted_slowdown(d, ba, bb) - 1.0 == pytest.approx(ba * bb * (d - 1.0))
+    assert bm.predicted_slowdown(d, 1.0, 1.0, share_neighbour=0.2) - 1.0 == pytest.approx(0.2 * (d - 1.0))
+
+
+def test_prediction_is_the_workload_models_formula_with_gavels_pair_as_calibration():
+    from slurm_antman.evaluation import workloads
+    from slurm_antman.evaluation.published import pair_slowdowns
+
+    for (vk, nk), d in pair_slowdowns().items():
+        if d < 1.0:
+            continue  # the workload model counts those as no interference; the check keeps the noise
+        for bv, bn in ((1.0, 1.0), (0.5, 0.5), (0.2, 0.9)):
+            assert bm.predicted_slowdown(d, bv, bn) == pytest.approx(workloads.pair_slowdown(vk, nk, bv, bn))
+
+
+def test_stall_keeps_the_job_busy_its_duty_of_the_time():
+    assert bm.stall_ms(100.0, 1.0) == 0.0
+    assert bm.stall_ms(100.0, 0.5) == pytest.approx(100.0)
+    assert bm.stall_ms(100.0, 0.25) == pytest.approx(300.0)
+    for duty in (0.1, 0.4, 0.9):
+        assert 100.0 / (100.0 + bm.stall_ms(100.0, duty)) == pytest.approx(duty)
+
+
+def test_duty_is_nvmls_utilisation_ratio_or_the_nominal_one_without_nvml():
+    full = {"util": 0.9, "iter_ms": 100.0, "busy_ms": 100.0}
+    assert bm.measured_duty(0.5, {"util": 0.36}, full) == (pytest.approx(0.4), "nvml")
+    assert bm.measured_duty(1.0, full, full) == (1.0, "nvml")
+    assert bm.measured_duty(0.5, {"util": 0.95}, full) == (1.0, "nvml")  # never above full duty
+    for at, f in (({}, {}), ({"util": 0.4}, {}), ({"util": float("nan")}, full), ({"util": 0.4}, {"util": 0.0})):
+        assert bm.measured_duty(0.5, at, f) == (0.5, "nominal")  # --device cpu: no NVML fields
+    assert bm.time_duty({"iter_ms": 210.0, "busy_ms": 105.0}, full) == pytest.approx(0.5)
+
+
+def test_duty_combinations_calibrate_first_and_skip_mirrors_of_a_self_pair():
+    assert bm.duty_combinations([1.0, 0.5], same=False) == [(1.0, 1.0), (1.0, 0.5), (0.5, 1.0), (0.5, 0.5)]
+    assert bm.duty_combinations([1.0, 0.5], same=True) == [(1.0, 1.0), (1.0, 0.5), (0.5, 0.5)]
+    assert bm.duty_combinations([1.0], same=False) == [(1.0, 1.0)]
+
+
+def _solo_record(duty: float, iter_ms: float, util: Optional[float] = None) -> dict:
+    """A solo record as ``_solo`` keeps it: 100 ms busy per step, at full duty util 0.9 (or no NVML)."""
+    nvml = {} if util is None else {"util": util}
+    full = bm._with_duty({"iter_ms": 100.0, "busy_ms": 100.0, **({} if util is None else {"util": 0.9})}, 1.0, None)
+    return full if duty == 1.0 else bm._with_duty({"iter_ms": iter_ms, "busy_ms": 100.0, **nvml}, duty, full)
+
+
+def test_pair_entry_checks_the_formula_against_the_whole_minibatch():
+    from slurm_antman.evaluation import workloads
+
+    a, b = "resnet50", "lstm_lm"
+    full_a = full_b = _solo_record(1.0, 100.0, util=0.9)
+    full = bm.pair_entry(a, b, {"iter_ms": 180.0}, {"iter_ms": 150.0}, full_a, full_b)
+    assert (full["slowdown_a"], full["slowdown_b"]) == (pytest.approx(1.8), pytest.approx(1.5))
+    assert full["formula_slowdown_a"] == full["slowdown_a"] and full["formula_error_a"] == 0.0
+    assert full["formula_gavel_slowdown_a"] == pytest.approx(bm.model_slowdown(a, b))
+    # At duty 0.5 by NVML (0.45 of 0.9) each side's mini-batch is 100 ms busy + 100 ms stall alone;
+    # beside the other it takes 230 ms: slowdown 1.15 of the whole mini-batch, idle time included.
+    half_a, half_b = _solo_record(0.5, 200.0, util=0.45), _solo_record(0.5, 200.0, util=0.45)
+    assert half_a["formula_duty"] == pytest.approx(0.5) and half_a["duty_source"] == "nvml"
+    q = bm.pair_entry(a, b, {"iter_ms": 230.0}, {"iter_ms": 210.0}, half_a, half_b, full)
+    assert (q["duty_a"], q["duty_b"]) == (0.5, 0.5)
+    assert q["slowdown_a"] == pytest.approx(1.15) and q["slowdown_b"] == pytest.approx(1.05)
+    assert q["formula_slowdown_a"] == pytest.approx(1 + 0.25 * 0.8)  # b_a b_b (d_ab - 1)
+    assert q["formula_slowdown_b"] == pytest.approx(1 + 0.25 * 0.5)
+    assert q["formula_error_a"] == pytest.approx(0.05) and q["formula_error_b"] == pytest.approx(0.075)
+    kind_a, kind_b = workloads.BY_NAME[a].kind, workloads.BY_NAME[b].kind
+    assert q["formula_gavel_slowdown_a"] == pytest.approx(workloads.pair_slowdown(kind_a, kind_b, 0.5, 0.5))
+    assert q["formula_gavel_slowdown_b"] == pytest.approx(workloads.pair_slowdown(kind_b, kind_a, 0.5, 0.5))
+    assert q["model_slowdown_a"] == full["model_slowdown_a"]  # the uncontrolled pair, as before
+    # Without NVML the nominal duties go in.
+    cpu = bm.pair_entry(a, b, {"iter_ms": 230.0}, {"iter_ms": 210.0}, _solo_record(0.5, 200.0),
+                        _solo_record(1.0, 100.0), full)
+    assert cpu["formula_slowdown_a"] == pytest.approx(1 + 0.5 * 0.8)
+    assert "slowdown 1.15 / 1.05, formula 1.20 / 1.12" in bm.table({"profiles": {}, "pairs": [q]})
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "x", "1.0,", "-0.5", "nan"])
+def test_bad_duties_are_a_clear_error(bad):
+    with pytest.raises(bm.BenchModelsError, match=r"--duties .*: each duty must be a number in \(0, 1\]"):
+        bm.parse_duties(bad)
+
+
+def test_duties_always_include_the_full_duty_calibration():
+    assert bm.parse_duties(None) == bm.parse_duties("1.0") == [1.0]
+    assert bm.parse_duties("0.5") == bm.parse_duties(" 0.5, 1 ,0.5") == [1.0, 0.5]
+
+
+def test_duties_errors_on_the_command_line(capsys):
+    assert bm.main(["--device", "meta", "--profiles", "lstm_lm", "--duties", "1.5"]) == 2
+    assert "--duties '1.5': each duty must be a number in (0, 1]" in capsys.readouterr().err
+    assert bm.main(["--device", "meta", "--profiles", "lstm_lm", "--duties", "0.5"]) == 2
+    assert "--duties needs --device cuda" in capsys.readouterr().err
+
+
+def test_cpu_stall_gives_the_duty(tmp_path):
+    """The stall for real in a CPU worker: at duty 0.5 the worker sleeps as long as it computes."""
+    a = bm._parser().parse_args(["--device", "cpu", "--profiles", "rl_ppo_atari", "--batch", "8",
+                                 "--duties", "1.0,0.5", "--window-s", "2", "--warmup", "1", "--threads", "1"])
+    doc = bm.measure(a, log=lambda s: None)
+    row = doc["profiles"]["rl_ppo_atari"]
+    full, half = row["solo"], row["solo_at_duty"]["0.5"]
+    assert half["stall_ms"] == pytest.approx(full["iter_ms"])
+    # The sleep itself: its mean over the steps is the stall asked for (drawn from [0, 2x] per step).
+    assert 0.6 < (half["iter_ms"] - half["busy_ms"]) / half["stall_ms"] < 1.4
+    # Busy half the time, loosely: a shared 2-core machine moves the compute time between runs.
+    assert 0.35 < half["duty_time"] < 0.75
+    assert half["formula_duty"] == 0.5 and half["duty_source"] == "nominal"  # no NVML on the CPU
+    assert full["duty_time"] == 1.0 and full["formula_duty"] == 1.0
+
+
+@pytest.mark.gpu
+def test_gpu_formula_predicts_pairs_at_half_duty(tmp_path):
+    """The interference formula of evaluation.workloads against a GPU: resnet50 beside lstm_lm at
+    duties 1.0 and 0.5, the formula calibrated with the same run's full-duty pair."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    out = tmp_path / "duties.json"
+    p = subprocess.run([sys.executable, "-m", "slurm_antman.bench_models", "--device", "cuda",
+                        "--profiles", "resnet50", "--pairs-with", "lstm_lm", "--duties", "1.0,0.5",
+                        "--window-s", "5", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(out.read_text())
+    for name in ("resnet50", "lstm_lm"):
+        half = doc["profiles"][name]["solo_at_duty"]["0.5"]
+        assert half["duty_source"] == "nvml" and 0.3 < half["formula_duty"] < 0.8, half
+    by_duty = {(q["duty_a"], q["duty_b"]): q for q in doc["pairs"]}
+    assert set(by_duty) == {(1.0, 1.0), (1.0, 0.5), (0.5, 1.0), (0.5, 0.5)}
+    q = by_duty[(0.5, 0.5)]
+    assert q["formula_error_a"] < 0.35 and q["formula_error_b"] < 0.35, bm.table(doc)
 
 
 @pytest.mark.gpu

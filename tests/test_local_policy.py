@@ -208,3 +208,47 @@ def test_choose_fallback_least_loaded_and_says_why():
     assert "utilisation 0.95 > 0.80 over 10 s" in p.note
     p2 = choose_gpus(gpus, 2, 2, 0.8, 10)
     assert sorted(p2.gpus) == [0, 1] and "2/2 opportunistic slots taken" in p2.note
+
+
+# --- opportunistic progress and crawling -------------------------------------------------------
+
+
+def opp_at(job_id: str, t: float, iteration: int, ms: float, gpus=(0,)) -> JobInfo:
+    return JobInfo(job_id, "opportunistic", gpus, t, 2 * GiB, iteration, ms)
+
+
+def test_opportunistic_jobs_alone_together_are_not_throttled_and_progress_is_measured():
+    # Each alone first (its solo time), then together on one GPU with no guaranteed job.
+    both = [opp_at("201", 1.0, 2, 150.0), opp_at("202", 2.0, 2, 75.0)]
+    state = PolicyState(opportunistic={"201": run([opp_at("201", 1.0, 1, 100.0)]).state.opportunistic["201"],
+                                       "202": run([opp_at("202", 2.0, 1, 50.0)]).state.opportunistic["202"]})
+    d = run(both, state=state)
+    assert d.limits["201"].compute_share == 1.0 and d.limits["202"].compute_share == 1.0
+    assert d.progress == pytest.approx({"201": 100 / 150, "202": 50 / 75})
+    assert d.state.crawling == {}  # 0.67 + 0.67 > 1: sharing pays
+
+
+def test_sharing_that_is_a_loss_makes_the_newest_crawl():
+    state = PolicyState(opportunistic={
+        "201": run([opp_at("201", 1.0, 1, 100.0)]).state.opportunistic["201"],
+        "202": run([opp_at("202", 2.0, 1, 100.0)]).state.opportunistic["202"]})
+    slow = [opp_at("201", 1.0, 2, 300.0), opp_at("202", 2.0, 2, 260.0)]
+    d = run(slow, state=state, now=500.0)
+    assert d.state.crawling == {"202": 500.0}  # 0.33 + 0.38 < 1: the newest
+    d = run([opp_at("201", 1.0, 3, 300.0), opp_at("202", 2.0, 3, 260.0)], state=d.state, now=600.0)
+    assert d.state.crawling == {"202": 500.0}  # since when, kept
+    d = run([opp_at("201", 1.0, 4, 150.0), opp_at("202", 2.0, 4, 150.0)], state=d.state, now=700.0)
+    assert d.state.crawling == {}
+
+
+def test_opportunistic_job_at_the_floor_beside_a_guaranteed_job_crawls():
+    # Never alone: its best time stands in for its solo time, capped by its share.
+    params = PolicyParams(initial_share=0.05)
+    d = run([guar(iteration=1, ms=100.0)], params=params)
+    d = run([guar(iteration=2, ms=104.0), opp_at("201", 5.0, 1, 900.0)], state=d.state, params=params, now=10.0)
+    assert d.limits["201"].compute_share == params.min_share
+    assert d.progress["201"] == pytest.approx(0.05)
+    assert d.state.crawling == {"201": 10.0}
+    # A job whose own iteration time is unknown is not judged.
+    d = run([guar(iteration=3, ms=104.0), opp("202", 6.0)], state=d.state, params=params, now=20.0)
+    assert "202" not in d.progress and "202" not in d.state.crawling

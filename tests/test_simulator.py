@@ -56,9 +56,9 @@ def test_exclusive_runs_one_job_per_gpu_fifo(tmp_path):
 def test_shared_slows_guaranteed_antman_protects_it(tmp_path):
     # One tenant with a quota of one GPU: the second job is over quota, so opportunistic, and shares.
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 10_000.0, 1, "a"), ("2017-10-01 00:01:40", 5_000.0, 1, "a")])
-    shared = simulate(jobs, one_gpu("shared"))
-    antman = simulate(jobs, one_gpu("antman"))
-    exclusive = simulate(jobs, one_gpu("exclusive"))
+    shared = simulate(jobs, one_gpu("shared", utilisation="saturated"))
+    antman = simulate(jobs, one_gpu("antman", utilisation="saturated"))
+    exclusive = simulate(jobs, one_gpu("exclusive", utilisation="saturated"))
     g = {r.policy: next(x for x in r.jobs if x["job_id"] == "philly-2") for r in (shared, antman, exclusive)}
     assert g["exclusive"]["end_s"] == pytest.approx(10_000.0)
     assert g["shared"]["class"] == g["antman"]["class"] == "guaranteed"
@@ -117,8 +117,8 @@ def test_a_neighbour_the_floor_cannot_tame_is_preempted(tmp_path):
     guaranteed job gains nothing here: the rule moves work only where another GPU has room."""
     seed = next(s for s in range(10_000) if assign("philly-2", s).kind == assign("philly-3", s).kind == "R50_32")
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 10_000.0, 1, "a"), ("2017-10-01 00:01:40", 5_000.0, 1, "a")])
-    on = simulate(jobs, one_gpu("antman", seed=seed, slow_preempt_s=120.0))
-    off = simulate(jobs, one_gpu("antman", seed=seed))
+    on = simulate(jobs, one_gpu("antman", seed=seed, slow_preempt_s=120.0, utilisation="saturated", move_after_s=None))
+    off = simulate(jobs, one_gpu("antman", seed=seed, utilisation="saturated", move_after_s=None))
     g_on, g_off = (next(x for x in r.jobs if x["job_id"] == "philly-2") for r in (on, off))
     o_on = next(x for x in on.jobs if x["job_id"] == "philly-3")
     assert SimConfig().slow_preempt_s is None and off.metrics["preemptions"] == 0
@@ -209,3 +209,105 @@ def test_start_overhead_delays_progress_and_is_not_throttled(tmp_path):
     # Throttled to a few percent, 5 s of start-up would stretch to minutes; unthrottled it adds ~5 s
     # (plus the guaranteed job's own 5 s start-up, during which the GPU is quieter).
     assert 0.0 <= added <= 10.0, added
+
+
+# --- the baselines a Slurm site runs, and antman's moves ----------------------------------------------
+
+
+def _max_held(rows, tenant):
+    """Most GPUs ``tenant``'s jobs held at once (from start/end times: a job runs in one piece here)."""
+    events = sorted([(r["first_start_s"], r["gpus"]) for r in rows if r["tenant"] == tenant] +
+                    [(r["end_s"], -r["gpus"]) for r in rows if r["tenant"] == tenant], key=lambda e: (e[0], e[1]))
+    held = most = 0
+    for _, d in events:
+        held += d
+        most = max(most, held)
+    return most
+
+
+def test_quota_holds_each_tenant_to_its_quota_exclusive_does_not(tmp_path):
+    rows = [(f"2017-10-01 00:00:0{k}", 1000.0, 1, "a") for k in range(4)] + [("2017-10-01 00:00:05", 4000.0, 1, "b")]
+    jobs = trace(tmp_path, rows)
+    q = simulate(jobs, SimConfig(policy="quota", nodes=1, gpus_per_node=4))
+    x = simulate(jobs, SimConfig(policy="exclusive", nodes=1, gpus_per_node=4))
+    assert q.metrics["quotas"] == {"a": 2, "b": 2}
+    assert _max_held(q.jobs, "a") == 2 and _max_held(x.jobs, "a") == 4
+    assert q.metrics["jobs_done"] == 5 and q.metrics["jobs_done_twice"] == 0
+    # Two GPUs stand idle while a's jobs wait: a quota wastes what exclusive uses.
+    assert q.metrics["jct_mean_s"] > x.metrics["jct_mean_s"]
+
+
+def test_quota_lets_a_job_larger_than_the_whole_quota_run_alone(tmp_path):
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 100.0, 4, "a"), ("2017-10-01 00:00:00", 1000.0, 1, "b")])
+    r = simulate(jobs, SimConfig(policy="quota", nodes=1, gpus_per_node=4))
+    assert r.metrics["quotas"]["a"] < 4 and r.metrics["jobs_done"] == 2
+    assert r.metrics["quota_over_alone"] == 1
+
+
+def test_scavenger_preempts_the_over_quota_job_for_an_in_quota_one(tmp_path):
+    # Quotas of one GPU each. a's second job is over quota: it runs in the scavenger partition on the
+    # idle GPU until b's in-quota job needs it: notice, grace time, requeue, BeginTime, restart.
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 3000.0, 1, "a"), ("2017-10-01 00:00:10", 5000.0, 1, "a"),
+                            ("2017-10-01 00:01:40", 20_000.0, 1, "b")])
+    r = simulate(jobs, SimConfig(policy="scavenger", nodes=1, gpus_per_node=2, utilisation="saturated"))
+    rows = {x["job_id"]: x for x in r.jobs}
+    scav, high = rows["philly-3"], rows["philly-4"]
+    assert scav["submitted_as"] == "opportunistic" and high["submitted_as"] == "guaranteed"
+    assert scav["first_start_s"] == pytest.approx(10.0)
+    assert high["first_start_s"] == pytest.approx(100.0 + 30.0)  # the grace time
+    assert scav["preemptions"] == r.metrics["preemptions"] == 1
+    assert scav["lost_gpu_s"] == pytest.approx(30.0)  # it checkpointed at the signal
+    # Back after a's first job frees its GPU (t=3000) or Slurm's BeginTime, whichever is later;
+    # 90 s of work done before the signal is kept.
+    assert scav["end_s"] == pytest.approx(3000.0 + 5000.0 - 90.0)
+    assert r.metrics["jobs_done"] == 3
+
+
+def test_antman_moves_a_crawling_job_to_a_gpu_that_frees_up(tmp_path):
+    # a's second job is over quota (opportunistic) and starts on the idle GPU; b's long guaranteed job
+    # lands on it and the opportunistic one crawls at the floor share. When a's first job ends, its
+    # GPU is idle: the crawler is moved there (notice, grace, requeue, placed away from where it
+    # crawled) instead of crawling until b's job ends.
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 3000.0, 1, "a"), ("2017-10-01 00:00:10", 5000.0, 1, "a"),
+                            ("2017-10-01 00:01:40", 20_000.0, 1, "b")])
+    seed = next(s for s in range(10_000) if assign("philly-3", s).kind == assign("philly-4", s).kind == "R50_32")
+    cfg = dict(policy="antman", nodes=1, gpus_per_node=2, utilisation="saturated", seed=seed)
+    moved = simulate(jobs, SimConfig(**cfg))
+    stuck = simulate(jobs, SimConfig(**cfg, move_after_s=None))
+    m, s = ({x["job_id"]: x for x in r.jobs}["philly-3"] for r in (moved, stuck))
+    assert moved.metrics["moves"] == m["preemptions"] == 1 and stuck.metrics["moves"] == 0
+    assert s["end_s"] > 20_000.0  # crawled beside b's job until it ended
+    assert 3000.0 + 30.0 < m["end_s"] < 3000.0 + 30.0 + 5000.0
+    g = {x["job_id"]: x for x in moved.jobs}["philly-4"]
+    assert g["end_s"] - g["first_start_s"] < 20_000.0 * (1 + PolicyParams().target_slowdown + 0.05)
+
+
+def test_useful_utilisation_counts_progress_not_busy_time(tmp_path):
+    rows = [(f"2017-10-01 00:0{m}:00", 2000.0, 1, "a" if m % 2 else "b") for m in range(8)]
+    jobs = trace(tmp_path, rows)
+    for policy in ("exclusive", "quota", "scavenger"):
+        r = simulate(jobs, SimConfig(policy=policy, nodes=1, gpus_per_node=2))
+        # Alone on its GPU every job progresses at its solo rate: useful equals busy.
+        assert r.metrics["useful_util"] == pytest.approx(r.metrics["sm_util"], rel=1e-9)
+    shared = simulate(jobs, SimConfig(policy="shared", nodes=1, gpus_per_node=2, utilisation="saturated"))
+    assert shared.metrics["useful_util"] < shared.metrics["sm_util"]
+    assert 0 < shared.metrics["useful_util_queued"] <= 1
+
+
+@pytest.mark.parametrize("mode", ["production", "saturated"])
+def test_utilisation_modes_change_interference_not_work(tmp_path, mode):
+    jobs = trace(tmp_path, [(f"2017-10-01 00:00:{s:02d}", 1000.0, 1, "a") for s in range(0, 8, 2)])
+    r = simulate(jobs, one_gpu("shared", utilisation=mode, slots_per_gpu=4, gpu_mem_bytes=80 * GiB))
+    assert r.metrics["utilisation"] == mode and r.metrics["jobs_done"] == 4
+    utils = [row["util"] for row in r.jobs]
+    if mode == "saturated":
+        assert utils == [BY_NAME[row["profile"]].sm_util for row in r.jobs]
+    else:
+        assert all(0 < u <= BY_NAME[row["profile"]].sm_util for u, row in zip(utils, r.jobs))
+
+
+def test_new_flags_are_checked_and_named():
+    for kw, flag in ((dict(utilisation="busy"), "--utilisation"), (dict(min_progress=0.0), "--min-progress"),
+                     (dict(move_after_s=0.0), "--move-after-s"), (dict(move_gain=0.5), "--move-gain")):
+        with pytest.raises(ValueError, match=flag):
+            SimConfig(**kw)

@@ -36,6 +36,8 @@ def _line(r: dict) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(r.get("ts", 0))))
     try:
         what = _VERBS[r["kind"]].format(**(r.get("params") or {}), node=r.get("node", "?"))
+        if r["kind"] == "preempt_notice" and (r.get("inputs") or {}).get("move"):
+            what = what.replace("preemption notice", "move notice (crawling)")
     except (KeyError, ValueError):
         what = r["kind"]
     out = f"{when}  {what}"

@@ -47,13 +47,17 @@ def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, A
             out.append(NodeView(host, (), configured, in_slurm.get(host, configured), None))
             continue
         reported_class = {j.job_id: j.job_class for j in rep.jobs}
+        progress = {j.job_id: j.progress for j in rep.jobs if j.progress is not None}
+        crawling = {j.job_id: j.crawling_since_unix for j in rep.jobs if j.crawling_since_unix is not None}
         gpus = []
         for g in rep.gpus:
             # Slurm's tag wins over the sidecar's class: an upgrade is visible there first.
             classes = [(j, slurm_class.get(j, reported_class.get(j, "none"))) for j in g.jobs]
+            opp = tuple(j for j, c in classes if c == "opportunistic")
             gpus.append(GpuView(g.index, g.mem_total_bytes, g.mem_used_bytes, g.util,
-                                tuple(j for j, c in classes if c == "guaranteed"),
-                                tuple(j for j, c in classes if c == "opportunistic")))
+                                tuple(j for j, c in classes if c == "guaranteed"), opp,
+                                tuple((j, progress[j]) for j in opp if j in progress),
+                                tuple((j, crawling[j]) for j in opp if j in crawling)))
         out.append(NodeView(host, tuple(gpus), configured, in_slurm.get(host, configured), rep.received_unix))
     return tuple(out)
 

@@ -33,6 +33,10 @@ def summarize(rows: Iterable[Mapping]) -> dict:
         by_class.setdefault(r["class"], []).append(t)
         admitted.setdefault(_admitted(r), []).append(t)
     waits = [r["first_start_s"] - r["submit_s"] for r in rows if r.get("first_start_s") is not None]
+    # How much longer an admitted-guaranteed job ran than its work: what sharing did to it once it
+    # had its GPUs (1.0: untouched), apart from the queue it waited in.
+    stretch = [(r["end_s"] - r["first_start_s"]) / r["duration_s"] for r in done
+               if _admitted(r) == "guaranteed" and r.get("first_start_s") is not None and r.get("duration_s")]
     return {
         "jobs_submitted": len(rows),
         "jobs_done": len(done),
@@ -42,6 +46,7 @@ def summarize(rows: Iterable[Mapping]) -> dict:
         "jct_guaranteed_mean_s": _mean(admitted.get("guaranteed", [])),
         "jct_opportunistic_mean_s": _mean(admitted.get("opportunistic", [])),
         "jct_ran_guaranteed_mean_s": _mean(by_class.get("guaranteed", [])),
+        "guaranteed_run_stretch_mean": _mean(stretch),
         "jobs_by_class": {k: len(v) for k, v in sorted(by_class.items())},
         "jobs_by_admitted_class": {k: len(v) for k, v in sorted(admitted.items())},
         "queue_delay_mean_s": _mean(waits),
@@ -76,6 +81,7 @@ def compare(base: Mapping, base_rows: Iterable[Mapping], other: Mapping, other_r
             if r.get("end_s") is not None and _admitted(r) == "guaranteed" and r["job_id"] in base_jct]
     return {
         "sm_util_ratio": _ratio(other.get("sm_util"), base.get("sm_util")),
+        "useful_util_queued_ratio": _ratio(other.get("useful_util_queued"), base.get("useful_util_queued")),
         "mem_util_ratio": _ratio(other.get("mem_util"), base.get("mem_util")),
         "jct_mean_ratio": _ratio(other.get("jct_mean_s"), base.get("jct_mean_s")),
         "jct_guaranteed_mean_ratio": _ratio(other.get("jct_guaranteed_mean_s"), base.get("jct_guaranteed_mean_s")),

@@ -1,7 +1,18 @@
-"""A discrete-event replay of a trace on a simulated GPU cluster, under three policies:
+"""A discrete-event replay of a trace on a simulated GPU cluster, under the policies a Slurm site
+would choose between (docs/evaluation.md):
 
 - ``exclusive``: plain Slurm, one job per GPU, FIFO with backfill-lite (any pending job that fits
   starts, in submission order).
+- ``quota``: whole GPUs, each tenant limited to its quota of GPUs at once (``sacctmgr ... set
+  GrpTRES=gres/gpu=N``); a job over its tenant's quota waits. A job larger than its tenant's whole
+  quota runs when the tenant has nothing else running (Slurm would hold it forever; a site sets the
+  quota at least its largest job).
+- ``scavenger``: Slurm's native preemption. A job within its tenant's quota at submission goes to the
+  high partition (quota-limited as above), any other to a preemptible scavenger partition that runs
+  on idle whole GPUs (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``). A high job
+  that finds too few idle GPUs has scavenger jobs preempted (the youngest first): a signal, the grace
+  time, a requeue; the requeued job waits ``requeue_delay_s`` (Slurm's BeginTime) and restarts from
+  its checkpoint.
 - ``shared``: opportunistic jobs packed onto GPUs beside others with no control (gres/shard today):
   every job on a GPU slows by the workload model's interference; a GPU whose footprints exceed its
   memory makes the job that arrived last fail with OOM (counted, retried after ``oom_retry_s``).
@@ -33,7 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Collection, Iterable, Mapping, Optional, Sequence
 
 from sidecar import local_policy as lp
@@ -41,13 +52,16 @@ from sidecar.placement import GpuLoad, choose_gpus
 from slurm_antman import policy as cp
 from slurm_antman.policy.quota import fits_quota
 
+from . import utilisation
 from .traces import Job
-from .workloads import GiB, Profile, assign
+from .workloads import GiB, INTERFERENCE, Profile, assign
 
-POLICIES = ("exclusive", "shared", "antman")
+POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
+# Policies under which every job holds whole GPUs alone.
+WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
 
 # Event kinds, in the order they are handled at one instant: finishes free GPUs before new jobs look.
-_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW = 0, 1, 2, 3, 4
+_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW, _REQUEUE = 0, 1, 2, 3, 4, 5
 
 SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
 
@@ -82,6 +96,16 @@ class SimConfig:
     start_overhead_s: float = 0.0
     # The local policy's preemption for speed (``sidecar.slow_preempt_s``); None: throttle only.
     slow_preempt_s: Optional[float] = lp.PolicyParams.slow_preempt_s
+    # How busy jobs keep their GPUs (utilisation.py): production (drawn from published cluster
+    # figures) or saturated (every job as busy as its benchmark).
+    utilisation: str = "production"
+    # scavenger: a requeued job is not eligible before this (Slurm's BeginTime after a requeue,
+    # ~121 s on 22.05, docs/architecture.md); antman clears it with MakeEligible.
+    requeue_delay_s: float = 120.0
+    # antman: opportunistic.min_progress, move_after_s, move_gain (antman.yaml).
+    min_progress: float = cp.PolicyParams.__dataclass_fields__["min_progress"].default
+    move_after_s: Optional[float] = cp.PolicyParams.__dataclass_fields__["move_after_s"].default
+    move_gain: float = cp.PolicyParams.__dataclass_fields__["move_gain"].default
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -101,6 +125,15 @@ class SimConfig:
             raise ValueError(f"--cycle-s must be >= 0, got {self.cycle_s}")
         if self.slow_preempt_s is not None and not self.slow_preempt_s > 0:
             raise ValueError(f"--slow-preempt-s must be > 0 (or 'none'), got {self.slow_preempt_s}")
+        utilisation.check_mode(self.utilisation)
+        if not 0 < self.min_progress <= 1:
+            raise ValueError(f"--min-progress must be in (0, 1], got {self.min_progress}")
+        if self.move_after_s is not None and not self.move_after_s > 0:
+            raise ValueError(f"--move-after-s must be > 0 (or 'none'), got {self.move_after_s}")
+        if not self.move_gain >= 1:
+            raise ValueError(f"--move-gain must be >= 1, got {self.move_gain}")
+        if not self.requeue_delay_s >= 0:
+            raise ValueError(f"requeue_delay_s must be >= 0, got {self.requeue_delay_s}")
 
 
 @dataclass(slots=True)
@@ -130,6 +163,10 @@ class _Job:
     view: Optional[cp.JobView] = None
     notice_at: Optional[float] = None
     submitted_as: str = ""  # the class job_submit.lua gave it: what the guaranteed-JCT target is about
+    util: float = 1.0       # mean GPU utilisation alone (utilisation.py)
+    duty: float = 1.0       # its fraction of the benchmark's GPU work (Profile.duty)
+    avoid: tuple[int, ...] = ()  # antman's placement memory: GPUs it was moved off
+    finishes: int = 0
 
 
 @dataclass(slots=True)
@@ -149,6 +186,9 @@ class _Gpu:
     # Since when its guaranteed job has been over target with its neighbours at the minimum share
     # (the local policy's slow_preempt_s rule), as the steady state of this mix says.
     slow_since: Optional[float] = None
+    useful: float = 0.0  # progress-weighted busy time: sum of each job's rate x its own utilisation
+    progress: dict[str, float] = field(default_factory=dict)  # opportunistic job -> its rate
+    crawl: dict[str, float] = field(default_factory=dict)     # opportunistic job -> crawling since
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +223,10 @@ class Simulator:
             grace_s=cfg.grace_s, slots_per_gpu=cfg.slots_per_gpu, util_threshold=cfg.util_threshold,
             min_opp_mem_bytes=lp.PolicyParams().min_opportunistic_bytes,
             headroom_bytes=lp.PolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
-        self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s)
+        self.cp_params = replace(self.cp_params, min_progress=cfg.min_progress, move_after_s=cfg.move_after_s,
+                                 move_gain=cfg.move_gain)
+        self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
+                                         min_progress=cfg.min_progress)
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
         self._share_cache: dict[tuple, tuple[dict[str, float], bool]] = {}
@@ -195,12 +238,20 @@ class Simulator:
         self.area_mem = 0.0
         self.area_util_all = 0.0  # over [first submission, last completion] (the makespan)
         self.area_mem_all = 0.0
+        self.useful_sum = 0.0
+        self.area_useful = 0.0
+        self.area_useful_queued = 0.0  # while a job waits: the capacity question
+        self.t_queued = 0.0
+        self.n_pending = 0
+        self.tenant_gpus: dict[str, int] = {}   # tenant -> GPUs its running jobs hold (any class)
+        self.high_gpus: dict[str, int] = {}     # scavenger: tenant -> GPUs of its high-partition jobs
+        self.crawl_gpus: set[int] = set()       # antman: GPUs with a crawling opportunistic job
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
         self.usage: dict[str, int] = {}               # tenant -> GPUs running as guaranteed
         self.counts = {"oom_failures": 0, "preemptions": 0, "upgrades": 0, "cycles": 0,
-                       "set_class_ineffective": 0}
+                       "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0}
         # Jobs that are PENDING or RUNNING, in submission order: what a cycle looks at (not all jobs).
         self.active: dict[str, _Job] = {}
         # What job_submit.lua reads (antman_quota.lua): guaranteed GPUs each tenant holds or is about
@@ -227,7 +278,13 @@ class Simulator:
         submit = j.submit_s / self.cfg.speedup
         dur = max(j.duration_s / self.cfg.speedup, 1e-3)
         klass = "opportunistic" if requested == "opportunistic" else "guaranteed"
-        sj = _Job(j, prof, requested, klass, submit, dur, work_left=dur, submitted_as=klass)
+        if self.cfg.utilisation == "saturated":
+            util = prof.sm_util
+        else:  # an openb pod list carries qos: Alibaba PAI's figures; Philly's otherwise
+            util = utilisation.draw(j.job_id, j.gpus, "pai" if j.qos is not None else "philly", self.cfg.seed)
+        duty = prof.duty(util)
+        sj = _Job(j, prof, requested, klass, submit, dur, work_left=dur, submitted_as=klass,
+                  util=duty * prof.sm_util, duty=duty)
         self.jobs[j.job_id] = sj
         self._push(submit, _SUBMIT, j.job_id, 0)
 
@@ -256,6 +313,9 @@ class Simulator:
                     self._finish(j)
                 elif kind == _WAKE:
                     self.force_cycle = True  # a grace time is over: requeue now, not a cycle later
+                elif kind == _REQUEUE:  # scavenger: Slurm requeues a preempted job after its grace time
+                    if j.state == "RUNNING" and version == j.restarts and j.notice_at is not None:
+                        self._stop(j, "preempt")
                 # _SLOW (a GPU's slow_preempt_s is over): only a change, handled at the next due cycle
                 self.changed = True
             self._maybe_cycle()
@@ -292,6 +352,7 @@ class Simulator:
         jid = j.job.job_id
         self.active[jid] = j
         self.pending.append(jid)
+        self.n_pending += 1
         if j.requested != "auto":
             return
         q = self.quotas.get(j.job.tenant)
@@ -303,6 +364,10 @@ class Simulator:
         if hi > lo:
             self.area_util += self.util_sum * (hi - lo)
             self.area_mem += self.mem_sum * (hi - lo)
+            self.area_useful += self.useful_sum * (hi - lo)
+        if t > self.t_int and self.n_pending > 0:
+            self.area_useful_queued += self.useful_sum * (t - self.t_int)
+            self.t_queued += t - self.t_int
         if t > lo:
             self.area_util_all += self.util_sum * (t - lo)
             self.area_mem_all += self.mem_sum * (t - lo)
@@ -316,22 +381,51 @@ class Simulator:
     def _schedule(self) -> None:
         if not self.pending:
             return
+        if self.cfg.policy != "scavenger":
+            self._schedule_pass(None)
+            return
+        # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
+        self._schedule_pass(True)
+        self._preempt_scavengers()
+        self._schedule_pass(False)
+
+    def _is_high(self, j: _Job) -> bool:
+        return j.submitted_as == "guaranteed"
+
+    def _within_quota(self, j: _Job) -> bool:
+        """quota, and scavenger's high partition: the tenant's GPUs held plus this job's fit its
+        quota; a job larger than the whole quota runs when the tenant holds nothing (module doc)."""
+        policy = self.cfg.policy
+        if policy == "quota":
+            held = self.tenant_gpus
+        elif policy == "scavenger" and self._is_high(j):
+            held = self.high_gpus
+        else:
+            return True
+        q = self.quotas.get(j.job.tenant)
+        have = held.get(j.job.tenant, 0)
+        if fits_quota(q, have, j.job.gpus):
+            return True
+        return have == 0 and q is not None and j.job.gpus > q
+
+    def _schedule_pass(self, high: Optional[bool]) -> None:
         still: list[str] = []
-        exclusive = self.cfg.policy == "exclusive"
+        whole = self.cfg.policy in WHOLE_GPU
         # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit.
         smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
         for pos, jid in enumerate(self.pending):
             j = self.jobs[jid]
-            if j.state != "PENDING" or j.held or j.eligible_at > self.now:
+            if (j.state != "PENDING" or j.held or j.eligible_at > self.now
+                    or (high is not None and self._is_high(j) != high) or not self._within_quota(j)):
                 if j.state == "PENDING":
                     still.append(jid)
                 continue
-            kind = "guaranteed" if j.klass == "guaranteed" or exclusive else "opportunistic"
+            kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
             gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
             if gpus is None:
                 smallest_failed[kind] = min(smallest_failed[kind], j.job.gpus)
                 still.append(jid)
-                if smallest_failed["guaranteed"] <= 1 and (exclusive or smallest_failed["opportunistic"] <= 1):
+                if smallest_failed["guaranteed"] <= 1 and (whole or smallest_failed["opportunistic"] <= 1):
                     still.extend(self.pending[pos + 1:])  # not even a 1-GPU job fits: the rest waits
                     break
                 continue
@@ -339,9 +433,41 @@ class Simulator:
             self._start(j, gpus)
         self.pending = [jid for jid in still if self.jobs[jid].state == "PENDING"]
 
+    def _preempt_scavengers(self) -> None:
+        """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
+        few idle GPUs has scavenger jobs signalled (the youngest first, so the least work is lost);
+        they are requeued when the grace time is over (``_REQUEUE``). GPUs already being freed count."""
+        free = len(self.free_gpus)
+        freeing = sum(len(x.gpus) for x in self.active.values()
+                      if x.state == "RUNNING" and x.notice_at is not None)
+        victims: Optional[list[_Job]] = None
+        for jid in self.pending:
+            j = self.jobs[jid]
+            if (j.state != "PENDING" or j.held or j.eligible_at > self.now or not self._is_high(j)
+                    or not self._within_quota(j)):
+                continue
+            deficit = j.job.gpus - free
+            free = max(0, free - j.job.gpus)
+            if deficit <= 0:
+                continue
+            cover = min(deficit, freeing)
+            deficit, freeing = deficit - cover, freeing - cover
+            if victims is None:
+                victims = sorted((x for x in self.active.values()
+                                  if x.state == "RUNNING" and x.notice_at is None and not self._is_high(x)),
+                                 key=lambda x: (x.start or 0.0, x.job.job_id))
+            while deficit > 0 and victims:
+                v = victims.pop()
+                v.notice_at = self.now
+                self._push(self.now + self.cfg.grace_s, _REQUEUE, v.job.job_id, v.restarts)
+                deficit -= len(v.gpus)
+            freeing += max(0, -deficit)
+            if deficit > 0:
+                return  # nothing left to preempt
+
     def _place(self, j: _Job) -> Optional[list[int]]:
         want = j.job.gpus
-        if j.klass == "guaranteed" or self.cfg.policy == "exclusive":
+        if j.klass == "guaranteed" or self.cfg.policy in WHOLE_GPU:
             if len(self.free_gpus) < want:
                 return None
             return self._pack(sorted(self.free_gpus), want, prefer_empty=self.cfg.policy == "shared")
@@ -361,7 +487,12 @@ class Simulator:
             if take <= 0:
                 continue
             loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp)) for g in room]
-            pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0)
+            avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
+            if self.cfg.policy == "antman":
+                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0,
+                                   self.lp_params.target_slowdown, self.cfg.min_progress, avoid)
+            else:
+                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0)
             chosen.extend(k * per_node + i for i in pick.gpus)
         return chosen if len(chosen) >= want else None
 
@@ -395,15 +526,27 @@ class Simulator:
             j.ran_as = j.klass
         if j.ran_as == "guaranteed":
             self.usage[j.job.tenant] = self.usage.get(j.job.tenant, 0) + len(gpus)
+        self._hold(j, len(gpus))
+        self.n_pending -= 1
         for i in gpus:
             g = self.gpus[i]
             (g.guar if j.klass == "guaranteed" else g.opp).append(j.job.job_id)
-            if j.klass == "guaranteed" or self.cfg.policy == "exclusive":
+            if j.klass == "guaranteed" or self.cfg.policy in WHOLE_GPU:
                 self.free_gpus.discard(i)
         if self.cfg.policy == "shared" and self._oom_on(gpus):
             self._stop(j, "oom")
             return
         self._refresh(gpus)
+
+    def _hold(self, j: _Job, n: int) -> None:
+        t = j.job.tenant
+        self.tenant_gpus[t] = self.tenant_gpus.get(t, 0) + n
+        if self._is_high(j):
+            self.high_gpus[t] = self.high_gpus.get(t, 0) + n
+        q = self.quotas.get(t)
+        if n > 0 and self.cfg.policy in ("quota", "scavenger") and q is not None and n > q and (
+                self.cfg.policy == "quota" or self._is_high(j)):
+            self.counts["quota_over_alone"] += 1
 
     def _oom_on(self, gpus: Iterable[int]) -> bool:
         for i in gpus:
@@ -420,6 +563,7 @@ class Simulator:
     def _finish(self, j: _Job) -> None:
         self._advance(j)
         j.state, j.end = "DONE", self.now
+        j.finishes += 1
         del self.active[j.job.job_id]
         self._release(j)
 
@@ -442,16 +586,21 @@ class Simulator:
             j.notice_at = None
             lost_s = since_ckpt
             j.work_left = min(j.duration, j.work_left + j.rate * since_ckpt)
+            if self.cfg.policy == "scavenger":  # Slurm's BeginTime; antman's coordinator clears it
+                j.eligible_at = self.now + self.cfg.requeue_delay_s
+                self._push(j.eligible_at, _WAKE, j.job.job_id, 0)
         j.lost_gpu_s += lost_s * len(j.gpus)
         j.restarts += 1
         j.state, j.view, j.version = "PENDING", None, j.version + 1
         self._release(j)
         self.pending.append(j.job.job_id)
+        self.n_pending += 1
 
     def _release(self, j: _Job) -> None:
         jid = j.job.job_id
         if j.ran_as == "guaranteed":
             self.usage[j.job.tenant] -= len(j.gpus)
+        self._hold(j, -len(j.gpus))
         for i in j.gpus:
             g = self.gpus[i]
             if jid in g.guar:
@@ -460,7 +609,7 @@ class Simulator:
                 g.opp.remove(jid)
             g.rate.pop(jid, None)
             g.share.pop(jid, None)
-            if not g.guar and (self.cfg.policy != "exclusive" or not g.opp):
+            if not g.guar and (self.cfg.policy not in WHOLE_GPU or not g.opp):
                 self.free_gpus.add(i)
         gpus, j.gpus = j.gpus, ([] if j.state == "PENDING" else j.gpus)
         self._refresh(gpus)
@@ -500,23 +649,29 @@ class Simulator:
             shares = {j.job.job_id: 1.0 for j in opp}
             self._track_slow(g, guar, False)
         here = guar + opp
-        duty = {j.job.job_id: shares.get(j.job.job_id, 1.0) for j in here}
-        total = sum(j.profile.sm_util * duty[j.job.job_id] for j in here)
+        # A job's load on the GPU: its duty (production idle time) times its compute share.
+        load = {j.job.job_id: j.duty * shares.get(j.job.job_id, 1.0) for j in here}
+        total = sum(j.profile.sm_util * load[j.job.job_id] for j in here)
         g.rate = {}
+        useful = 0.0
         for j in here:
             jid = j.job.job_id
-            r = 1.0 / j.profile.slowdown((o.profile.kind, duty[o.job.job_id]) for o in here if o is not j)
+            r = 1.0 / j.profile.slowdown(((o.profile.kind, load[o.job.job_id]) for o in here if o is not j), j.duty)
             if jid in shares:
                 r *= shares[jid]
             if jid in spill:
                 r *= SPILL_RATE
             g.rate[jid] = r
+            useful += r * j.util  # the busy time it would need alone for the progress it makes
         g.share = shares
         new_util = min(1.0, total)
         new_mem = min(g.mem_total, sum(j.profile.mem_bytes for j in guar + opp))
         self.util_sum += new_util - g.util
         self.mem_sum += new_mem - g.mem_used
-        g.util, g.mem_used = new_util, new_mem
+        self.useful_sum += useful - g.useful
+        g.util, g.mem_used, g.useful = new_util, new_mem, useful
+        if self.cfg.policy == "antman":
+            self._track_crawl(g, guar, opp)
 
     def _local_policy(self, g: _Gpu, guar: list[_Job], opp: list[_Job]) -> tuple[dict[str, float], set[str]]:
         """Memory limits and preemption needs from ``local_policy.decide`` on this GPU; compute
@@ -531,14 +686,22 @@ class Simulator:
                                     d.new_preemptions[0].reason, self.now)
         if not any(j.job.job_id in d.state.preempted for j in opp):
             g.need = None
-        steady, slow = self._steady_shares(tuple(j.profile.name for j in guar), tuple(j.profile.name for j in opp))
+        steady, slow = None, False
+        if guar:
+            # All opportunistic jobs on a GPU get the same share; the guaranteed job then slows by
+            # 1 + share x c (workloads module doc), so the AIMD loop's steady state depends on c alone.
+            c = guar[0].duty * sum(o.duty * INTERFERENCE.get((guar[0].profile.kind, o.profile.kind), 0.0) for o in opp)
+            steady, slow = self._steady_shares(round(c, 3), len(opp))
         self._track_slow(g, guar, slow)
         shares: dict[str, float] = {}
         spill: set[str] = set()
         for j in opp:
             jid = j.job.job_id
             lim = d.limits[jid]
-            shares[jid] = min(lim.compute_share, 1.0) if jid in d.state.preempted else steady[j.profile.name]
+            if jid in d.state.preempted or steady is None:
+                shares[jid] = min(lim.compute_share, 1.0)
+            else:
+                shares[jid] = steady
             if lim.mem_limit_bytes is not None and lim.mem_limit_bytes < j.profile.mem_bytes:
                 spill.add(jid)
         return shares, spill
@@ -568,37 +731,50 @@ class Simulator:
             g.slow_since = None
             self.slow_gpus.discard(i)
 
-    def _steady_shares(self, guar: tuple[str, ...], opp: tuple[str, ...]) -> tuple[dict[str, float], bool]:
-        key = (guar, tuple(sorted(opp)))
+    def _steady_shares(self, c: float, n: int) -> tuple[float, bool]:
+        """The mean compute share of each of ``n`` opportunistic jobs beside a guaranteed job that
+        slows by 1 + share x ``c``, over the last half of 120 reports of ``local_policy.decide``, and
+        whether the guaranteed job ends over target at the floor share (its slow_preempt_s rule)."""
+        key = (c, n)
         hit = self._share_cache.get(key)
         if hit is not None:
             return hit
-        from .workloads import BY_NAME
-        gp = [BY_NAME[n] for n in guar]
-        op = [BY_NAME[n] for n in key[1]]
-        gjobs = [lp.JobInfo(f"g{k}", "guaranteed", (0,), 0.0, 0) for k in range(len(gp))]
-        ojobs = [lp.JobInfo(f"o{k}", "opportunistic", (0,), 1.0 + k, 0) for k in range(len(op))]
+        base_ms = 100.0  # only ratios to it matter
+        gjob = lp.JobInfo("g", "guaranteed", (0,), 0.0, 0)
+        ojobs = tuple(lp.JobInfo(f"o{k}", "opportunistic", (0,), 1.0 + k, 0) for k in range(n))
         info = (lp.GpuInfo(0, 1 << 50),)
-        state = lp.PolicyState()
         # A baseline report alone first, as the sidecar sees it before the opportunistic job arrives.
-        alone = tuple(lp.JobInfo(j.job_id, j.job_class, j.gpus, 0.0, 0, 0, p.iter_ms) for j, p in zip(gjobs, gp))
-        state = lp.decide(lp.Snapshot(info, alone), state, self.lp_params, 0.0).state
-        history: list[list[float]] = []
-        shares = [self.lp_params.initial_share] * len(op)
+        alone = (replace(gjob, iteration=0, iteration_ms=base_ms),)
+        state = lp.decide(lp.Snapshot(info, alone), lp.PolicyState(), self.lp_params, 0.0).state
+        history: list[float] = []
+        share = self.lp_params.initial_share
         for it in range(1, 121):
-            beside = [(p.kind, s) for p, s in zip(op, shares)]
-            reps = tuple(lp.JobInfo(j.job_id, j.job_class, j.gpus, 0.0, 0, it, p.iter_ms * p.slowdown(beside))
-                         for j, p in zip(gjobs, gp))
-            d = lp.decide(lp.Snapshot(info, reps + tuple(ojobs)), state, self.lp_params, float(it))
+            rep = replace(gjob, iteration=it, iteration_ms=base_ms * (1.0 + share * c))
+            d = lp.decide(lp.Snapshot(info, (rep,) + ojobs), state, self.lp_params, float(it))
             state = d.state
-            shares = [d.limits[j.job_id].compute_share for j in ojobs]
-            history.append(shares)
+            share = d.limits["o0"].compute_share
+            history.append(share)
         tail = history[-60:]
-        mean = [sum(h[k] for h in tail) / len(tail) for k in range(len(op))]
-        # Slow: the guaranteed job ends over target with the budget at the floor (decide's rule).
-        out = ({p.name: m for p, m in zip(op, mean)}, bool(state.over_since))
+        out = (sum(tail) / len(tail), bool(state.over_since))
         self._share_cache[key] = out
         return out
+
+    def _track_crawl(self, g: _Gpu, guar: list[_Job], opp: list[_Job]) -> None:
+        """The local policy's crawling rule on the modelled progress (each job's rate on this GPU);
+        a cycle is due when a crawler's ``move_after_s`` is over."""
+        g.progress = {j.job.job_id: g.rate[j.job.job_id] for j in opp}
+        order = {0: [j.job.job_id for j in sorted(opp, key=lambda j: (j.start or 0.0, j.job.job_id))]}
+        before = g.crawl
+        g.crawl = lp.crawling(g.progress, order, {0} if guar else set(), before, self.now, self.lp_params)
+        wait = self.cfg.move_after_s
+        if g.crawl:
+            self.crawl_gpus.add(g.index)
+            if wait is not None:
+                for jid, since in g.crawl.items():
+                    if jid not in before:
+                        self._push(since + wait, _SLOW, jid, 0)
+        else:
+            self.crawl_gpus.discard(g.index)
 
     # -- the coordinator cycle (antman) -----------------------------------------------------------
 
@@ -632,7 +808,8 @@ class Simulator:
 
     def _node_view(self, k: int) -> cp.NodeView:
         per = self.cfg.gpus_per_node
-        gv = tuple(cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp))
+        gv = tuple(cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp),
+                              tuple(g.progress.items()), tuple(g.crawl.items()))
                    for g in self.gpus[k * per:(k + 1) * per])
         return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * per, self.opp_slots[k], self.now)
 
@@ -648,9 +825,18 @@ class Simulator:
             nodes.add(self.node_names.index(n.node))
         for p in list(st.preempting.values()) + list(st.requeued.values()):
             nodes.add(self.node_names.index(p.node))
+        wait = self.cfg.move_after_s
+        if wait is not None and any(self.now - since >= wait for i in self.crawl_gpus
+                                    for since in self.gpus[i].crawl.values()):
+            nodes = set(range(self.cfg.nodes))  # a move looks for a better GPU anywhere
         snap = cp.Snapshot(self.now, views, tuple(self._node_view(k) for k in sorted(nodes)), self.quotas, needs)
         self.dirty_nodes = set()
         decisions, self.cp_state = cp.decide(snap, st, self.cp_params)
+        per = self.cfg.gpus_per_node
+        for jid, a in self.cp_state.avoid.items():
+            j = self.jobs.get(jid)
+            if j is not None:
+                j.avoid = (self.node_names.index(a.node) * per + a.gpu,)
         for d in decisions:
             self._apply(d)
             if d.kind == "preempt_notice":  # wake the coordinator when the grace time is over
@@ -697,6 +883,8 @@ class Simulator:
             self._stop(j, "preempt")
         elif kind == "preempt_notice" and j.state == "RUNNING":
             j.notice_at = self.now
+            if d.inputs.get("move"):
+                self.counts["moves"] += 1
         # make_eligible: the simulated Slurm has no BeginTime wait to clear.
 
     # -- results ------------------------------------------------------------------------------------
@@ -707,7 +895,7 @@ class Simulator:
             "job_id": j.job.job_id, "tenant": j.job.tenant, "gpus": j.job.gpus, "profile": j.profile.name,
             "class": j.ran_as or j.klass, "submitted_as": j.submitted_as, "submit_s": j.submit, "first_start_s": j.first_start, "end_s": j.end,
             "duration_s": j.duration, "restarts": j.restarts, "preemptions": j.preemptions, "ooms": j.ooms,
-            "lost_gpu_s": j.lost_gpu_s,
+            "lost_gpu_s": j.lost_gpu_s, "util": round(j.util, 4),
         } for j in self.jobs.values()]
         n = len(self.gpus)
         span = max(self.t_end_measure - self.t0, 0.0)
@@ -721,6 +909,14 @@ class Simulator:
             measure_window_s=[self.t0, self.t_end_measure],
             sm_util_makespan=(self.area_util_all / (n * makespan)) if makespan > 0 else 0.0,
             mem_util_makespan=(self.area_mem_all / (n * makespan * self.cfg.gpu_mem_bytes)) if makespan > 0 else 0.0,
+            # Progress-weighted: the busy time each job would need alone for the progress it makes,
+            # so a GPU busy with two jobs that each crawl counts for little (issue 12's metric).
+            useful_util=(self.area_useful / (n * span)) if span else 0.0,
+            useful_util_queued=(self.area_useful_queued / (n * self.t_queued)) if self.t_queued else None,
+            queued_s=self.t_queued,
+            jobs_done_twice=sum(1 for j in self.jobs.values() if j.finishes > 1),
+            moves=self.counts["moves"], quota_over_alone=self.counts["quota_over_alone"],
+            utilisation=self.cfg.utilisation,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],
             coordinator_cycles=self.counts["cycles"],
