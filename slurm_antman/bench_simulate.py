@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-preempt-s", type=_seconds_or_none, default=SimConfig.slow_preempt_s,
                    help="the sidecar's slow_preempt_s: seconds over the slowdown target at the minimum share "
                         "before an opportunistic neighbour is preempted; 'none': throttle only")
+    p.add_argument("--util-scale", type=float, default=SimConfig.util_scale,
+                   help="production: multiply every job's drawn utilisation by this (capped at its benchmark's)")
     p.add_argument("--min-progress", type=float, default=SimConfig.min_progress,
                    help="antman: opportunistic.min_progress (a GPU takes an opportunistic job only where it is "
                         "predicted to make this fraction of its solo rate; under it a running job crawls)")
@@ -86,7 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
-                          min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain)
+                          util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -101,7 +103,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
-            "utilisation": a.utilisation, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
+            "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
             "move_gain": a.move_gain,
             "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []

@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
-    policies = _policies(a.policy)
+    # The devcluster replays what it can run for real: quota and scavenger are simulator baselines.
+    policies = list(rp.POLICIES) if a.policy == "all" else _policies(a.policy)
     if a.utilisation != "saturated":
         raise rp.ReplayError(f"--utilisation {a.utilisation}: the devcluster replay's emulated jobs run as busy as "
                              "their benchmark; only --utilisation saturated is supported here")

@@ -165,13 +165,15 @@ def test_register_guaranteed_and_opportunistic_placement(sidecar, sockdir):
         assert (o.gpus, o.placement) == ([1], "fit")
         o2 = client.register_job(sockdir, "201", uid=0, user="root", job_class="opportunistic", gpus=1)
         assert o2.gpus == [1]  # still more spare memory than GPU 0
-        # GPU 1 is now full (2 slots); GPU 0 qualifies.
+        # GPU 1 is now full (2 slots); GPU 0 has room but its busy guaranteed job leaves too little
+        # compute for the 2 % target: Slurm already allocated the job, so it goes there, and says why.
         o3 = client.register_job(sockdir, "202", uid=0, user="root", job_class="opportunistic", gpus=1)
-        assert (o3.gpus, o3.placement) == ([0], "fit")
+        assert (o3.gpus, o3.placement) == ([0], "fallback") and "predicted progress" in o3.note
         # Both GPUs have their opportunistic slots... GPU 0 has one left; fill it, then fall back.
         client.register_job(sockdir, "203", uid=0, user="root", job_class="opportunistic", gpus=1)
         fb = client.register_job(sockdir, "204", uid=0, user="root", job_class="opportunistic", gpus=1)
-        assert fb.placement == "fallback" and "opportunistic slots taken" in fb.note and len(fb.gpus) == 1
+        assert fb.placement == "fallback" and len(fb.gpus) == 1
+        assert "opportunistic slots taken" in fb.note or "predicted progress" in fb.note
         st = client.node_state(sockdir)
         assert {j.job_id for j in st.jobs} == {"100", "200", "201", "202", "203", "204"}
     finally:

@@ -99,6 +99,9 @@ class SimConfig:
     # How busy jobs keep their GPUs (utilisation.py): production (drawn from published cluster
     # figures) or saturated (every job as busy as its benchmark).
     utilisation: str = "production"
+    # production: every drawn utilisation times this (capped at the benchmark's), for the sweep of
+    # docs/evaluation.md: where sharing pays and where it breaks even.
+    util_scale: float = 1.0
     # scavenger: a requeued job is not eligible before this (Slurm's BeginTime after a requeue,
     # ~121 s on 22.05, docs/architecture.md); antman clears it with MakeEligible.
     requeue_delay_s: float = 120.0
@@ -126,6 +129,8 @@ class SimConfig:
         if self.slow_preempt_s is not None and not self.slow_preempt_s > 0:
             raise ValueError(f"--slow-preempt-s must be > 0 (or 'none'), got {self.slow_preempt_s}")
         utilisation.check_mode(self.utilisation)
+        if not self.util_scale > 0:
+            raise ValueError(f"--util-scale must be > 0, got {self.util_scale}")
         if not 0 < self.min_progress <= 1:
             raise ValueError(f"--min-progress must be in (0, 1], got {self.min_progress}")
         if self.move_after_s is not None and not self.move_after_s > 0:
@@ -281,7 +286,8 @@ class Simulator:
         if self.cfg.utilisation == "saturated":
             util = prof.sm_util
         else:  # an openb pod list carries qos: Alibaba PAI's figures; Philly's otherwise
-            util = utilisation.draw(j.job_id, j.gpus, "pai" if j.qos is not None else "philly", self.cfg.seed)
+            util = self.cfg.util_scale * utilisation.draw(j.job_id, j.gpus, "pai" if j.qos is not None else "philly",
+                                                          self.cfg.seed)
         duty = prof.duty(util)
         sj = _Job(j, prof, requested, klass, submit, dur, work_left=dur, submitted_as=klass,
                   util=duty * prof.sm_util, duty=duty)
@@ -916,7 +922,7 @@ class Simulator:
             queued_s=self.t_queued,
             jobs_done_twice=sum(1 for j in self.jobs.values() if j.finishes > 1),
             moves=self.counts["moves"], quota_over_alone=self.counts["quota_over_alone"],
-            utilisation=self.cfg.utilisation,
+            utilisation=self.cfg.utilisation, util_scale=self.cfg.util_scale,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],
             coordinator_cycles=self.counts["cycles"],
