@@ -311,3 +311,19 @@ def test_new_flags_are_checked_and_named():
                      (dict(move_after_s=0.0), "--move-after-s"), (dict(move_gain=0.5), "--move-gain")):
         with pytest.raises(ValueError, match=flag):
             SimConfig(**kw)
+
+
+def test_report_names_the_best_baseline_and_antman_against_it(tmp_path):
+    from slurm_antman.evaluation import report
+    rows = [(f"2017-10-01 00:{m:02d}:00", 900.0 + 50 * m, 1, "a" if m % 3 else "b") for m in range(12)]
+    jobs = trace(tmp_path, rows)
+    results = [simulate(jobs, SimConfig(policy=p, nodes=1, gpus_per_node=2)) for p in POLICIES]
+    doc = report.document(results, {})
+    baselines = {r.policy: r.metrics["jct_mean_s"] for r in results if r.policy != "antman"}
+    assert doc["best_baseline"] == min(baselines, key=baselines.get)
+    antman = next(r for r in results if r.policy == "antman").metrics["jct_mean_s"]
+    assert doc["antman_against_best"]["jct_mean_ratio"] == pytest.approx(antman / min(baselines.values()))
+    assert set(doc["against_quota"]) == set(POLICIES) - {"quota"}
+    table = report.markdown_table(doc)
+    assert table.splitlines()[0] == "| metric | exclusive | quota | scavenger | shared | antman |"
+    assert f"against the best baseline ({doc['best_baseline']})" in table

@@ -125,17 +125,25 @@ def plot(out: Path, results: Sequence) -> list[str]:
 
 
 TABLE_KEYS = (
-    ("sm_util", "SM util", "{:.3f}"), ("mem_util", "mem util", "{:.3f}"),
     ("jct_mean_s", "JCT mean (s)", "{:,.0f}"), ("jct_guaranteed_mean_s", "guaranteed JCT mean (s)", "{:,.0f}"),
-    ("jobs_done", "jobs done", "{}"), ("preemptions", "preemptions", "{}"),
-    ("preemption_lost_gpu_s", "GPU-h lost to preemption", "{:.1f}"),
-    ("queue_delay_mean_s", "queueing delay mean (s)", "{:,.0f}"), ("oom_failures", "OOM failures", "{}"),
+    ("guaranteed_run_stretch_mean", "guaranteed run time / work", "{:.3f}"),
+    ("jct_opportunistic_mean_s", "opportunistic JCT mean (s)", "{:,.0f}"),
+    ("queue_delay_mean_s", "queueing delay mean (s)", "{:,.0f}"),
+    ("sm_util", "SM util", "{:.3f}"), ("useful_util_queued", "useful util while jobs queue", "{:.3f}"),
+    ("mem_util", "mem util", "{:.3f}"),
+    ("jobs_done", "jobs done", "{}"), ("jobs_done_twice", "jobs done twice", "{}"),
+    ("preemptions", "preemptions (moves incl.)", "{}"), ("moves", "moves", "{}"),
+    ("preemption_lost_gpu_s", "GPU-h lost to preemption", "{:.1f}"), ("oom_failures", "OOM failures", "{}"),
 )
+RATIO_KEYS = ("jct_mean_ratio", "jct_guaranteed_mean_ratio", "jct_guaranteed_same_jobs_ratio",
+              "useful_util_queued_ratio", "sm_util_ratio", "mem_util_ratio")
+ORDER = ("exclusive", "quota", "scavenger", "shared", "antman")
 
 
 def markdown_table(doc: Mapping) -> str:
-    """The per-policy table of docs/evaluation.md from a results document."""
-    pols = [p for p in ("exclusive", "shared", "antman") if p in doc["policies"]]
+    """The per-policy table of docs/evaluation.md from a results document, with antman's ratios
+    against exclusive, quota and the best baseline on mean JCT."""
+    pols = [p for p in ORDER if p in doc["policies"]]
     lines = ["| metric | " + " | ".join(pols) + " |", "|---|" + "---|" * len(pols)]
     for key, label, fmt in TABLE_KEYS:
         cells = []
@@ -145,11 +153,13 @@ def markdown_table(doc: Mapping) -> str:
                 v = v / 3600
             cells.append("-" if v is None else fmt.format(v))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    cmp = doc.get("against_exclusive", {})
-    if cmp:
-        lines += ["", "| against exclusive | " + " | ".join(cmp) + " |", "|---|" + "---|" * len(cmp)]
-        for key in ("sm_util_ratio", "mem_util_ratio", "jct_mean_ratio", "jct_guaranteed_mean_ratio",
-                    "jct_guaranteed_same_jobs_ratio"):
+    cols = [(f"against {b}", doc[f"against_{b}"].get("antman")) for b in ("exclusive", "quota")
+            if "antman" in doc.get(f"against_{b}", {})]
+    if doc.get("antman_against_best"):
+        cols.append((f"against the best baseline ({doc['best_baseline']})", doc["antman_against_best"]))
+    if cols:
+        lines += ["", "| antman | " + " | ".join(c for c, _ in cols) + " |", "|---|" + "---|" * len(cols)]
+        for key in RATIO_KEYS:
             lines.append(f"| {key} | " + " | ".join(
-                "-" if c.get(key) is None else f"{c[key]:.3f}" for c in cmp.values()) + " |")
+                "-" if c.get(key) is None else f"{c[key]:.3f}" for _, c in cols) + " |")
     return "\n".join(lines) + "\n"
