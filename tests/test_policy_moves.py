@@ -112,3 +112,11 @@ def test_placement_memory_survives_a_restart_of_the_coordinator():
     # Forgotten once the job is gone from Slurm's view.
     _, st2 = decide(snap([job("1", state="RUNNING", job_class="guaranteed")], nodes), back, PARAMS)
     assert "7" not in st2.avoid
+
+
+def test_a_job_preempted_for_a_need_is_remembered_off_that_gpu():
+    from slurm_antman.policy.builders import need
+    nodes = [node("n1", (gpu(0, util=0.6, g=("1",), o=("7",)), gpu(1)))]
+    ds, st = decide(snap(jobs("7"), nodes, needs=(need("1", "n1", 0),)), EMPTY, PARAMS)
+    assert [d.job_id for d in moves(ds)] == ["7"] and not ds[0].inputs.get("move")
+    assert (st.avoid["7"].node, st.avoid["7"].gpu) == ("n1", 0)

@@ -26,6 +26,10 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
 
     pre = preemption.step(now, snap.needs, state, params, jobs, nodes)
     moved, moving, avoid = moves.step(now, nodes, jobs, params, pre.touched | pre.preempting.keys() | pre.requeued.keys())
+    # A job preempted for a guaranteed job's need is not put back on that GPU either.
+    for d in pre.decisions:
+        if d.kind == "preempt_notice":
+            avoid[d.job_id] = moves.Avoid(d.job_id, d.node, int(d.inputs.get("gpu", -1)), now)
     pre.decisions.extend(moved)
     pre.preempting.update(moving)
     pre.touched.update(moving)
