@@ -385,15 +385,24 @@ class Simulator:
     # -- job lifecycle --------------------------------------------------------------------------
 
     def _schedule(self) -> None:
+        """One scheduling pass over the queue. A pass costs the length of the queue, which under a
+        quota or a busy scavenger partition holds thousands of jobs, so passes that cannot start
+        anything are skipped: a whole-GPU policy with no idle GPU starts nothing."""
         if not self.pending:
             return
-        if self.cfg.policy != "scavenger":
-            self._schedule_pass(None)
+        policy = self.cfg.policy
+        if policy != "scavenger":
+            if policy not in WHOLE_GPU or self.free_gpus:
+                self._schedule_pass(self.pending)
             return
         # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
-        self._schedule_pass(True)
-        self._preempt_scavengers()
-        self._schedule_pass(False)
+        high = [jid for jid in self.pending if self._is_high(self.jobs[jid])]
+        if high and self.free_gpus:
+            self._schedule_pass(high)
+        if high:
+            self._preempt_scavengers(high)
+        if self.free_gpus:
+            self._schedule_pass([jid for jid in self.pending if not self._is_high(self.jobs[jid])])
 
     def _is_high(self, j: _Job) -> bool:
         return j.submitted_as == "guaranteed"
@@ -414,48 +423,61 @@ class Simulator:
             return True
         return have == 0 and q is not None and j.job.gpus > q
 
-    def _schedule_pass(self, high: Optional[bool]) -> None:
-        still: list[str] = []
+    def _schedule_pass(self, ids: list[str]) -> None:
         whole = self.cfg.policy in WHOLE_GPU
-        # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit.
+        # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit;
+        # likewise per tenant for its quota (its GPUs only grow during a pass).
         smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
-        for pos, jid in enumerate(self.pending):
+        over_quota: dict[str, int] = {}
+        started = False
+        for jid in ids:
             j = self.jobs[jid]
-            if (j.state != "PENDING" or j.held or j.eligible_at > self.now
-                    or (high is not None and self._is_high(j) != high) or not self._within_quota(j)):
-                if j.state == "PENDING":
-                    still.append(jid)
+            if j.state != "PENDING" or j.held or j.eligible_at > self.now:
+                continue
+            tenant = j.job.tenant
+            if j.job.gpus >= over_quota.get(tenant, 1 << 30):
+                continue
+            if not self._within_quota(j):
+                over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
                 continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
             gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
             if gpus is None:
                 smallest_failed[kind] = min(smallest_failed[kind], j.job.gpus)
-                still.append(jid)
                 if smallest_failed["guaranteed"] <= 1 and (whole or smallest_failed["opportunistic"] <= 1):
-                    still.extend(self.pending[pos + 1:])  # not even a 1-GPU job fits: the rest waits
-                    break
+                    break  # not even a 1-GPU job fits: the rest waits
                 continue
             smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
             self._start(j, gpus)
-        self.pending = [jid for jid in still if self.jobs[jid].state == "PENDING"]
+            started = True
+        if started:
+            # A job that failed at its start (OOM) was queued again at the end: it keeps that place.
+            seen: set[str] = set()
+            keep: list[str] = []
+            for jid in reversed(self.pending):
+                if jid not in seen and self.jobs[jid].state == "PENDING":
+                    seen.add(jid)
+                    keep.append(jid)
+            self.pending = keep[::-1]
 
-    def _preempt_scavengers(self) -> None:
+    def _preempt_scavengers(self, high: list[str]) -> None:
         """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
         few idle GPUs has scavenger jobs signalled (the youngest first, so the least work is lost);
         they are requeued when the grace time is over (``_REQUEUE``). GPUs already being freed count."""
         free = len(self.free_gpus)
-        freeing = sum(len(x.gpus) for x in self.active.values()
-                      if x.state == "RUNNING" and x.notice_at is not None)
+        freeing: Optional[int] = None  # counted at the first job that needs more than is idle
         victims: Optional[list[_Job]] = None
-        for jid in self.pending:
+        for jid in high:
             j = self.jobs[jid]
-            if (j.state != "PENDING" or j.held or j.eligible_at > self.now or not self._is_high(j)
-                    or not self._within_quota(j)):
+            if j.state != "PENDING" or j.held or j.eligible_at > self.now or not self._within_quota(j):
                 continue
             deficit = j.job.gpus - free
             free = max(0, free - j.job.gpus)
             if deficit <= 0:
                 continue
+            if freeing is None:
+                freeing = sum(len(x.gpus) for x in self.active.values()
+                              if x.state == "RUNNING" and x.notice_at is not None)
             cover = min(deficit, freeing)
             deficit, freeing = deficit - cover, freeing - cover
             if victims is None:
