@@ -120,3 +120,17 @@ def test_a_job_preempted_for_a_need_is_remembered_off_that_gpu():
     ds, st = decide(snap(jobs("7"), nodes, needs=(need("1", "n1", 0),)), EMPTY, PARAMS)
     assert [d.job_id for d in moves(ds)] == ["7"] and not ds[0].inputs.get("move")
     assert (st.avoid["7"].node, st.avoid["7"].gpu) == ("n1", 0)
+
+
+def test_explain_tells_a_move_from_a_preemption(tmp_path):
+    from slurm_antman.coordinator import audit
+    from slurm_antman.coordinator.explain import explain
+    nodes = [node("n1", (crawler(NOW - WAIT - 1), gpu(1)))]
+    ds, _ = decide(snap(jobs("7"), nodes), EMPTY, PARAMS)
+    log = audit.AuditLog(tmp_path / "audit.jsonl")
+    for d in ds:
+        log.append(audit.decision_record(d, "ok", NOW))
+    log.close()
+    text, rc = explain("7", str(tmp_path / "audit.jsonl"))
+    assert rc == 0 and "move notice (crawling) (grace 30 s) on n1" in text
+    assert "why: moved: progress 0.05 of its solo rate on n1 GPU 0" in text
