@@ -251,6 +251,8 @@ class Simulator:
         self.tenant_gpus: dict[str, int] = {}   # tenant -> GPUs its running jobs hold (any class)
         self.high_gpus: dict[str, int] = {}     # scavenger: tenant -> GPUs of its high-partition jobs
         self.crawl_gpus: set[int] = set()       # antman: GPUs with a crawling opportunistic job
+        self.fresh: list[str] = []               # submitted since the last scheduling pass
+        self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
@@ -318,6 +320,7 @@ class Simulator:
                         continue  # a stale finish time: the job's rate changed since
                     self._finish(j)
                 elif kind == _WAKE:
+                    self.sched_dirty = True  # a job's retry or BeginTime is over
                     self.force_cycle = True  # a grace time is over: requeue now, not a cycle later
                 elif kind == _REQUEUE:  # scavenger: Slurm requeues a preempted job after its grace time
                     if j.state == "RUNNING" and version == j.restarts and j.notice_at is not None:
@@ -358,6 +361,7 @@ class Simulator:
         jid = j.job.job_id
         self.active[jid] = j
         self.pending.append(jid)
+        self.fresh.append(jid)
         self.n_pending += 1
         if j.requested != "auto":
             return
@@ -388,21 +392,31 @@ class Simulator:
         """One scheduling pass over the queue. A pass costs the length of the queue, which under a
         quota or a busy scavenger partition holds thousands of jobs, so passes that cannot start
         anything are skipped: a whole-GPU policy with no idle GPU starts nothing."""
+        fresh, self.fresh = self.fresh, []
         if not self.pending:
             return
         policy = self.cfg.policy
+        # Under whole GPUs a queued job can start only once GPUs, quota or its eligibility free up:
+        # until then, only the jobs submitted since the last pass are worth looking at.
+        queue = self.pending
+        if policy in WHOLE_GPU:
+            if not self.sched_dirty:
+                queue = [jid for jid in fresh if self.jobs[jid].state == "PENDING"]
+            self.sched_dirty = False
         if policy != "scavenger":
             if policy not in WHOLE_GPU or self.free_gpus:
-                self._schedule_pass(self.pending)
+                self._schedule_pass(queue)
             return
         # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
-        high = [jid for jid in self.pending if self._is_high(self.jobs[jid])]
+        high = [jid for jid in queue if self._is_high(self.jobs[jid])]
         if high and self.free_gpus:
             self._schedule_pass(high)
-        if high:
-            self._preempt_scavengers(high)
+        # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed.
+        waiting = [jid for jid in self.pending if self._is_high(self.jobs[jid])]
+        if waiting:
+            self._preempt_scavengers(waiting)
         if self.free_gpus:
-            self._schedule_pass([jid for jid in self.pending if not self._is_high(self.jobs[jid])])
+            self._schedule_pass([jid for jid in queue if not self._is_high(self.jobs[jid])])
 
     def _is_high(self, j: _Job) -> bool:
         return j.submitted_as == "guaranteed"
@@ -629,6 +643,7 @@ class Simulator:
         if j.ran_as == "guaranteed":
             self.usage[j.job.tenant] -= len(j.gpus)
         self._hold(j, -len(j.gpus))
+        self.sched_dirty = True
         for i in j.gpus:
             g = self.gpus[i]
             if jid in g.guar:
