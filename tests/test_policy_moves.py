@@ -134,3 +134,25 @@ def test_explain_tells_a_move_from_a_preemption(tmp_path):
     text, rc = explain("7", str(tmp_path / "audit.jsonl"))
     assert rc == 0 and "move notice (crawling) (grace 30 s) on n1" in text
     assert "why: moved: progress 0.05 of its solo rate on n1 GPU 0" in text
+
+
+def test_sidecar_report_carries_progress_and_crawling_into_the_snapshot():
+    from slurm_antman import config, protocol as p
+    from slurm_antman.coordinator.hub import NodeReport
+    from slurm_antman.coordinator.snapshot_builder import node_views
+    cfg = config.parse({"nodes": [{"name": "n1", "gpus": 2}]})
+    gpus = [p.ReportGpu(index=0, mem_total_bytes=80 << 30, mem_used_bytes=0, util=0.6, jobs=["1", "7"]),
+            p.ReportGpu(index=1, mem_total_bytes=80 << 30, mem_used_bytes=0, util=0.0, jobs=[])]
+    reported = [p.ReportJob(job_id="1", job_class="guaranteed", gpus=[0], mem_limit_bytes=None, mem_used_bytes=None,
+                            compute_share=1.0, iteration_ms=100.0, last_checkpoint_unix=None),
+                p.ReportJob(job_id="7", job_class="opportunistic", gpus=[0], mem_limit_bytes=None, mem_used_bytes=None,
+                            compute_share=0.05, iteration_ms=2000.0, last_checkpoint_unix=None,
+                            progress=0.05, crawling_since_unix=NOW - 700)]
+    body = p.NodeReport(node="n1", telemetry="nvml", gpus=gpus, jobs=reported, preempt_requests=[])
+    # Encoded and decoded as the uplink does: the optional fields survive.
+    body = p.decode(p.encode(p.message(body))).body
+    views = node_views(cfg, [], {"n1": NodeReport("n1", NOW, body)}, {"1": "guaranteed", "7": "opportunistic"}, NOW)
+    g0 = views[0].gpus[0]
+    assert g0.opportunistic_jobs == ("7",) and g0.progress == (("7", 0.05),) and g0.crawling == (("7", NOW - 700),)
+    ds, _ = decide(snap(jobs("7"), views), EMPTY, PARAMS)
+    assert [d.job_id for d in moves(ds)] == ["7"]
