@@ -252,6 +252,7 @@ class Simulator:
         self.high_gpus: dict[str, int] = {}     # scavenger: tenant -> GPUs of its high-partition jobs
         self.crawl_gpus: set[int] = set()       # antman: GPUs with a crawling opportunistic job
         self.fresh: list[str] = []               # submitted since the last scheduling pass
+        self.guaranteed_use: dict[str, int] = {}  # tenant -> GPUs of its guaranteed jobs not done
         self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
@@ -347,7 +348,9 @@ class Simulator:
         if self.cfg.policy == "antman":
             self._cycle()
         else:
-            self.quota_file = self._quota_use(self._views(()))
+            # Without a coordinator nothing is held and a class never changes after submission, so
+            # what quota_use counts (guaranteed jobs running or pending) is kept as jobs come and go.
+            self.quota_file = {t: n for t, n in self.guaranteed_use.items() if n}
 
     @staticmethod
     def _quota_use(views: Iterable[cp.JobView]) -> dict[str, int]:
@@ -363,11 +366,16 @@ class Simulator:
         self.pending.append(jid)
         self.fresh.append(jid)
         self.n_pending += 1
-        if j.requested != "auto":
-            return
-        q = self.quotas.get(j.job.tenant)
-        within = fits_quota(q, self.quota_file.get(j.job.tenant, 0), j.job.gpus)
-        j.klass = j.submitted_as = "guaranteed" if within else "opportunistic"
+        if j.requested == "auto":
+            q = self.quotas.get(j.job.tenant)
+            within = fits_quota(q, self.quota_file.get(j.job.tenant, 0), j.job.gpus)
+            j.klass = j.submitted_as = "guaranteed" if within else "opportunistic"
+        self._count_guaranteed(j, +1)
+
+    def _count_guaranteed(self, j: _Job, sign: int) -> None:
+        if j.klass == "guaranteed":
+            t = j.job.tenant
+            self.guaranteed_use[t] = self.guaranteed_use.get(t, 0) + sign * j.job.gpus
 
     def _integrate(self, t: float) -> None:
         lo, hi = max(self.t_int, self.t0), min(t, self.t_end_measure)
@@ -606,6 +614,7 @@ class Simulator:
         self._advance(j)
         j.state, j.end = "DONE", self.now
         j.finishes += 1
+        self._count_guaranteed(j, -1)
         del self.active[j.job.job_id]
         self._release(j)
 
