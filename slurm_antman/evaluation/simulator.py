@@ -172,6 +172,7 @@ class _Job:
     duty: float = 1.0       # its fraction of the benchmark's GPU work (Profile.duty)
     avoid: tuple[int, ...] = ()  # antman's placement memory: GPUs it was moved off
     finishes: int = 0
+    ticket: int = 0   # its current entry in the queue
 
 
 @dataclass(slots=True)
@@ -219,7 +220,9 @@ class Simulator:
         self.node_names = [f"sim{k:04d}" for k in range(cfg.nodes)]
         self.opp_slots = [cfg.slots_per_gpu * cfg.gpus_per_node] * cfg.nodes
         self.jobs: dict[str, _Job] = {}
-        self.pending: list[str] = []  # submission order
+        # The queue in submission order (a requeued job at the end): (job, ticket) entries, of which
+        # only the one with the job's current ticket counts; the others are compacted away later.
+        self.pending: list[tuple[str, int]] = []
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0
@@ -251,8 +254,9 @@ class Simulator:
         self.tenant_gpus: dict[str, int] = {}   # tenant -> GPUs its running jobs hold (any class)
         self.high_gpus: dict[str, int] = {}     # scavenger: tenant -> GPUs of its high-partition jobs
         self.crawl_gpus: set[int] = set()       # antman: GPUs with a crawling opportunistic job
-        self.fresh: list[str] = []               # submitted since the last scheduling pass
+        self.fresh: list[tuple[str, int]] = []   # queued since the last scheduling pass
         self.guaranteed_use: dict[str, int] = {}  # tenant -> GPUs of its guaranteed jobs not done
+        self.dead_in_queue = 0                   # entries of self.pending no longer pending
         self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
@@ -363,14 +367,24 @@ class Simulator:
         guaranteed). The file can be a cycle old, as on the real cluster."""
         jid = j.job.job_id
         self.active[jid] = j
-        self.pending.append(jid)
-        self.fresh.append(jid)
+        self._enqueue(j)
         self.n_pending += 1
         if j.requested == "auto":
             q = self.quotas.get(j.job.tenant)
             within = fits_quota(q, self.quota_file.get(j.job.tenant, 0), j.job.gpus)
             j.klass = j.submitted_as = "guaranteed" if within else "opportunistic"
         self._count_guaranteed(j, +1)
+
+    def _enqueue(self, j: _Job) -> None:
+        self.seq += 1
+        j.ticket = self.seq
+        entry = (j.job.job_id, j.ticket)
+        self.pending.append(entry)
+        self.fresh.append(entry)
+
+    def _queued(self, entry: tuple[str, int]) -> bool:
+        j = self.jobs[entry[0]]
+        return j.ticket == entry[1] and j.state == "PENDING"
 
     def _count_guaranteed(self, j: _Job, sign: int) -> None:
         if j.klass == "guaranteed":
@@ -401,7 +415,7 @@ class Simulator:
         quota or a busy scavenger partition holds thousands of jobs, so passes that cannot start
         anything are skipped: a whole-GPU policy with no idle GPU starts nothing."""
         fresh, self.fresh = self.fresh, []
-        if not self.pending:
+        if not self.n_pending:
             return
         policy = self.cfg.policy
         # Under whole GPUs a queued job can start only once GPUs, quota or its eligibility free up:
@@ -409,22 +423,22 @@ class Simulator:
         queue = self.pending
         if policy in WHOLE_GPU:
             if not self.sched_dirty:
-                queue = [jid for jid in fresh if self.jobs[jid].state == "PENDING"]
+                queue = [e for e in fresh if self._queued(e)]
             self.sched_dirty = False
         if policy != "scavenger":
             if policy not in WHOLE_GPU or self.free_gpus:
                 self._schedule_pass(queue)
             return
         # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
-        high = [jid for jid in queue if self._is_high(self.jobs[jid])]
+        high = [e for e in queue if self._is_high(self.jobs[e[0]])]
         if high and self.free_gpus:
             self._schedule_pass(high)
         # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed.
-        waiting = [jid for jid in self.pending if self._is_high(self.jobs[jid])]
+        waiting = [e for e in self.pending if self._is_high(self.jobs[e[0]]) and self._queued(e)]
         if waiting:
             self._preempt_scavengers(waiting)
         if self.free_gpus:
-            self._schedule_pass([jid for jid in queue if not self._is_high(self.jobs[jid])])
+            self._schedule_pass([e for e in queue if not self._is_high(self.jobs[e[0]])])
 
     def _is_high(self, j: _Job) -> bool:
         return j.submitted_as == "guaranteed"
@@ -445,16 +459,16 @@ class Simulator:
             return True
         return have == 0 and q is not None and j.job.gpus > q
 
-    def _schedule_pass(self, ids: list[str]) -> None:
+    def _schedule_pass(self, ids: list[tuple[str, int]]) -> None:
         whole = self.cfg.policy in WHOLE_GPU
         # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit;
         # likewise per tenant for its quota (its GPUs only grow during a pass).
         smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
         over_quota: dict[str, int] = {}
         started = False
-        for jid in ids:
+        for jid, ticket in ids:
             j = self.jobs[jid]
-            if j.state != "PENDING" or j.held or j.eligible_at > self.now:
+            if j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now:
                 continue
             tenant = j.job.tenant
             if j.job.gpus >= over_quota.get(tenant, 1 << 30):
@@ -472,24 +486,20 @@ class Simulator:
             smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
             self._start(j, gpus)
             started = True
-        if started:
-            # A job that failed at its start (OOM) was queued again at the end: it keeps that place.
-            seen: set[str] = set()
-            keep: list[str] = []
-            for jid in reversed(self.pending):
-                if jid not in seen and self.jobs[jid].state == "PENDING":
-                    seen.add(jid)
-                    keep.append(jid)
-            self.pending = keep[::-1]
+        if started and self.dead_in_queue * 2 > len(self.pending):
+            # Compacted only when most of the queue has left it: a queue of tens of thousands (quota)
+            # is not copied at every start.
+            self.pending = [e for e in self.pending if self._queued(e)]
+            self.dead_in_queue = 0
 
-    def _preempt_scavengers(self, high: list[str]) -> None:
+    def _preempt_scavengers(self, high: list[tuple[str, int]]) -> None:
         """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
         few idle GPUs has scavenger jobs signalled (the youngest first, so the least work is lost);
         they are requeued when the grace time is over (``_REQUEUE``). GPUs already being freed count."""
         free = len(self.free_gpus)
         freeing: Optional[int] = None  # counted at the first job that needs more than is idle
         victims: Optional[list[_Job]] = None
-        for jid in high:
+        for jid, _ in high:
             j = self.jobs[jid]
             if j.state != "PENDING" or j.held or j.eligible_at > self.now or not self._within_quota(j):
                 continue
@@ -578,6 +588,7 @@ class Simulator:
             self.usage[j.job.tenant] = self.usage.get(j.job.tenant, 0) + len(gpus)
         self._hold(j, len(gpus))
         self.n_pending -= 1
+        self.dead_in_queue += 1
         for i in gpus:
             g = self.gpus[i]
             (g.guar if j.klass == "guaranteed" else g.opp).append(j.job.job_id)
@@ -644,7 +655,7 @@ class Simulator:
         j.restarts += 1
         j.state, j.view, j.version = "PENDING", None, j.version + 1
         self._release(j)
-        self.pending.append(j.job.job_id)
+        self._enqueue(j)
         self.n_pending += 1
 
     def _release(self, j: _Job) -> None:
