@@ -257,6 +257,7 @@ class Simulator:
         self.fresh: list[tuple[str, int]] = []   # queued since the last scheduling pass
         self.guaranteed_use: dict[str, int] = {}  # tenant -> GPUs of its guaranteed jobs not done
         self.dead_in_queue = 0                   # entries of self.pending no longer pending
+        self.queued_per_tenant: dict[str, int] = {}
         self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
@@ -379,6 +380,7 @@ class Simulator:
         self.seq += 1
         j.ticket = self.seq
         entry = (j.job.job_id, j.ticket)
+        self.queued_per_tenant[j.job.tenant] = self.queued_per_tenant.get(j.job.tenant, 0) + 1
         self.pending.append(entry)
         self.fresh.append(entry)
 
@@ -465,6 +467,7 @@ class Simulator:
         # likewise per tenant for its quota (its GPUs only grow during a pass).
         smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
         over_quota: dict[str, int] = {}
+        at_quota, live = 0, None  # tenants refused even a 1-GPU job; tenants with queued jobs
         started = False
         for jid, ticket in ids:
             j = self.jobs[jid]
@@ -474,7 +477,14 @@ class Simulator:
             if j.job.gpus >= over_quota.get(tenant, 1 << 30):
                 continue
             if not self._within_quota(j):
-                over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
+                before = over_quota.get(tenant, 1 << 30)
+                over_quota[tenant] = min(before, j.job.gpus)
+                if before > 1 >= over_quota[tenant]:
+                    at_quota += 1
+                    if live is None:
+                        live = sum(1 for n in self.queued_per_tenant.values() if n > 0)
+                    if at_quota >= live:
+                        break  # every tenant with a queued job is at its quota: nothing more can start
                 continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
             gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
@@ -589,6 +599,7 @@ class Simulator:
         self._hold(j, len(gpus))
         self.n_pending -= 1
         self.dead_in_queue += 1
+        self.queued_per_tenant[j.job.tenant] -= 1
         for i in gpus:
             g = self.gpus[i]
             (g.guar if j.klass == "guaranteed" else g.opp).append(j.job.job_id)
