@@ -253,6 +253,8 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
         elif g in state.over_since and opp_on(g):
             over_since[g] = state.over_since[g]  # no new report: nothing learned either way
 
+    guarded_gpus = {g for g in gpus if any(j.job_class == "guaranteed" for j in on_gpu[g])}
+
     # Memory per GPU; preempt newest opportunistic jobs when the minimums do not fit.
     preempted = {k: v for k, v in state.preempted.items() if k in jobs}
     new_preempt: list[PreemptRequest] = []
@@ -284,9 +286,8 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
             over_since[g] = now  # the next one only if a whole period passes without relief
         if active:
             each = max(p.min_opportunistic_bytes, _quantize(available // len(active), p.quantum_bytes))
-            guarded = any(j.job_class == "guaranteed" for j in on_gpu[g])
             # Nobody to protect: opportunistic jobs run unthrottled beside each other (module doc).
-            share = max(p.min_share, budget[g] / len(active)) if guarded else 1.0
+            share = max(p.min_share, budget[g] / len(active)) if g in guarded_gpus else 1.0
             for j in active:
                 per_job_mem.setdefault(j.job_id, []).append(each)
                 per_job_share.setdefault(j.job_id, []).append(share)
@@ -310,7 +311,6 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
                 progress[j.job_id] = v
     order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
                  if j.job_id not in preempted] for g in gpus}
-    guarded_gpus = {g for g in gpus if any(j.job_class == "guaranteed" for j in on_gpu[g])}
     crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
 
     new_state = replace(state, guaranteed=tracks,

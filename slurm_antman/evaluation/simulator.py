@@ -54,7 +54,7 @@ from slurm_antman.policy.quota import fits_quota
 
 from . import utilisation
 from .traces import Job
-from .workloads import GiB, INTERFERENCE, Profile, assign
+from .workloads import GiB, Profile, assign
 
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
 # Policies under which every job holds whole GPUs alone.
@@ -764,7 +764,7 @@ class Simulator:
         if guar:
             # All opportunistic jobs on a GPU get the same share; the guaranteed job then slows by
             # 1 + share x c (workloads module doc), so the AIMD loop's steady state depends on c alone.
-            c = guar[0].duty * sum(o.duty * INTERFERENCE.get((guar[0].profile.kind, o.profile.kind), 0.0) for o in opp)
+            c = guar[0].profile.slowdown(((o.profile.kind, o.duty) for o in opp), guar[0].duty) - 1.0
             steady, slow = self._steady_shares(round(c, 3), len(opp))
         self._track_slow(g, guar, slow)
         shares: dict[str, float] = {}

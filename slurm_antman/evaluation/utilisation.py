@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 MODES = ("production", "saturated")
 
@@ -117,14 +117,3 @@ def check_mode(mode: str) -> str:
     if mode not in MODES:
         raise ValueError(f"--utilisation {mode!r} is not allowed; allowed: {', '.join(MODES)}")
     return mode
-
-
-def means() -> dict[str, float]:
-    """Mean utilisation of every table: for the docs and the tests."""
-    out = {f"philly_{g}gpu": q.mean() for g, q in PHILLY.items()}
-    out["pai"] = PAI.mean()
-    return out
-
-
-def sizes() -> Sequence[int]:
-    return tuple(sorted(PHILLY))
