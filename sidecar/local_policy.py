@@ -20,7 +20,9 @@ The rules (AntMan's, with TGS-style rate control for compute):
 * Opportunistic jobs alone on a GPU (no guaranteed job there) are not throttled against each other:
   there is nobody to protect, and jobs that leave the GPU idle much of the time interleave. Their
   progress (iteration time against their time alone on the GPU) is measured instead, and where
-  sharing is a loss (their progress adds up to less than one job alone) the newest is *crawling*.
+  sharing is a loss (their progress adds up to less than one job alone) the one making the least
+  progress is *crawling*. Not the newest: progress comes from each job's own reports, which a job
+  controls, so a job that reports itself slow must only ever get itself moved, never a neighbour.
 * An opportunistic job progressing under ``min_progress`` of its solo rate (at the floor share
   beside a busy guaranteed job, say) is crawling too. The sidecar reports since when; the
   coordinator moves it (``slurm_antman.policy.moves``) once that has lasted ``move_after_s`` and a
@@ -153,9 +155,10 @@ def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float
 
 def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
              prev: Mapping[str, float], now: float, p: PolicyParams) -> dict[str, float]:
-    """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or the
-    newest on a GPU without a guaranteed job whose opportunistic jobs together make less progress
-    than one of them alone. ``order``: each GPU's opportunistic jobs, oldest first."""
+    """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or, on a
+    GPU without a guaranteed job whose opportunistic jobs together make less progress than one of
+    them alone, the one making the least (the newest on a tie). ``order``: each GPU's opportunistic
+    jobs, oldest first."""
     out: dict[str, float] = {}
     for g, jobs in order.items():
         known = [progress[j] for j in jobs if j in progress]
@@ -163,7 +166,8 @@ def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guar
             if j in progress and progress[j] < p.min_progress:
                 out[j] = prev.get(j, now)
         if g not in guaranteed_on and len(jobs) > 1 and len(known) == len(jobs) and sum(known) < 1.0:
-            out[jobs[-1]] = prev.get(jobs[-1], now)
+            slowest = min(reversed(jobs), key=lambda j: progress[j])
+            out[slowest] = prev.get(slowest, now)
     return out
 
 

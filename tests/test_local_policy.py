@@ -232,13 +232,29 @@ def test_sharing_that_is_a_loss_makes_the_newest_crawl():
     state = PolicyState(opportunistic={
         "201": run([opp_at("201", 1.0, 1, 100.0)]).state.opportunistic["201"],
         "202": run([opp_at("202", 2.0, 1, 100.0)]).state.opportunistic["202"]})
-    slow = [opp_at("201", 1.0, 2, 300.0), opp_at("202", 2.0, 2, 260.0)]
+    slow = [opp_at("201", 1.0, 2, 260.0), opp_at("202", 2.0, 2, 300.0)]
     d = run(slow, state=state, now=500.0)
-    assert d.state.crawling == {"202": 500.0}  # 0.33 + 0.38 < 1: the newest
-    d = run([opp_at("201", 1.0, 3, 300.0), opp_at("202", 2.0, 3, 260.0)], state=d.state, now=600.0)
+    assert d.state.crawling == {"202": 500.0}  # 0.38 + 0.33 < 1: the one making the least
+    d = run([opp_at("201", 1.0, 3, 260.0), opp_at("202", 2.0, 3, 300.0)], state=d.state, now=600.0)
     assert d.state.crawling == {"202": 500.0}  # since when, kept
     d = run([opp_at("201", 1.0, 4, 150.0), opp_at("202", 2.0, 4, 150.0)], state=d.state, now=700.0)
     assert d.state.crawling == {}
+    # Equal progress: the newest.
+    d = run([opp_at("201", 1.0, 5, 300.0), opp_at("202", 2.0, 5, 300.0)], state=d.state, now=800.0)
+    assert d.state.crawling == {"202": 800.0}
+
+
+def test_a_job_reporting_itself_slow_cannot_make_its_neighbour_crawl():
+    """Progress comes from each job's own reports. An older job that claims to be crawling (its
+    reports are its own to forge) pushes the pair's sum under 1, and must get only itself moved."""
+    state = PolicyState(opportunistic={
+        "201": run([opp_at("201", 1.0, 1, 100.0)]).state.opportunistic["201"],
+        "202": run([opp_at("202", 2.0, 1, 100.0)]).state.opportunistic["202"]})
+    liar = opp_at("201", 1.0, 2, 1e9)     # "I make no progress at all"
+    honest = opp_at("202", 2.0, 2, 125.0)  # 0.8 of its solo rate: sharing costs it little
+    d = run([liar, honest], state=state, now=500.0)
+    assert d.progress["202"] == pytest.approx(0.8)
+    assert "202" not in d.state.crawling and "201" in d.state.crawling
 
 
 def test_opportunistic_job_at_the_floor_beside_a_guaranteed_job_crawls():

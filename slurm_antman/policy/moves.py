@@ -1,7 +1,7 @@
 """Moving a crawling opportunistic job to a GPU where it progresses (pure).
 
 A sidecar reports the opportunistic jobs that crawl on its GPUs (``sidecar.local_policy``: under the
-minimum progress beside a busy guaranteed job, or the newest of opportunistic jobs whose sharing is
+minimum progress beside a busy guaranteed job, or the slowest of opportunistic jobs whose sharing is
 a loss) and since when. Once that has lasted ``move_after_s`` and another GPU of the cluster
 promises at least ``move_gain`` times its progress (``progress.predicted_progress``), the job is moved:
 a preemption notice (the job checkpoints), a requeue when the grace time is over (the preemption
