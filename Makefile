@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv python3-dev
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-gpu spank clean
+.PHONY: deps demo test test-gpu spank clean gpu-proof gpu-wheels
 .DEFAULT_GOAL := test
 
 # System packages only when something is missing, so a warm machine does not touch apt.
@@ -43,6 +43,28 @@ test: deps
 
 test-gpu: deps
 	$(PY) -m pytest -ra -m gpu $(PYTEST_ARGS)
+
+# --- GPU proof (issue 13, docs/gpu_proof.md) ------------------------------------------------------
+# The GPU node is offline and has torch, nvidia-ml-py and pytest but not pyzmq, PyYAML or pydantic:
+# `make gpu-wheels` (anywhere with network) downloads them into .whl/ for Python 3.12 on x86-64, and
+# `make gpu-proof` (on the GPU node) installs what is missing from there with `pip install --no-index`
+# into .whl/site, then runs the proof into $(GPU_PROOF_DIR). Neither target needs the venv or apt.
+GPU_PY        ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_PROOF_DIR ?= gpu-proof
+GPU_PROOF_ARGS ?=
+WHEEL_PY      ?= $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-wheels:
+	@mkdir -p .whl
+	pins="$$($(WHEEL_PY) -m slurm_antman.bench.wheels list)" && \
+	$(WHEEL_PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl $$pins
+
+gpu-proof:
+	$(GPU_PY) -m slurm_antman.bench.wheels install --wheels .whl --target .whl/site
+	PYTHONPATH="$(CURDIR)/.whl/site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	  $(GPU_PY) -m slurm_antman.cli bench gpu --out $(GPU_PROOF_DIR) $(GPU_PROOF_ARGS)
 
 clean:
 	$(MAKE) -s -C spank clean || true

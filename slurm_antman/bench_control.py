@@ -377,12 +377,14 @@ def measure_throttle(agent: Any, shares: tuple[float, ...], iters: int, rounds: 
     return {s: statistics.median(v) for s, v in duty.items()}
 
 
-def measure_overhead(agent: Any, iters: int, rounds: int) -> dict[str, float]:
+def measure_overhead(agent: Any, iters: int, rounds: int,
+                     iteration: Optional[Callable[[], None]] = None) -> dict[str, float]:
     """Same loop with the agent's hooks attached vs detached, in A-B-B-A rounds (so neither side
     always runs first); median of the per-round ratios. The same rounds with both sides detached
     (an A/A control) give the ratio this machine reports when nothing differs, and one boundary's
-    own cost is timed directly."""
-    iteration = _small_job(256, 4, 64)
+    own cost is timed directly. ``iteration``: the loop (default: a small MLP on the CPU; ``antman
+    bench gpu`` passes a zoo model on the GPU)."""
+    iteration = iteration or _small_job(256, 4, 64)
     for _ in range(5):
         iteration()
     half = max(1, iters // 2)
