@@ -237,6 +237,22 @@ def test_quota_holds_each_tenant_to_its_quota_exclusive_does_not(tmp_path):
     assert q.metrics["jct_mean_s"] > x.metrics["jct_mean_s"]
 
 
+def test_quota_starts_a_smaller_job_past_a_larger_one_its_quota_holds_back(tmp_path):
+    # Equal GPU-time, so quotas of two GPUs each on four. a holds one GPU; its 2-GPU job does not fit
+    # its quota and waits, its later 1-GPU job does and starts at once (Slurm's backfill within
+    # GrpTRES); b's job, submitted in between, is not held up by a's waiting one either.
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 5000.0, 1, "a"), ("2017-10-01 00:00:01", 100.0, 2, "a"),
+                            ("2017-10-01 00:00:02", 5300.0, 1, "b"), ("2017-10-01 00:00:03", 100.0, 1, "a")])
+    r = simulate(jobs, SimConfig(policy="quota", nodes=1, gpus_per_node=4))
+    assert r.metrics["quotas"] == {"a": 2, "b": 2}
+    rows = {(x["tenant"], x["gpus"], x["submit_s"] - r.jobs[0]["submit_s"]): x for x in r.jobs}
+    long_a, waiting, small, b = rows[("a", 1, 0.0)], rows[("a", 2, 1.0)], rows[("a", 1, 3.0)], rows[("b", 1, 2.0)]
+    assert small["first_start_s"] == small["submit_s"] and b["first_start_s"] == b["submit_s"]
+    # A GPU stands idle all along: the 2-GPU job waits for a's long job, not for GPUs.
+    assert waiting["first_start_s"] == long_a["end_s"]
+    assert r.metrics["jobs_done"] == 4 and r.metrics["jobs_done_twice"] == 0
+
+
 def test_quota_lets_a_job_larger_than_the_whole_quota_run_alone(tmp_path):
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 100.0, 4, "a"), ("2017-10-01 00:00:00", 1000.0, 1, "b")])
     r = simulate(jobs, SimConfig(policy="quota", nodes=1, gpus_per_node=4))

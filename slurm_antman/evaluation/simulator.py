@@ -45,7 +45,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from typing import Collection, Iterable, Mapping, Optional, Sequence
+from typing import Collection, Iterable, Iterator, Mapping, Optional, Sequence
 
 from sidecar import local_policy as lp
 from sidecar.placement import GpuLoad, choose_gpus
@@ -220,9 +220,13 @@ class Simulator:
         self.node_names = [f"sim{k:04d}" for k in range(cfg.nodes)]
         self.opp_slots = [cfg.slots_per_gpu * cfg.gpus_per_node] * cfg.nodes
         self.jobs: dict[str, _Job] = {}
-        # The queue in submission order (a requeued job at the end): (job, ticket) entries, of which
-        # only the one with the job's current ticket counts; the others are compacted away later.
-        self.pending: list[tuple[str, int]] = []
+        # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
+        # order (a requeued job at the end): (job, ticket) entries, of which only the one with the
+        # job's current ticket counts. Split so that a pass skips at once the jobs that their tenant's
+        # quota keeps waiting, instead of stepping over thousands of them (``_in_order``).
+        self.queues: dict[tuple[bool, str, int], list[tuple[str, int]]] = {}
+        self.heads: dict[tuple[bool, str, int], int] = {}  # per queue: entries before it have all left
+        self.dead: dict[tuple[bool, str, int], int] = {}   # per queue: entries that left it
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0
@@ -256,8 +260,6 @@ class Simulator:
         self.crawl_gpus: set[int] = set()       # antman: GPUs with a crawling opportunistic job
         self.fresh: list[tuple[str, int]] = []   # queued since the last scheduling pass
         self.guaranteed_use: dict[str, int] = {}  # tenant -> GPUs of its guaranteed jobs not done
-        self.dead_in_queue = 0                   # entries of self.pending no longer pending
-        self.queued_per_tenant: dict[str, int] = {}
         self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
@@ -368,21 +370,23 @@ class Simulator:
         guaranteed). The file can be a cycle old, as on the real cluster."""
         jid = j.job.job_id
         self.active[jid] = j
-        self._enqueue(j)
         self.n_pending += 1
         if j.requested == "auto":
             q = self.quotas.get(j.job.tenant)
             within = fits_quota(q, self.quota_file.get(j.job.tenant, 0), j.job.gpus)
             j.klass = j.submitted_as = "guaranteed" if within else "opportunistic"
+        self._enqueue(j)  # into its partition's queue: the class decides which
         self._count_guaranteed(j, +1)
 
     def _enqueue(self, j: _Job) -> None:
         self.seq += 1
         j.ticket = self.seq
         entry = (j.job.job_id, j.ticket)
-        self.queued_per_tenant[j.job.tenant] = self.queued_per_tenant.get(j.job.tenant, 0) + 1
-        self.pending.append(entry)
+        self.queues.setdefault(self._queue_key(j), []).append(entry)
         self.fresh.append(entry)
+
+    def _queue_key(self, j: _Job) -> tuple[bool, str, int]:
+        return self.cfg.policy == "scavenger" and self._is_high(j), j.job.tenant, j.job.gpus
 
     def _queued(self, entry: tuple[str, int]) -> bool:
         j = self.jobs[entry[0]]
@@ -422,25 +426,69 @@ class Simulator:
         policy = self.cfg.policy
         # Under whole GPUs a queued job can start only once GPUs, quota or its eligibility free up:
         # until then, only the jobs submitted since the last pass are worth looking at.
-        queue = self.pending
+        only_fresh = policy in WHOLE_GPU and not self.sched_dirty
         if policy in WHOLE_GPU:
-            if not self.sched_dirty:
-                queue = [e for e in fresh if self._queued(e)]
             self.sched_dirty = False
+
+        def queue(high: Optional[bool]) -> Iterable[tuple[str, int]]:
+            if only_fresh:
+                return [e for e in fresh if self._queued(e)
+                        and (high is None or self._is_high(self.jobs[e[0]]) == high)]
+            return self._in_order(high)
+
         if policy != "scavenger":
             if policy not in WHOLE_GPU or self.free_gpus:
-                self._schedule_pass(queue)
+                self._schedule_pass(queue(None))
             return
         # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
-        high = [e for e in queue if self._is_high(self.jobs[e[0]])]
-        if high and self.free_gpus:
-            self._schedule_pass(high)
-        # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed.
-        waiting = [e for e in self.pending if self._is_high(self.jobs[e[0]]) and self._queued(e)]
-        if waiting:
-            self._preempt_scavengers(waiting)
         if self.free_gpus:
-            self._schedule_pass([e for e in queue if not self._is_high(self.jobs[e[0]])])
+            self._schedule_pass(queue(True))
+        # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed.
+        self._preempt_scavengers(self._in_order(True))
+        if self.free_gpus:
+            self._schedule_pass(queue(False))
+
+    def _in_order(self, high: Optional[bool]) -> Iterator[tuple[str, int]]:
+        """The queued entries of one partition (None: both) in submission order, merged from the
+        per-tenant, per-size queues. A queue is left out, or dropped the moment a start in this very
+        pass gets its tenant there, when the tenant's quota has no room for its size: a pass then
+        costs the jobs that could start, not the thousands that wait for their tenant's quota.
+        Entries that left a queue are stepped over once at its front and compacted away when they
+        are half of it."""
+        heap = []
+        for key, q in self.queues.items():
+            if high is not None and key[0] != high:
+                continue
+            if self.dead.get(key, 0) * 2 > len(q):
+                q = self.queues[key] = [e for e in q if self._queued(e)]
+                self.dead[key] = self.heads[key] = 0
+            h = self.heads.get(key, 0)
+            while h < len(q) and not self._queued(q[h]):
+                h += 1
+            self.heads[key] = h
+            if h < len(q) and not self._at_quota(key):
+                heap.append((q[h][1], key, h))
+        heapq.heapify(heap)
+        while heap:
+            _, key, i = heapq.heappop(heap)
+            q = self.queues[key]
+            yield q[i]
+            # Only the tenant whose job was just looked at can have reached its quota since.
+            if i + 1 < len(q) and not self._at_quota(key):
+                heapq.heappush(heap, (q[i + 1][1], key, i + 1))
+
+    def _at_quota(self, key: tuple[bool, str, int]) -> bool:
+        """No job of this queue can be within its tenant's quota (``_within_quota``): the tenant
+        holds GPUs (in this partition) and this many more do not fit."""
+        policy = self.cfg.policy
+        if policy == "quota":
+            held = self.tenant_gpus
+        elif policy == "scavenger" and key[0]:
+            held = self.high_gpus
+        else:
+            return False
+        have = held.get(key[1], 0)
+        return have > 0 and not fits_quota(self.quotas.get(key[1]), have, key[2])
 
     def _is_high(self, j: _Job) -> bool:
         return j.submitted_as == "guaranteed"
@@ -461,14 +509,12 @@ class Simulator:
             return True
         return have == 0 and q is not None and j.job.gpus > q
 
-    def _schedule_pass(self, ids: list[tuple[str, int]]) -> None:
+    def _schedule_pass(self, ids: Iterable[tuple[str, int]]) -> None:
         whole = self.cfg.policy in WHOLE_GPU
         # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit;
         # likewise per tenant for its quota (its GPUs only grow during a pass).
         smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
         over_quota: dict[str, int] = {}
-        at_quota, live = 0, None  # tenants refused even a 1-GPU job; tenants with queued jobs
-        started = False
         for jid, ticket in ids:
             j = self.jobs[jid]
             if j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now:
@@ -477,14 +523,7 @@ class Simulator:
             if j.job.gpus >= over_quota.get(tenant, 1 << 30):
                 continue
             if not self._within_quota(j):
-                before = over_quota.get(tenant, 1 << 30)
-                over_quota[tenant] = min(before, j.job.gpus)
-                if before > 1 >= over_quota[tenant]:
-                    at_quota += 1
-                    if live is None:
-                        live = sum(1 for n in self.queued_per_tenant.values() if n > 0)
-                    if at_quota >= live:
-                        break  # every tenant with a queued job is at its quota: nothing more can start
+                over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
                 continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
             gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
@@ -495,23 +534,18 @@ class Simulator:
                 continue
             smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
             self._start(j, gpus)
-            started = True
-        if started and self.dead_in_queue * 2 > len(self.pending):
-            # Compacted only when most of the queue has left it: a queue of tens of thousands (quota)
-            # is not copied at every start.
-            self.pending = [e for e in self.pending if self._queued(e)]
-            self.dead_in_queue = 0
 
-    def _preempt_scavengers(self, high: list[tuple[str, int]]) -> None:
+    def _preempt_scavengers(self, high: Iterable[tuple[str, int]]) -> None:
         """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
         few idle GPUs has scavenger jobs signalled (the youngest first, so the least work is lost);
         they are requeued when the grace time is over (``_REQUEUE``). GPUs already being freed count."""
         free = len(self.free_gpus)
         freeing: Optional[int] = None  # counted at the first job that needs more than is idle
         victims: Optional[list[_Job]] = None
-        for jid, _ in high:
+        for jid, ticket in high:
             j = self.jobs[jid]
-            if j.state != "PENDING" or j.held or j.eligible_at > self.now or not self._within_quota(j):
+            if (j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now
+                    or not self._within_quota(j)):
                 continue
             deficit = j.job.gpus - free
             free = max(0, free - j.job.gpus)
@@ -598,8 +632,8 @@ class Simulator:
             self.usage[j.job.tenant] = self.usage.get(j.job.tenant, 0) + len(gpus)
         self._hold(j, len(gpus))
         self.n_pending -= 1
-        self.dead_in_queue += 1
-        self.queued_per_tenant[j.job.tenant] -= 1
+        key = self._queue_key(j)
+        self.dead[key] = self.dead.get(key, 0) + 1
         for i in gpus:
             g = self.gpus[i]
             (g.guar if j.klass == "guaranteed" else g.opp).append(j.job.job_id)
