@@ -123,7 +123,7 @@ def sweep(workdir: str, window_s: float, shares: Sequence[float] = SHARES,
 
 
 def closed_loop(workdir: str, seconds: float = CLOSED_LOOP_S, alone_s: float = 4.0,
-                batch: Optional[int] = None) -> dict:
+                batch: Optional[int] = None, device: str = "cuda", telemetry=None) -> dict:
     from sidecar.local_policy import PolicyParams
 
     from .gpu_node import RunningSidecar
@@ -131,7 +131,7 @@ def closed_loop(workdir: str, seconds: float = CLOSED_LOOP_S, alone_s: float = 4
 
     log = os.path.join(workdir, "closed-loop.log")
     target = PolicyParams().target_slowdown
-    sc = RunningSidecar()
+    sc = RunningSidecar(telemetry=telemetry)
     workers: list = []
     trace: list[dict] = []
     stop = threading.Event()
@@ -153,12 +153,12 @@ def closed_loop(workdir: str, seconds: float = CLOSED_LOOP_S, alone_s: float = 4
                           "util": st.gpus[0].utilization if st.gpus else None})
 
     try:
-        g = Worker("guaranteed", GUARANTEED, log, batch=batch, seed=1, job_id="301", job_class="guaranteed",
-                   endpoint=sc.register("301", "guaranteed"))
+        g = Worker("guaranteed", GUARANTEED, log, batch=batch, seed=1, device=device, job_id="301",
+                   job_class="guaranteed", endpoint=sc.register("301", "guaranteed"))
         workers.append(g)
         start([g])
         alone = _win([g], alone_s, nvml=False)[0]  # its reports give the policy the solo baseline
-        o = Worker("opportunistic", OPPORTUNISTIC, log, batch=batch, seed=2, job_id="302",
+        o = Worker("opportunistic", OPPORTUNISTIC, log, batch=batch, seed=2, device=device, job_id="302",
                    job_class="opportunistic", endpoint=sc.register("302", "opportunistic"))
         workers.append(o)
         start([o])

@@ -96,12 +96,15 @@ class RunningSidecar:
     """The real sidecar daemon, serving in a thread until :meth:`stop`; its socket directory is a short
     temporary path (Unix socket paths are limited to 107 bytes)."""
 
-    def __init__(self, heartbeat_s: float = 0.5, tick_s: float = 0.25) -> None:
+    def __init__(self, heartbeat_s: float = 0.5, tick_s: float = 0.25, telemetry=None) -> None:
+        """``telemetry``: NVML's, of GPU 0 (default); the CPU tests of this machinery pass the sidecar's
+        emulated telemetry, which the devcluster uses on nodes without GPUs."""
         from sidecar.daemon import Sidecar, SidecarOptions
 
         self.socket_dir = tempfile.mkdtemp(prefix="am-gpu-", dir="/tmp")
         self.sidecar = Sidecar(SidecarOptions(node="gpu-proof", socket_dir=self.socket_dir,
-                                              heartbeat_s=heartbeat_s, tick_s=tick_s), OneGpu(NvmlTelemetry()))
+                                              heartbeat_s=heartbeat_s, tick_s=tick_s),
+                               telemetry if telemetry is not None else OneGpu(NvmlTelemetry()))
         self.sidecar.start()
         self._thread = threading.Thread(target=self.sidecar.serve_forever, name="sidecar", daemon=True)
         self._thread.start()
