@@ -30,6 +30,10 @@ from .uplink import Uplink, UplinkOptions
 log = logging.getLogger("antman.sidecar")
 
 AGENT_TIMEOUT_HEARTBEATS = 5
+# Placement memory: a requeued job is back within Slurm's BeginTime (120 s) plus its queue wait; a
+# day covers that on a busy cluster and bounds what a sidecar keeps.
+AVOID_TTL_S = 86400.0
+AVOID_MAX_JOBS = 4096
 MAX_BATCH = 256  # messages drained from one socket before looking at the others
 
 
@@ -92,6 +96,10 @@ class Sidecar:
         self.dir = SocketDir(options.socket_dir)
         self.jobs: dict[str, Job] = {}
         self.policy_state = PolicyState()
+        # Placement memory from the coordinator's preempt_notice: job -> (GPUs to keep it off, until
+        # when). Used when Slurm requeues the job onto this node again; lost on a restart (a
+        # preference, never a ban), bounded so a flood of notices cannot grow it without end.
+        self.avoid: dict[str, tuple[frozenset[int], float]] = {}
         self.progress: dict[str, float] = {}  # opportunistic job -> progress, as the last decision measured
         self.util = UtilizationWindow(options.utilization_window_s)
         self.gpu_samples: list[GpuSample] = []
@@ -378,9 +386,11 @@ class Sidecar:
             if old is not None:
                 self._retire_job(old.job_id)
             self._sample(time.time())  # place on fresh numbers, not the last tick's
+            avoid, until = self.avoid.pop(b.job_id, (frozenset(), 0.0))
             choice = choose_gpus(self._gpu_loads(), b.gpus, self.opt.slots_per_gpu,
                                  self.opt.utilization_threshold, self.opt.utilization_window_s,
-                                 self.opt.params.target_slowdown, self.opt.params.min_progress)
+                                 self.opt.params.target_slowdown, self.opt.params.min_progress,
+                                 avoid if until > time.time() else ())
             gpus, placement, note = choice.gpus, choice.placement, choice.note
             if placement == "fallback":
                 log.warning("job %s: fallback placement on GPU(s) %s: %s", b.job_id, gpus, note)
@@ -579,7 +589,8 @@ class Sidecar:
                 mem_used_bytes=sum(self._agent_mem(a, proc_mem) for a in j.agents.values()) if j.agents else None,
                 compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
                 last_checkpoint_unix=None,  # agents do not report checkpoints (yet): the job's start counts
-                progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id)))
+                progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id),
+                placement=j.placement, placement_note=j.note[:1024]))
         pre = [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason, since_unix=r.requested_unix)
                for r in self.policy_state.preempted.values() if r.job_id in self.jobs]
         return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,
@@ -622,6 +633,12 @@ class Sidecar:
         self.dir.save_job(job.job_id, job.record())
         self._run_policy(time.time())
 
+    def _remember_avoid(self, job_id: str, gpus: list[int], now: float) -> None:
+        self.avoid = {k: v for k, v in self.avoid.items() if v[1] > now}
+        if len(self.avoid) >= AVOID_MAX_JOBS:
+            self.avoid.pop(min(self.avoid, key=lambda k: self.avoid[k][1]))
+        self.avoid[job_id] = (frozenset(gpus), now + AVOID_TTL_S)
+
     def _coordinator_preempt(self, b: p.PreemptNotice) -> None:
         job = self._known(b.job_id, "preempt_notice")
         if job.job_class != "opportunistic":
@@ -631,6 +648,8 @@ class Sidecar:
         if job.preempt is not None:
             return  # a repeated notice keeps the first deadline
         now = time.time()
+        if b.avoid_gpus:
+            self._remember_avoid(job.job_id, b.avoid_gpus, now)
         gpu = job.gpus[0] if job.gpus else 0
         req = PreemptRequest(job.job_id, gpu, b.reason, now, now + b.grace_s)
         job.preempt = req

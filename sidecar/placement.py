@@ -69,7 +69,10 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
                  key=lambda g: (-_progress(g, target_slowdown), -g.spare_bytes,
                                 g.guaranteed_jobs + g.opportunistic_jobs, g.utilization_avg, -g.index))
     if len(fit) >= count:
-        return Placement([g.index for g in fit[:count]], "fit", "")
+        kept_off = sorted(i for i in avoid if i in reasons)
+        note = (f"placement memory: kept off GPU(s) {', '.join(map(str, kept_off))}, where the job was "
+                "moved or preempted from" if kept_off else "")
+        return Placement([g.index for g in fit[:count]], "fit", note)
     rest = sorted((g for g in gpus if reasons[g.index]),
                   key=lambda g: (g.index in avoid, g.opportunistic_jobs + g.guaranteed_jobs, g.utilization_avg,
                                  -g.spare_bytes, g.index))

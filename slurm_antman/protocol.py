@@ -320,6 +320,9 @@ class ReportJob:
     # optional: a sidecar that does not send them is read as having measured nothing).
     progress: Optional[float] = _f(float, ge=0.0, le=1.0, nullable=True, default=None)
     crawling_since_unix: Optional[float] = _f(float, ge=0.0, nullable=True, default=None)
+    # How the sidecar placed the job and why (job_register_reply's), for `antman explain`; optional.
+    placement: Optional[str] = _f(str, choices=PLACEMENTS, nullable=True, default=None)
+    placement_note: Optional[str] = _text(max_len=1024, nullable=True, default=None)
 
 
 @_dc
@@ -360,6 +363,9 @@ class PreemptNotice(Body):
     job_id: str = _job_id()
     grace_s: float = _f(float, ge=0.0, le=86400.0)
     reason: str = _text()
+    # Placement memory: the node's GPUs the job is moved off; when Slurm brings it back to this node
+    # the sidecar places it elsewhere if it can (optional: an older coordinator sends none).
+    avoid_gpus: Optional[list] = _f(list[int], ge=0, le=1023, nullable=True, default=None)
 
 
 BODY_TYPES: dict[str, type[Body]] = {

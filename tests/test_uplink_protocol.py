@@ -28,6 +28,7 @@ UPLINK_SAMPLES = [
     p.NodeReportAck(node="gpu-01", received_unix=1.7e9),
     p.JobClassUpdate(job_id="8", job_class="guaranteed"),
     p.PreemptNotice(job_id="8", grace_s=30.0, reason="guaranteed job 7 needs GPU 0's memory"),
+    p.PreemptNotice(job_id="8", grace_s=30.0, reason="moved: crawling", avoid_gpus=[3]),
 ]
 
 
@@ -83,3 +84,12 @@ def test_directions_are_enforced():
         assert ei.value.code is p.ErrorCode.wrong_direction
     with pytest.raises(p.ProtocolError, match="grace_s"):
         p.encode(p.message(p.PreemptNotice(job_id="1", grace_s=-1.0, reason="r")))
+
+
+def test_preempt_notice_avoid_gpus_is_optional_and_bounded():
+    env = _wire(p.PreemptNotice(job_id="1", grace_s=1, reason="r"))
+    env["body"].pop("avoid_gpus", None)  # what a coordinator from before placement memory sends
+    assert _decode(env, p.COORDINATOR_TO_SIDECAR).body.avoid_gpus is None
+    for bad in ([1024], [-1], ["0"]):
+        with pytest.raises(p.ProtocolError, match="avoid_gpus"):
+            p.encode(p.message(p.PreemptNotice(job_id="1", grace_s=1, reason="r", avoid_gpus=bad)))

@@ -208,3 +208,49 @@ def test_no_keys_means_no_uplink_and_a_warning(tmp_path, caplog):
     sc = build(plain, "n1", "/tmp/am-unused")
     assert sc.opt.uplink is None and "coordinator.key_dir is not set" in caplog.text
     sc.telemetry.close()
+
+
+def test_placement_memory_keeps_a_moved_job_off_the_gpu_it_left(tmp_path):
+    # Two idle GPUs: an opportunistic job goes to GPU 1 (ties go to the highest index). The
+    # coordinator moves it off GPU 1; when Slurm requeues it onto this node again, the sidecar
+    # places it on GPU 0 and says why. The memory is used once: a later requeue is placed afresh.
+    kd = tmp_path / "keys"
+    keys.init_keys(kd, ["n1"])
+    conf = make_config(kd, free_port(), gpus=2)
+    sockdir = tempfile.mkdtemp(prefix="am-", dir="/tmp")
+    hub = SidecarHub(conf)
+    hub.start()
+    side = Running(sockdir, conf)
+    try:
+        first = client.register_job(sockdir, "300", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert first.gpus == [1] and first.note == ""
+        next_report(hub, lambda r: any(j.job_id == "300" for j in r.jobs))
+        assert hub.send("n1", p.PreemptNotice(job_id="300", grace_s=5.0, reason="moved: crawling", avoid_gpus=[1]))
+        wait_for(lambda: [x.job_id for x in client.node_state(sockdir).preemptions] == ["300"],
+                 what="the notice reached the sidecar")
+        assert client.retire_job(sockdir, "300")  # Slurm's requeue runs the Epilog
+        back = client.register_job(sockdir, "300", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert back.gpus == [0] and back.placement == "fit"
+        assert "placement memory: kept off GPU(s) 1" in back.note
+        # The coordinator writes the placement it is told into the audit log, once: explain shows it.
+        from slurm_antman.coordinator.daemon import Coordinator
+        from slurm_antman.coordinator.explain import explain
+        from slurm_antman.slurm import CliBackend
+        audit_log = tmp_path / "audit.jsonl"
+        coord = Coordinator(cfgmod.parse({"nodes": [{"name": "n1", "gpus": 2}],
+                                          "coordinator": {"audit_log": str(audit_log)}}),
+                            backend=CliBackend(env={"PATH": str(tmp_path)}, timeout=5))
+        for _ in range(2):  # the second report of the same placement adds nothing
+            coord._take([next_report(hub, lambda r: any(j.job_id == "300" and j.gpus == [0] for j in r.jobs))])
+            coord._record_placements()
+        coord.audit.close()
+        text, rc = explain("300", str(audit_log))
+        assert rc == 0 and text.count("placed on n1 GPU(s) [0] by its sidecar (fit)") == 1, text
+        assert "why: placement memory: kept off GPU(s) 1" in text
+        assert client.retire_job(sockdir, "300")
+        again = client.register_job(sockdir, "300", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert again.gpus == [1] and again.note == ""
+    finally:
+        side.stop()
+        hub.close()
+        shutil.rmtree(sockdir, ignore_errors=True)

@@ -49,7 +49,7 @@ def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:
                 after = []
             except (ValueError, KeyError) as e:
                 log.warning("audit log %s: unreadable state record at %s: %s", path, rec.get("ts"), e)
-        elif rec.get("outcome") == "ok":
+        elif rec.get("outcome") == "ok" and rec["kind"] != "placed":
             after.append(rec)
     pre = dict(state.preempting)
     req = dict(state.requeued)
@@ -91,6 +91,12 @@ def quota_lua(snap: Any) -> str:
            f"return {{ accounts = {{\n{rows}}} }}\n"
 
 
+_PLACEMENT_WHY = {
+    "requested": "the GPUs Slurm bound to the job",
+    "fit": "the GPUs that met the opportunistic rules with the most predicted progress",
+}
+
+
 class Coordinator:
     def __init__(self, cfg: cfgmod.AntmanConfig, backend: Optional[CliBackend] = None, hub: Any = None,
                  clock: Callable[[], float] = time.time):
@@ -104,6 +110,7 @@ class Coordinator:
         self.state = CoordinatorState.empty()
         self.reports: dict[str, Any] = {}
         self._class_sent: dict[tuple[str, str], float] = {}
+        self._placed: dict[str, tuple] = {}  # job -> the placement last written to the audit log
         self._persisted: Optional[dict] = None
         self._quota_text: Optional[str] = None
         self._stop = threading.Event()
@@ -223,6 +230,7 @@ class Coordinator:
                 self.metrics.count(d.kind, outcome.outcome)
             done.append((d, outcome))
         self.state = new_state
+        self._record_placements()
         self._persist()
         self._write_quota(snap)
         self._sync_classes(jobs)
@@ -245,6 +253,25 @@ class Coordinator:
             self._quota_text = text
         except OSError as e:
             log.warning("cannot write the quota file %s: %s", path, e)
+
+    def _record_placements(self) -> None:
+        """Each placement a sidecar reports that the audit log does not have yet, as a ``placed``
+        record: where the job runs and why there, for ``antman explain`` (not a decision: the
+        sidecar chose). Kept only for jobs still reported, so the memory follows the cluster."""
+        seen: dict[str, tuple] = {}
+        for node, rep in self.reports.items():
+            for rj in rep.jobs:
+                if rj.placement is None:
+                    continue
+                key = (node, tuple(rj.gpus), rj.placement, rj.placement_note or "")
+                seen[rj.job_id] = key
+                if self._placed.get(rj.job_id) == key:
+                    continue
+                self.audit.append({
+                    "ts": round(self.clock(), 3), "kind": "placed", "job_id": rj.job_id, "node": node,
+                    "params": {"gpus": list(rj.gpus), "placement": rj.placement, "job_class": rj.job_class},
+                    "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""), "outcome": "ok"})
+        self._placed = seen
 
     def _persist(self) -> None:
         data = self.state.to_json()

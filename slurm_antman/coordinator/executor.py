@@ -243,7 +243,10 @@ class Executor:
         job = self._job(d.job_id)
         if job.state != "RUNNING":
             return skipped(f"job is {job.state}, not running", job.restarts)
-        sent = self._send(d.node, p.PreemptNotice(job_id=d.job_id, grace_s=float(d.grace_s), reason=d.reason[:1000]))
+        gpu = d.inputs.get("gpu") if isinstance(d.inputs, Mapping) else None
+        avoid = [gpu] if isinstance(gpu, int) and not isinstance(gpu, bool) and 0 <= gpu <= 1023 else None
+        sent = self._send(d.node, p.PreemptNotice(job_id=d.job_id, grace_s=float(d.grace_s), reason=d.reason[:1000],
+                                                  avoid_gpus=avoid))
         notes = [f"preempt_notice {'sent to' if sent else 'NOT delivered to'} {d.node}'s sidecar"]
         sig = self._signal_of(job)
         if sig is not None:

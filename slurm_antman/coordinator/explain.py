@@ -25,11 +25,24 @@ _VERBS = {
     "preempt_notice": "preemption notice (grace {grace_s:g} s) on {node}",
     "requeue": "requeued",
     "make_eligible": "made eligible again at once",
+    "placed": "placed on {node} GPU(s) {gpus} by its sidecar ({placement})",
 }
 
 
 def records_for(job_id: str, records: Iterable[dict]) -> list[dict]:
-    return [r for r in records if str(r.get("job_id", "")) == job_id and r.get("kind") in _VERBS]
+    out: list[dict] = []
+    last_placed: Optional[tuple] = None
+    for r in records:
+        if str(r.get("job_id", "")) != job_id or r.get("kind") not in _VERBS:
+            continue
+        if r["kind"] == "placed":
+            # A restarted coordinator writes the placements it finds once more: one line each.
+            key = (r.get("node"), json.dumps(r.get("params"), sort_keys=True), r.get("reason"))
+            if key == last_placed:
+                continue
+            last_placed = key
+        out.append(r)
+    return out
 
 
 def _line(r: dict) -> str:
@@ -60,7 +73,7 @@ def explain(job_id: str, audit_path: str, as_json: bool = False) -> tuple[str, i
     if not recs:
         return (f"job {job_id}: no coordinator decision about this job in {audit_path} "
                 "(it kept the class it was submitted with)"), 1
-    return f"job {job_id}: {len(recs)} coordinator decision(s)\n" + "\n".join(_line(r) for r in recs), 0
+    return f"job {job_id}: {len(recs)} coordinator record(s)\n" + "\n".join(_line(r) for r in recs), 0
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
