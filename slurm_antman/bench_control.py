@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import multiprocessing
 import os
@@ -40,7 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
@@ -411,28 +412,48 @@ def measure_overhead(agent: Any, iters: int, rounds: int,
             "boundary_us": boundary_us, "iteration_us": _loop_time_us(iteration, 50)}
 
 
+@contextlib.contextmanager
+def agent_with_peer(path: str, use_cuda: bool) -> Iterator[tuple[Any, Any]]:
+    """The bench sidecar (``_peer_main``) in a process of its own, as on a real node (no GIL shared with
+    the job), and this process's agent (job 42, opportunistic) registered with it at ``path``: yields
+    ``(agent, conn)``, ``conn`` the pipe that commands the sidecar. Both are stopped on the way out."""
+    from torch_patch.agent import Agent
+
+    mp = multiprocessing.get_context("spawn")
+    conn, child_conn = mp.Pipe()
+    proc = mp.Process(target=_peer_main, args=(path, child_conn), daemon=True)
+    proc.start()
+    agent = None
+    try:
+        if not conn.poll(60) or conn.recv() != "ready":
+            raise RuntimeError("the bench sidecar did not start")
+        agent = Agent(job_id="42", job_class="opportunistic", endpoint=P.ipc(path), use_cuda=use_cuda)
+        agent.start()
+        if not agent.client.registered.wait(30):
+            raise RuntimeError("the agent did not register with the bench sidecar")
+        yield agent, conn
+    finally:
+        if agent is not None:
+            agent.stop()
+        try:
+            conn.send(("stop",))
+        except OSError:
+            pass
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1)
+
+
 def run(quick: bool = False) -> dict:
     import torch
 
     import torch_patch
-    from torch_patch.agent import Agent
 
     torch.set_num_threads(1)
     torch_patch.uninstall()  # the bench drives its own agent, not one the import hook may have started
-    mp = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="antman-bench-") as tmp:
-        path = os.path.join(tmp, "jobs", "42", "agent.sock")
-        conn, child_conn = mp.Pipe()
-        proc = mp.Process(target=_peer_main, args=(path, child_conn), daemon=True)
-        proc.start()
-        agent = None
-        try:
-            if not conn.poll(30) or conn.recv() != "ready":
-                raise RuntimeError("the bench sidecar did not start")
-            agent = Agent(job_id="42", job_class="opportunistic", endpoint=P.ipc(path), use_cuda=False)
-            agent.start()
-            if not agent.client.registered.wait(10):
-                raise RuntimeError("the agent did not register with the bench sidecar")
+        with agent_with_peer(os.path.join(tmp, "jobs", "42", "agent.sock"), use_cuda=False) as (agent, conn):
             # One optimizer step applies the registered limits before measuring.
             _small_job(8, 1, 2)()
             n = 100 if quick else 300
@@ -450,17 +471,6 @@ def run(quick: bool = False) -> dict:
                 rtt["propagation"] = max(rtt["propagation"], r["propagation"])
                 rtt["iteration_us"].append(r["iteration_us"])
                 floor += measure_floor(conn, os.path.join(tmp, "echo.sock"), n // 2)
-        finally:
-            if agent is not None:
-                agent.stop()
-            try:
-                conn.send(("stop",))
-            except OSError:
-                pass
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1)
     rtts = rtt["rtt"]
 
     def pct(values: list[float], q: float) -> Optional[float]:

@@ -1,7 +1,7 @@
 """Part 5: the agent's overhead on a real model, alone on the GPU.
 
 Zoo ResNet-50 under the real agent, reporting over ZeroMQ IPC to the bench sidecar of ``antman bench
-control`` (``bench_control._peer_main``, in a process of its own as a sidecar is on a node). The
+control`` (``bench_control.agent_with_peer``, in a process of its own as a sidecar is on a node). The
 measurement is ``bench_control.measure_overhead``: the same loop with the agent's hooks attached and
 detached in A-B-B-A rounds (neither side always first), the ratio's median; the same rounds with both
 sides detached (A/A) give the ratio the machine's noise alone reports. Each iteration ends with a
@@ -10,7 +10,6 @@ synchronize, so a mini-batch is timed to the end of its kernels.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 from .gpu_part import PartContext
@@ -23,23 +22,10 @@ MAX_OVERHEAD = 0.01
 def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
     import torch
 
-    from slurm_antman import protocol as P
-    from slurm_antman.bench_control import _peer_main, measure_overhead
+    from slurm_antman.bench_control import agent_with_peer, measure_overhead
     from slurm_antman.evaluation.model_zoo import build
-    from torch_patch.agent import Agent
 
-    path = os.path.join(workdir, "o", "agent.sock")
-    mp = multiprocessing.get_context("spawn")
-    conn, child = mp.Pipe()
-    peer = mp.Process(target=_peer_main, args=(path, child), daemon=True)
-    peer.start()
-    agent = None
-    try:
-        if not conn.poll(60) or conn.recv() != "ready":
-            raise RuntimeError("the bench sidecar did not start")
-        agent = Agent(job_id="42", job_class="opportunistic", endpoint=P.ipc(path), use_cuda=True).start()
-        if not agent.client.registered.wait(30):
-            raise RuntimeError("the agent did not register with the bench sidecar")
+    with agent_with_peer(os.path.join(workdir, "o", "agent.sock"), use_cuda=True) as (agent, _conn):
         torch.manual_seed(0)
         loop = build(MODEL, device="cuda", batch=BATCH)
 
@@ -48,16 +34,6 @@ def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
             torch.cuda.synchronize()
 
         r = measure_overhead(agent, iters=iters, rounds=rounds, iteration=iteration)
-    finally:
-        if agent is not None:
-            agent.stop()
-        try:
-            conn.send(("stop",))
-        except OSError:
-            pass
-        peer.join(5)
-        if peer.is_alive():
-            peer.kill()
     return {"model": MODEL, "batch": BATCH, "iters": iters, "rounds": rounds, **r}
 
 
