@@ -343,3 +343,8 @@ def test_report_names_the_best_baseline_and_antman_against_it(tmp_path):
     table = report.markdown_table(doc)
     assert table.splitlines()[0] == "| metric | exclusive | quota | scavenger | shared | antman |"
     assert f"against the best baseline ({doc['best_baseline']})" in table
+    # The floor is the mean of the jobs' own run times, the same under every policy and below each.
+    floor = sum(900.0 + 50 * m for m in range(12)) / 12
+    for r in results:
+        assert r.metrics["jct_floor_mean_s"] == pytest.approx(floor) and r.metrics["jct_mean_s"] >= floor
+    assert f"JCT floor (every job alone on its GPUs at submission, what no policy can beat): {floor:,.0f} s" in table

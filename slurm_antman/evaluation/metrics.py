@@ -41,6 +41,8 @@ def summarize(rows: Iterable[Mapping]) -> dict:
         "jobs_submitted": len(rows),
         "jobs_done": len(done),
         "jct_mean_s": _mean(jct),
+        # No policy can beat it: every job alone on its GPUs the moment it is submitted.
+        "jct_floor_mean_s": _mean([r["duration_s"] for r in done if r.get("duration_s") is not None]),
         "jct_p50_s": _pct(jct, 0.5),
         "jct_p95_s": _pct(jct, 0.95),
         "jct_guaranteed_mean_s": _mean(admitted.get("guaranteed", [])),

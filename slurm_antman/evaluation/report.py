@@ -153,6 +153,12 @@ def markdown_table(doc: Mapping) -> str:
                 v = v / 3600
             cells.append("-" if v is None else fmt.format(v))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    floor = next((doc["policies"][p].get("jct_floor_mean_s") for p in pols), None)
+    if floor:
+        lines += ["", f"JCT floor (every job alone on its GPUs at submission, what no policy can beat): "
+                  f"{floor:,.0f} s; mean JCT over it: "
+                  + ", ".join(f"{p} {doc['policies'][p]['jct_mean_s'] / floor:.3f}" for p in pols
+                              if doc["policies"][p].get("jct_mean_s") is not None)]
     cols = [(f"against {b}", doc[f"against_{b}"].get("antman")) for b in ("exclusive", "quota")
             if "antman" in doc.get(f"against_{b}", {})]
     if doc.get("antman_against_best"):

@@ -218,6 +218,7 @@ class Simulator:
         n = cfg.nodes * cfg.gpus_per_node
         self.gpus = [_Gpu(i, i // cfg.gpus_per_node, i % cfg.gpus_per_node, cfg.gpu_mem_bytes) for i in range(n)]
         self.node_names = [f"sim{k:04d}" for k in range(cfg.nodes)]
+        self.node_index = {name: k for k, name in enumerate(self.node_names)}
         self.opp_slots = [cfg.slots_per_gpu * cfg.gpus_per_node] * cfg.nodes
         self.jobs: dict[str, _Job] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
@@ -241,6 +242,7 @@ class Simulator:
                                          min_progress=cfg.min_progress)
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
+        self.gpu_views: dict[int, tuple[cp.GpuView, ...]] = {}  # per node, while it is not dirty
         self._share_cache: dict[tuple, tuple[dict[str, float], bool]] = {}
         self.slow_gpus: set[int] = set()
         self.util_sum = 0.0
@@ -915,11 +917,17 @@ class Simulator:
         return tuple(out)
 
     def _node_view(self, k: int) -> cp.NodeView:
-        per = self.cfg.gpus_per_node
-        gv = tuple(cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp),
-                              tuple(g.progress.items()), tuple(g.crawl.items()))
-                   for g in self.gpus[k * per:(k + 1) * per])
-        return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * per, self.opp_slots[k], self.now)
+        # A GPU changes only through _refresh, which marks its node dirty: a clean node's GPU views
+        # are reused (a move looks at every node, and a cluster of 500 GPUs has hundreds of them).
+        gv = self.gpu_views.get(k)
+        if gv is None or k in self.dirty_nodes:
+            per = self.cfg.gpus_per_node
+            gv = self.gpu_views[k] = tuple(
+                cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp),
+                           tuple(g.progress.items()), tuple(g.crawl.items()))
+                for g in self.gpus[k * per:(k + 1) * per])
+        return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * self.cfg.gpus_per_node,
+                           self.opp_slots[k], self.now)
 
     def _cycle(self) -> None:
         self._slow_needs()
@@ -930,9 +938,9 @@ class Simulator:
         self.quota_file = self._quota_use(views)
         nodes = set(self.dirty_nodes)
         for n in needs:
-            nodes.add(self.node_names.index(n.node))
+            nodes.add(self.node_index[n.node])
         for p in list(st.preempting.values()) + list(st.requeued.values()):
-            nodes.add(self.node_names.index(p.node))
+            nodes.add(self.node_index[p.node])
         wait = self.cfg.move_after_s
         if wait is not None and any(self.now - since >= wait for i in self.crawl_gpus
                                     for since in self.gpus[i].crawl.values()):
@@ -944,7 +952,7 @@ class Simulator:
         for jid, a in self.cp_state.avoid.items():
             j = self.jobs.get(jid)
             if j is not None:
-                j.avoid = (self.node_names.index(a.node) * per + a.gpu,)
+                j.avoid = (self.node_index[a.node] * per + a.gpu,)
         for d in decisions:
             self._apply(d)
             if d.kind == "preempt_notice":  # wake the coordinator when the grace time is over
@@ -958,7 +966,7 @@ class Simulator:
     def _apply(self, d: cp.Decision) -> None:
         kind = d.kind
         if kind == "set_opp_slots":
-            self.opp_slots[self.node_names.index(d.node)] = d.slots
+            self.opp_slots[self.node_index[d.node]] = d.slots
             return
         j = self.jobs.get(d.job_id)
         if j is None:
