@@ -279,6 +279,25 @@ def test_scavenger_preempts_the_over_quota_job_for_an_in_quota_one(tmp_path):
     assert r.metrics["jobs_done"] == 3
 
 
+def test_scavenger_keeps_gpus_freed_for_a_waiting_wide_job_from_scavenger_jobs(tmp_path):
+    # One node of 4 GPUs, quotas doubled: a may hold 2, b 6. a's first two jobs are in quota, its
+    # next two run in the scavenger partition. b's 4-GPU job preempts both scavenger jobs but must
+    # still wait for a's in-quota jobs: the two GPUs freed for it stay idle until then, instead of
+    # going back to the requeued scavenger jobs to be preempted again (a thrash of one preemption
+    # per BeginTime).
+    jobs = trace(tmp_path, [(f"2017-10-01 00:0{k}:00", 1000.0, 1, "a") for k in range(4)]
+                 + [("2017-10-01 00:04:00", 3000.0, 4, "b")])  # a minute apart: the quota file is current
+    r = simulate(jobs, SimConfig(policy="scavenger", nodes=1, gpus_per_node=4, quota_scale=2.0,
+                                 utilisation="saturated"))
+    assert r.metrics["quotas"] == {"a": 2, "b": 6}
+    rows = sorted(r.jobs, key=lambda x: x["submit_s"])
+    scavengers, wide = [x for x in rows if x["submitted_as"] == "opportunistic"], rows[-1]
+    assert len(scavengers) == 2 and wide["submitted_as"] == "guaranteed"
+    assert [x["preemptions"] for x in scavengers] == [1, 1] and r.metrics["preemptions"] == 2
+    assert wide["first_start_s"] == pytest.approx(rows[1]["end_s"])  # when a's in-quota jobs end
+    assert all(x["end_s"] > wide["end_s"] for x in scavengers)
+
+
 def test_antman_moves_a_crawling_job_to_a_gpu_that_frees_up(tmp_path):
     # a's second job is over quota (opportunistic) and starts on the idle GPU; b's long guaranteed job
     # lands on it and the opportunistic one crawls at the floor share. When a's first job ends, its

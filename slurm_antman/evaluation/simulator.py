@@ -445,10 +445,13 @@ class Simulator:
         # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
         if self.free_gpus:
             self._schedule_pass(queue(True))
-        # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed.
-        self._preempt_scavengers(self._in_order(True))
-        if self.free_gpus:
-            self._schedule_pass(queue(False))
+        # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed,
+        # and the idle GPUs they wait to gather are theirs: the scavenger partition gets what is left
+        # (a GPU freed for a waiting 8-GPU job is not handed to a scavenger job, which it would only
+        # preempt again).
+        spare = self._preempt_scavengers(self._in_order(True))
+        if spare > 0:
+            self._schedule_pass(queue(False), budget=spare)
 
     def _in_order(self, high: Optional[bool]) -> Iterator[tuple[str, int]]:
         """The queued entries of one partition (None: both) in submission order, merged from the
@@ -511,7 +514,8 @@ class Simulator:
             return True
         return have == 0 and q is not None and j.job.gpus > q
 
-    def _schedule_pass(self, ids: Iterable[tuple[str, int]]) -> None:
+    def _schedule_pass(self, ids: Iterable[tuple[str, int]], budget: Optional[int] = None) -> None:
+        """Start what fits, in queue order; ``budget``: at most this many GPUs in all."""
         whole = self.cfg.policy in WHOLE_GPU
         # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit;
         # likewise per tenant for its quota (its GPUs only grow during a pass).
@@ -527,6 +531,10 @@ class Simulator:
             if not self._within_quota(j):
                 over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
                 continue
+            if budget is not None and j.job.gpus > budget:
+                if budget <= 0:
+                    break
+                continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
             gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
             if gpus is None:
@@ -536,11 +544,14 @@ class Simulator:
                 continue
             smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
             self._start(j, gpus)
+            if budget is not None:
+                budget -= len(gpus)
 
-    def _preempt_scavengers(self, high: Iterable[tuple[str, int]]) -> None:
+    def _preempt_scavengers(self, high: Iterable[tuple[str, int]]) -> int:
         """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
         few idle GPUs has scavenger jobs signalled (the youngest first, so the least work is lost);
-        they are requeued when the grace time is over (``_REQUEUE``). GPUs already being freed count."""
+        they are requeued when the grace time is over (``_REQUEUE``). GPUs already being freed count.
+        Returns how many idle GPUs no waiting high job claims."""
         free = len(self.free_gpus)
         freeing: Optional[int] = None  # counted at the first job that needs more than is idle
         victims: Optional[list[_Job]] = None
@@ -569,7 +580,8 @@ class Simulator:
                 deficit -= len(v.gpus)
             freeing += max(0, -deficit)
             if deficit > 0:
-                return  # nothing left to preempt
+                return 0  # nothing left to preempt
+        return free
 
     def _place(self, j: _Job) -> Optional[list[int]]:
         want = j.job.gpus
