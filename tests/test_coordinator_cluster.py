@@ -139,7 +139,10 @@ def test_auto_resolves_by_quota_then_upgrades_without_restart(clean):
     assert _squeue(c)[second]["class"] == "guaranteed"
     r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(second), "--json"])
     assert r.returncode == 0, r.stderr
-    assert [d["kind"] for d in json.loads(r.stdout)["decisions"]] == ["upgrade"]
+    told = json.loads(r.stdout)
+    assert [d["kind"] for d in told["decisions"]] == ["upgrade"]
+    # Where its node's sidecar put it, reported up and written to the audit log once.
+    assert [(d["node"], d["params"]["gpus"]) for d in told["placements"]] == [("node1", [0])]
     r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(second)])
     assert "upgraded to guaranteed" in r.stdout and "tenant has quota again" in r.stdout, r.stdout
 

@@ -209,6 +209,7 @@ class Coordinator:
             log.warning("cycle skipped: cannot read Slurm: %s", e)
             return []
         snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now)
+        self._record_placements()  # before this cycle's decisions, which act on the jobs placed
         try:
             decisions, new_state = decide(snap, self.state, self.params)
         except Exception:  # noqa: BLE001 - a policy bug must not end the daemon; the state is kept
@@ -230,7 +231,6 @@ class Coordinator:
                 self.metrics.count(d.kind, outcome.outcome)
             done.append((d, outcome))
         self.state = new_state
-        self._record_placements()
         self._persist()
         self._write_quota(snap)
         self._sync_classes(jobs)

@@ -69,7 +69,10 @@ def explain(job_id: str, audit_path: str, as_json: bool = False) -> tuple[str, i
     """(text to print, exit status): 0 with decisions, 1 when the log has none about the job."""
     recs = records_for(job_id, audit.read(audit_path))
     if as_json:
-        return json.dumps({"job_id": job_id, "audit_log": audit_path, "decisions": recs}, indent=2), 0 if recs else 1
+        # Decisions are the coordinator's; placements are what the sidecars reported having done.
+        return json.dumps({"job_id": job_id, "audit_log": audit_path,
+                           "decisions": [r for r in recs if r["kind"] != "placed"],
+                           "placements": [r for r in recs if r["kind"] == "placed"]}, indent=2), 0 if recs else 1
     if not recs:
         return (f"job {job_id}: no coordinator decision about this job in {audit_path} "
                 "(it kept the class it was submitted with)"), 1
