@@ -173,7 +173,14 @@ def _preemption(c: ClusterHandle, tmp_path: Path, kill_coordinator: bool) -> Non
     resumed = int(re.search(r"START step=(\d+) restarts=1", out).group(1))
     assert resumed >= 10, out  # from its checkpoint, not from step 0
     recs = _audit(c, opp)
-    assert [r["kind"] for r in recs if r["outcome"] == "ok"][:2] == ["preempt_notice", "requeue"], recs
+    assert [r["kind"] for r in recs if r["outcome"] == "ok" and r["kind"] != "placed"][:2] == [
+        "preempt_notice", "requeue"], recs
+    # Its sidecar's placements, before the notice and again after the requeue: explain shows each
+    # once (a restarted coordinator writes the running job's placement again).
+    from slurm_antman.coordinator.explain import records_for
+    placed = [r for r in records_for(str(opp), recs) if r["kind"] == "placed"]
+    assert [(r["node"], r["params"]["restarts"]) for r in placed] == [("node1", 0), ("node1", 1)], [
+        (r["node"], r["params"]) for r in placed]
     assert any(r["kind"] == "make_eligible" and r["outcome"] == "ok" for r in recs), recs
     time.sleep(3)
     # nothing doubled: one requeue in Slurm and in the audit log
