@@ -242,7 +242,7 @@ def test_placement_memory_keeps_a_moved_job_off_the_gpu_it_left(tmp_path):
                             backend=CliBackend(env={"PATH": str(tmp_path)}, timeout=5))
         for _ in range(2):  # the second report of the same placement adds nothing
             coord._take([next_report(hub, lambda r: any(j.job_id == "300" and j.gpus == [0] for j in r.jobs))])
-            coord._record_placements()
+            coord._record_placements({"300": 1})  # Slurm shows it running, requeued once
         coord.audit.close()
         text, rc = explain("300", str(audit_log))
         assert rc == 0 and text.count("placed on n1 GPU(s) [0] by its sidecar (fit)") == 1, text

@@ -255,32 +255,28 @@ class Coordinator:
         except OSError as e:
             log.warning("cannot write the quota file %s: %s", path, e)
 
-    def _record_placements(self, restarts: Optional[Mapping[str, int]] = None) -> None:
+    def _record_placements(self, restarts: Mapping[str, int]) -> None:
         """Each placement a sidecar reports that the audit log does not have yet, as a ``placed``
         record: where the job runs and why there, for ``antman explain`` (not a decision: the
         sidecar chose). Kept only for jobs still reported, so the memory follows the cluster.
         ``restarts`` (Slurm's count per running job) tells a placement after a requeue from the same
-        one written again by a restarted coordinator, which explain shows once; given, a job Slurm
-        does not show running is left out (a report from before its requeue's Epilog)."""
+        one written again by a restarted coordinator, which explain shows once; a job Slurm does not
+        show running is left out (a report from before its requeue's Epilog)."""
         seen: dict[str, tuple] = {}
         for node, rep in self.reports.items():
             for rj in rep.jobs:
-                if rj.placement is None:
+                n = restarts.get(rj.job_id)
+                if rj.placement is None or n is None:
                     continue
-                if restarts is not None and rj.job_id not in restarts:
-                    continue
-                n = (restarts or {}).get(rj.job_id)
                 key = (node, tuple(rj.gpus), rj.placement, rj.placement_note or "", n)
                 seen[rj.job_id] = key
                 if self._placed.get(rj.job_id) == key:
                     continue
-                params = {"gpus": list(rj.gpus), "placement": rj.placement, "job_class": rj.job_class}
-                if n is not None:
-                    params["restarts"] = n
                 self.audit.append({
                     "ts": round(self.clock(), 3), "kind": "placed", "job_id": rj.job_id, "node": node,
-                    "params": params, "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""),
-                    "outcome": "ok"})
+                    "params": {"gpus": list(rj.gpus), "placement": rj.placement, "job_class": rj.job_class,
+                               "restarts": n},
+                    "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""), "outcome": "ok"})
         self._placed = seen
 
     def _persist(self) -> None:

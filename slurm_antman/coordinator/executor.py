@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -244,7 +243,7 @@ class Executor:
         job = self._job(d.job_id)
         if job.state != "RUNNING":
             return skipped(f"job is {job.state}, not running", job.restarts)
-        gpu = d.inputs.get("gpu") if isinstance(d.inputs, Mapping) else None
+        gpu = d.inputs.get("gpu")
         avoid = [gpu] if isinstance(gpu, int) and not isinstance(gpu, bool) and 0 <= gpu <= 1023 else None
         sent = self._send(d.node, p.PreemptNotice(job_id=d.job_id, grace_s=float(d.grace_s), reason=d.reason[:1000],
                                                   avoid_gpus=avoid))
