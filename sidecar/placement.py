@@ -27,7 +27,7 @@ class GpuLoad:
 @dataclass(frozen=True)
 class Placement:
     gpus: list[int]
-    placement: str   # fit | fallback
+    placement: str   # fit | fallback | wait
     note: str
 
 
@@ -54,11 +54,15 @@ def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, 
 
 def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: float,
                 window_s: float, target_slowdown: float = 0.02, min_progress: float = 0.0,
-                avoid: Collection[int] = ()) -> Placement:
+                avoid: Collection[int] = (), wait_without_room: bool = False) -> Placement:
     """``count`` distinct GPUs; never fewer than ``min(count, len(gpus))``: the job is already
     allocated, so when too few GPUs qualify the least-loaded are taken and the note says why.
     The best first: the most progress predicted (``policy.progress``), then the most spare memory.
-    ``avoid``: GPUs the job was moved off (placement memory), taken only when nothing else is left."""
+    ``avoid``: GPUs the job was moved off (placement memory), taken only when nothing else is left.
+
+    ``wait_without_room``: when fewer than ``count`` GPUs qualify, only those are returned, as
+    placement ``wait``: the job should wait for room rather than start crawling beside a busy
+    guaranteed job (what the least-loaded fallback gives on a busy cluster; docs/evaluation.md)."""
     if not gpus:
         raise ValueError("this node has no GPUs to place an opportunistic job on")
     reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid)
@@ -73,6 +77,10 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
         note = (f"placement memory: kept off GPU(s) {', '.join(map(str, kept_off))}, where the job was "
                 "moved or preempted from" if kept_off else "")
         return Placement([g.index for g in fit[:count]], "fit", note)
+    if wait_without_room:
+        return Placement([g.index for g in fit], "wait",
+                         f"{len(fit)} of {count} GPU(s) met the opportunistic rules; the job waits for room: "
+                         + "; ".join(r for r in reasons.values() if r))
     rest = sorted((g for g in gpus if reasons[g.index]),
                   key=lambda g: (g.index in avoid, g.opportunistic_jobs + g.guaranteed_jobs, g.utilization_avg,
                                  -g.spare_bytes, g.index))

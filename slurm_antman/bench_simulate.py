@@ -11,7 +11,7 @@ import time
 from typing import Optional
 
 from .evaluation import report, traces, utilisation
-from .evaluation.simulator import POLICIES, SimConfig, simulate
+from .evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
 from .evaluation.workloads import GiB
 
 
@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                         "predicted to make this fraction of its solo rate; under it a running job crawls)")
     p.add_argument("--move-after-s", type=_seconds_or_none, default=SimConfig.move_after_s,
                    help="antman: opportunistic.move_after_s (seconds a job may crawl before it is moved); 'none'")
+    p.add_argument("--no-room", choices=NO_ROOM, default=SimConfig.no_room,
+                   help="antman: an opportunistic job on a node where too few GPUs meet the opportunistic rules "
+                        "starts on the least-loaded ones (fallback, the sidecar today) or waits for room (wait)")
     p.add_argument("--move-gain", type=float, default=SimConfig.move_gain,
                    help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
@@ -88,7 +91,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
-                          util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain)
+                          util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
+                          no_room=a.no_room)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -104,7 +108,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
             "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
-            "move_gain": a.move_gain,
+            "move_gain": a.move_gain, "no_room": a.no_room,
             "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:

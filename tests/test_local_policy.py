@@ -268,3 +268,19 @@ def test_opportunistic_job_at_the_floor_beside_a_guaranteed_job_crawls():
     # A job whose own iteration time is unknown is not judged.
     d = run([guar(iteration=3, ms=104.0), opp("202", 6.0)], state=d.state, params=params, now=20.0)
     assert "202" not in d.progress and "202" not in d.state.crawling
+
+
+def test_choose_gpus_can_make_an_opportunistic_job_wait_instead_of_crawling():
+    idle = GpuLoad(3, 80 << 30, 0, 0.0, 0, 0)
+    busy = GpuLoad(0, 80 << 30, 20 << 30, 0.9, 1, 0)     # a guaranteed job keeps it 90 % busy
+    quiet = GpuLoad(1, 80 << 30, 20 << 30, 0.3, 1, 0)    # utilisation under the threshold, but beside it
+    # the 2 % slowdown target leaves 0.07 of a share, under min_progress: it would crawl there too
+    fallback = choose_gpus([busy, quiet, idle], 2, 2, 0.8, 10, 0.02, 0.25)
+    assert fallback.placement == "fallback" and fallback.gpus[0] == 3 and len(fallback.gpus) == 2
+    wait = choose_gpus([busy, quiet, idle], 2, 2, 0.8, 10, 0.02, 0.25, wait_without_room=True)
+    assert wait.placement == "wait" and wait.gpus == [3]
+    assert "1 of 2 GPU(s)" in wait.note and "waits for room" in wait.note and "GPU 0: utilisation 0.90" in wait.note
+    # Enough room: the same choice either way.
+    both = choose_gpus([busy, idle, GpuLoad(4, 80 << 30, 0, 0.0, 0, 0)], 2, 2, 0.8, 10, 0.02, 0.25,
+                       wait_without_room=True)
+    assert both.placement == "fit" and sorted(both.gpus) == [3, 4]

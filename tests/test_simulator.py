@@ -317,6 +317,27 @@ def test_antman_moves_a_crawling_job_to_a_gpu_that_frees_up(tmp_path):
     assert g["end_s"] - g["first_start_s"] < 20_000.0 * (1 + PolicyParams().target_slowdown + 0.05)
 
 
+def test_antman_no_room_wait_keeps_a_job_off_a_gpu_where_it_would_crawl(tmp_path):
+    # One GPU, held for 10,000 s by a busy guaranteed job; the tenant's second job is over quota. The
+    # node's slot count stays at its minimum (so that slurmctld accepts submissions): under fallback
+    # the opportunistic job starts there anyway and crawls at the floor share, under wait it waits
+    # for the GPU and then runs alone at full speed.
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 10_000.0, 1, "a"), ("2017-10-01 00:01:40", 2_000.0, 1, "a")])
+    runs = {mode: {x["job_id"]: x for x in simulate(jobs, one_gpu("antman", utilisation="saturated",
+                                                                   no_room=mode, move_after_s=None)).jobs}
+            for mode in ("fallback", "wait")}
+    fb, wait = runs["fallback"]["philly-3"], runs["wait"]["philly-3"]
+    assert fb["submitted_as"] == wait["submitted_as"] == "opportunistic"
+    assert fb["first_start_s"] < 10_000.0  # started beside the guaranteed job ...
+    assert fb["end_s"] - fb["first_start_s"] > 2 * 2_000.0  # ... and crawled
+    assert wait["first_start_s"] == pytest.approx(10_000.0)  # waited for the GPU ...
+    assert wait["end_s"] == pytest.approx(12_000.0)  # ... and then ran alone at its solo rate
+    assert wait["end_s"] < fb["end_s"]
+    assert runs["wait"]["philly-2"]["end_s"] == pytest.approx(10_000.0)  # never slowed
+    with pytest.raises(ValueError, match="--no-room"):
+        SimConfig(no_room="never")
+
+
 def test_useful_utilisation_counts_progress_not_busy_time(tmp_path):
     rows = [(f"2017-10-01 00:0{m}:00", 2000.0, 1, "a" if m % 2 else "b") for m in range(8)]
     jobs = trace(tmp_path, rows)

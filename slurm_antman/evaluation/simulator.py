@@ -57,6 +57,7 @@ from .traces import Job
 from .workloads import GiB, Profile, assign
 
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
+NO_ROOM = ("fallback", "wait")
 # Policies under which every job holds whole GPUs alone.
 WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
 
@@ -124,6 +125,11 @@ class SimConfig:
     min_progress: float = cp.PolicyParams.__dataclass_fields__["min_progress"].default
     move_after_s: Optional[float] = cp.PolicyParams.__dataclass_fields__["move_after_s"].default
     move_gain: float = cp.PolicyParams.__dataclass_fields__["move_gain"].default
+    # antman: what an opportunistic job does on a node where fewer GPUs than it asks meet the
+    # opportunistic rules. fallback: it starts on the least-loaded ones (the sidecar today);
+    # wait: it waits for room (``choose_gpus(wait_without_room=True)``; not yet on the real path,
+    # docs/evaluation.md).
+    no_room: str = "fallback"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -152,6 +158,8 @@ class SimConfig:
             raise ValueError(f"--move-after-s must be > 0 (or 'none'), got {self.move_after_s}")
         if not self.move_gain >= 1:
             raise ValueError(f"--move-gain must be >= 1, got {self.move_gain}")
+        if self.no_room not in NO_ROOM:
+            raise ValueError(f"--no-room {self.no_room!r} is not allowed; allowed: {', '.join(NO_ROOM)}")
         if not self.requeue_delay_s >= 0:
             raise ValueError(f"requeue_delay_s must be >= 0, got {self.requeue_delay_s}")
 
@@ -236,6 +244,9 @@ class Simulator:
         self.node_index = {name: k for k, name in enumerate(self.node_names)}
         self.opp_slots = [cfg.slots_per_gpu * cfg.gpus_per_node] * cfg.nodes
         self.node_opp = [0] * cfg.nodes  # opportunistic slots in use per node (kept for _place)
+        # Nodes whose count the coordinator keeps at the minimum with no GPU that qualifies (a slot
+        # only so that slurmctld accepts submissions): under no_room=wait nothing starts there.
+        self.no_room_nodes: set[int] = set()
         self.jobs: dict[str, _Job] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
         # order (a requeued job at the end): (job, ticket) entries, of which only the one with the
@@ -607,11 +618,12 @@ class Simulator:
         # opportunistic: node slot counts (static under shared, the coordinator's under antman)
         chosen: list[int] = []
         per_node = self.cfg.gpus_per_node
+        wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
         for k in range(self.cfg.nodes):
             if len(chosen) >= want:
                 break
             free_slots = self.opp_slots[k] - self.node_opp[k]
-            if free_slots <= 0:
+            if free_slots <= 0 or (wait and k in self.no_room_nodes):
                 continue
             node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
             room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
@@ -622,7 +634,7 @@ class Simulator:
             avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
             if self.cfg.policy == "antman":
                 pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0,
-                                   self.lp_params.target_slowdown, self.cfg.min_progress, avoid)
+                                   self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
             else:
                 pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0)
             chosen.extend(k * per_node + i for i in pick.gpus)
@@ -997,7 +1009,13 @@ class Simulator:
     def _apply(self, d: cp.Decision) -> None:
         kind = d.kind
         if kind == "set_opp_slots":
-            self.opp_slots[self.node_index[d.node]] = d.slots
+            k = self.node_index[d.node]
+            self.opp_slots[k] = d.slots
+            inp = d.inputs
+            if inp["slurm_in_use"] + max(0, inp["free_slots"] - inp["unseen"]) < d.slots:
+                self.no_room_nodes.add(k)
+            else:
+                self.no_room_nodes.discard(k)
             return
         j = self.jobs.get(d.job_id)
         if j is None:
