@@ -247,6 +247,9 @@ class Simulator:
         # Nodes whose count the coordinator keeps at the minimum with no GPU that qualifies (a slot
         # only so that slurmctld accepts submissions): under no_room=wait nothing starts there.
         self.no_room_nodes: set[int] = set()
+        # Under no_room=wait, nodes where no GPU met the opportunistic rules at the last try, until
+        # one of their GPUs changes (_refresh): any other job would find none there either.
+        self.unfit_nodes: set[int] = set()
         self.jobs: dict[str, _Job] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
         # order (a requeued job at the end): (job, ticket) entries, of which only the one with the
@@ -623,7 +626,7 @@ class Simulator:
             if len(chosen) >= want:
                 break
             free_slots = self.opp_slots[k] - self.node_opp[k]
-            if free_slots <= 0 or (wait and k in self.no_room_nodes):
+            if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
                 continue
             node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
             room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
@@ -635,6 +638,8 @@ class Simulator:
             if self.cfg.policy == "antman":
                 pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0,
                                    self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
+                if wait and not pick.gpus and not avoid:
+                    self.unfit_nodes.add(k)
             else:
                 pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0)
             chosen.extend(k * per_node + i for i in pick.gpus)
@@ -782,6 +787,7 @@ class Simulator:
         for i in gpus:
             self._model_gpu(self.gpus[i])
             self.dirty_nodes.add(self.gpus[i].node)
+            self.unfit_nodes.discard(self.gpus[i].node)
         for jid in touched:
             j = self.jobs[jid]
             if j.state != "RUNNING":
