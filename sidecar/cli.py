@@ -69,7 +69,8 @@ def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_
         utilization_threshold=conf.opportunistic.utilization_threshold,
         utilization_window_s=conf.opportunistic.utilization_window_s,
         tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
-        params=policy_params(conf), uplink=uplink, enforce=conf.sidecar.enforce)
+        params=policy_params(conf), uplink=uplink, enforce=conf.sidecar.enforce,
+        no_room_wait=conf.sidecar.enforce and conf.opportunistic.no_room == "wait")
 
 
 # What a reload cannot change in a running sidecar: sockets, telemetry and the uplink are bound.

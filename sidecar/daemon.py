@@ -51,6 +51,7 @@ class SidecarOptions:
     params: PolicyParams = PolicyParams()
     uplink: Optional[UplinkOptions] = None  # None: no coordinator; the sidecar notifies preemptions itself
     enforce: bool = True  # False: observe only (sidecar.enforce)
+    no_room_wait: bool = True  # opportunistic.no_room == "wait"
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Sidecar:
         self.started = threading.Event()
         # Set by whoever serves metrics (the CLI); filled from the loop thread once per tick.
         self.metrics = None
+        self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
         # SIGHUP: the handler only sets the flag; the loop calls ``reloader`` (which returns the new
         # options, or None to keep the old) so the options change between messages, never mid-message.
         self.reloader: Optional[Callable[[SidecarOptions], Optional[SidecarOptions]]] = None
@@ -390,10 +392,18 @@ class Sidecar:
             choice = choose_gpus(self._gpu_loads(), b.gpus, self.opt.slots_per_gpu,
                                  self.opt.utilization_threshold, self.opt.utilization_window_s,
                                  self.opt.params.target_slowdown, self.opt.params.min_progress,
-                                 avoid if until > time.time() else ())
+                                 avoid if until > time.time() else (),
+                                 wait_without_room=self.opt.no_room_wait and b.may_wait)
             gpus, placement, note = choice.gpus, choice.placement, choice.note
             if placement == "fallback":
                 log.warning("job %s: fallback placement on GPU(s) %s: %s", b.job_id, gpus, note)
+            elif placement == "wait":
+                # Not registered: the Prolog requeues the job. Its placement memory outlives the refusal.
+                if avoid:
+                    self.avoid[b.job_id] = (avoid, until)
+                self.placement_waits += 1
+                log.info("job %s: no room for %d GPU(s); the Prolog requeues it: %s", b.job_id, b.gpus, note)
+                return p.JobRegisterReply(job_id=b.job_id, gpus=[], endpoint="", placement="wait", note=note[:4096])
         if old is not None and b.job_id in self.jobs:
             self._retire_job(old.job_id)
         job = Job(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),

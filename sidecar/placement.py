@@ -78,6 +78,19 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
                 "moved or preempted from" if kept_off else "")
         return Placement([g.index for g in fit[:count]], "fit", note)
     if wait_without_room:
+        # Placement memory is a preference, never a ban: a GPU the job was moved off that otherwise
+        # qualifies is taken before the job is made to wait (on a one-GPU node it is the only choice).
+        if avoid:
+            plain = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, ())
+                     for g in gpus if g.index in avoid}
+            back = sorted((g for g in gpus if g.index in plain and not plain[g.index]),
+                          key=lambda g: (-_progress(g, target_slowdown), -g.spare_bytes, -g.index))
+            if len(fit) + len(back) >= count:
+                taken = fit + back[: count - len(fit)]
+                return Placement([g.index for g in taken], "fit",
+                                 "placement memory: no other GPU met the opportunistic rules, so GPU(s) "
+                                 f"{', '.join(str(g.index) for g in back[: count - len(fit)])}, where the job "
+                                 "was moved or preempted from, were taken again")
         return Placement([g.index for g in fit], "wait",
                          f"{len(fit)} of {count} GPU(s) met the opportunistic rules; the job waits for room: "
                          + "; ".join(r for r in reasons.values() if r))

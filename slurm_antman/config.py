@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -119,8 +119,16 @@ class Opportunistic(_Strict):
     min_progress: float = Field(
         default=0.25, gt=0, le=1,
         description="Fraction of its solo rate an opportunistic job must be expected to make on a GPU for the GPU to "
-                    "take it (predicted from the GPU's utilisation and jobs; none qualifies: the job waits), and "
+                    "take it (predicted from the GPU's utilisation and jobs; none qualifies: see no_room), and "
                     "measured to make once running; under it the job is crawling.")
+    no_room: Literal["wait", "fallback"] = Field(
+        default="wait",
+        description="What the sidecar does when Slurm starts an opportunistic job on a node where fewer of its GPUs "
+                    "meet the rules above than the job asked for (Slurm counted only slots; each node keeps one slot "
+                    "so that submissions are accepted). wait: the Prolog requeues the job, which runs nowhere "
+                    "meanwhile, and the coordinator keeps it off nodes without room. fallback: the job runs on the "
+                    "least-loaded GPUs anyway, where it may crawl beside a busy guaranteed job (docs/evaluation.md: "
+                    "this made mean JCT worse). With sidecar.enforce: false nothing is refused: fallback.")
     move_after_s: Optional[float] = Field(
         default=600.0, gt=0,
         description="Seconds a job may crawl before the coordinator moves it (notice, grace time, requeue, placed "

@@ -35,6 +35,8 @@ def _type_name(annotation: Any) -> str:
     if isinstance(annotation, type):
         return annotation.__name__
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(map(str, args))
     if origin is typing.Union and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         return f"{_type_name(rest[0])} or null"

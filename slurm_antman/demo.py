@@ -19,6 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from . import devcluster as dc
+from .slurm.models import REQUEUED_START_TIME
 
 # A log or CI capture is not a terminal; rich would fold the tables at 80 columns there.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -119,8 +120,8 @@ def main(args) -> int:
         console.print(f"  {names[victim]}: {_last(demo.output(names[victim]), 'PREEMPTED')}")
         console.print("Slurm keeps a requeued job out for ~2 minutes (BeginTime). The coordinator clears that wait "
                       "for the jobs it requeues itself (GPU memory or compute); this one Slurm preempted on its own "
-                      "for CPUs, so the demo clears it: scontrol update StartTime=now.")
-        cluster.run(["scontrol", "update", f"JobId={victim}", "StartTime=now"])
+                      f"for CPUs, so the demo clears it: scontrol update StartTime={REQUEUED_START_TIME}.")
+        cluster.run(["scontrol", "update", f"JobId={victim}", f"StartTime={REQUEUED_START_TIME}"])
 
         console.rule("3. The requeued job resumes from its checkpoint when room returns")
         demo.wait("the requeued job to resume", lambda: "restarts=1" in demo.output(names[victim]), 180)

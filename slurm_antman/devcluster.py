@@ -303,8 +303,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         shutil.copy2(REPO / "etc" / "job_submit.lua", d / "etc" / "job_submit.lua")
         build_spank(d / "lib" / "antman_spank.so")
 
-    env = cluster.env
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = _daemon_env(cluster)
     _ensure_munged(cluster.procs)
     try:
         cluster.procs.append(_spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-i"], env, d / "log" / "slurmctld.out"))
@@ -320,11 +319,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
             cluster.procs.append(start_coordinator(cluster, env))
         if sidecars and not plain:
             for h in cluster.nodes:
-                cluster.procs.append(_spawn(
-                    f"sidecar:{h}",
-                    [sys.executable, "-m", "slurm_antman.cli", "sidecar", "--config", str(cluster.config_path),
-                     "--node", h],
-                    env, d / "log" / f"sidecar-{h}.log"))
+                cluster.procs.append(start_sidecar(cluster, h, env))
         _state_file(d).write_text(json.dumps(cluster.to_json(), indent=2))
         wait_ready(cluster, timeout)
     except BaseException:
@@ -333,13 +328,25 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     return cluster
 
 
+def _daemon_env(cluster: Cluster) -> dict:
+    env = cluster.env
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
 def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:
     """Start (or, after a kill, restart) the coordinator daemon; its log goes to log/coordinator.log."""
-    if env is None:
-        env = cluster.env
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = env if env is not None else _daemon_env(cluster)
     return _spawn("coordinator", [sys.executable, "-m", "slurm_antman.coordinator.daemon", "--config",
                                   str(cluster.config_path)], env, cluster.dir / "log" / "coordinator.log")
+
+
+def start_sidecar(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
+    """Start (or, after a kill, restart) ``node``'s sidecar; its log goes to log/sidecar-NODE.log."""
+    env = env if env is not None else _daemon_env(cluster)
+    return _spawn(f"sidecar:{node}", [sys.executable, "-m", "slurm_antman.cli", "sidecar", "--config",
+                                      str(cluster.config_path), "--node", node],
+                  env, cluster.dir / "log" / f"sidecar-{node}.log")
 
 
 def replace_proc(cluster: Cluster, proc: Proc) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = logging.getLogger("antman.metrics")
@@ -52,6 +52,7 @@ class SidecarView:
     node: str
     gpus: tuple[GpuPoint, ...] = ()
     jobs: tuple[JobPoint, ...] = ()
+    placement_waits: int = 0
 
 
 def sidecar_view(sidecar: Any) -> SidecarView:
@@ -74,7 +75,7 @@ def sidecar_view(sidecar: Any) -> SidecarView:
             iteration_ms=max((r.iteration_ms for r in reports), default=None),
             throttle_delay_ms=max(delays) if delays else None,
             spilled_bytes=sum(spills) if spills else None))
-    return SidecarView(sidecar.opt.node, gpus, tuple(jobs))
+    return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits)
 
 
 class SidecarCollector(Collector):
@@ -127,6 +128,11 @@ class SidecarCollector(Collector):
             if j.spilled_bytes is not None:
                 spill.add_metric(lv, j.spilled_bytes)
         yield from (limit, mem, share, mb, thr, spill)
+        waits = CounterMetricFamily(f"{PREFIX}_placement_waits", "Opportunistic jobs refused for want of a GPU "
+                                    "that meets the rules (opportunistic.no_room: wait); each was requeued.",
+                                    labels=["node"])
+        waits.add_metric([v.node], v.placement_waits)
+        yield waits
 
 
 # --- coordinator -----------------------------------------------------------------------------

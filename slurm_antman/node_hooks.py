@@ -6,7 +6,11 @@ env file the SPANK plugin applies to every task (docs/architecture.md). It also 
 in the job's AdminComment so anyone can see them with Slurm's own tools.
 
 A Prolog that exits non-zero drains the node and requeues the job, so every policy-level problem
-is logged and the hook still exits 0; only a job that cannot be given a GPU at all fails it.
+is logged and the hook still exits 0. An opportunistic job is never run unmanaged (fail closed):
+when no GPU of the node meets the opportunistic rules (``opportunistic.no_room: wait``), when the
+sidecar does not answer, or when the hook itself fails, the job's env file says ANTMAN_REFUSED (the
+SPANK plugin then fails its tasks) and the hook asks Slurm to requeue it; only when even that fails
+does the hook exit non-zero, leaving the requeue to Slurm at the price of a drained node.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,27 +101,6 @@ def _job_fields(job_id: str) -> dict[str, str]:
     return out
 
 
-def _gpus_in_use(cfg: config_mod.AntmanConfig, node: str, skip_job: str) -> dict[int, int]:
-    """slurm-antman jobs per physical GPU, from the env files the Prolog wrote on this node."""
-    use: dict[int, int] = {}
-    for f in env_dir(cfg, node).glob("*.env"):
-        if f.stem == skip_job:
-            continue
-        for line in f.read_text().splitlines():
-            if line.startswith("ANTMAN_GPUS="):
-                for g in filter(None, line.split("=", 1)[1].split(",")):
-                    use[int(g)] = use.get(int(g), 0) + 1
-    return use
-
-
-def choose_gpus_fallback(n_gpus: int, count: int, in_use: dict[int, int]) -> list[int]:
-    """The rule used when no sidecar answers: the GPUs with the fewest slurm-antman jobs, highest
-    index first on ties (Slurm gives guaranteed jobs the low ones first; deterministic, so a retried
-    Prolog chooses the same)."""
-    order = sorted(range(n_gpus), key=lambda g: (in_use.get(g, 0), -g))
-    return sorted(order[:count])
-
-
 def write_env_file(path: Path, values: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
@@ -169,11 +153,25 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     else:
         count = len(job.slurm_gpus)
     values = {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_CLASS": tag.job_class, "ANTMAN_NODE": job.node}
+    if tag.job_class == "opportunistic":
+        try:
+            return _place_and_record(cfg, job, tag, count, group.gpus, values)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the job must not run unmanaged
+            log.exception("job %s: Prolog failed for an opportunistic job", job.job_id)
+            return refuse(cfg, job, values, f"the Prolog failed ({type(e).__name__}: {e})")
+    return _place_and_record(cfg, job, tag, count, group.gpus, values)
+
+
+def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag, count: int, n_gpus: int,
+                      values: dict[str, str]) -> int:
     lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two Prologs must not both see a GPU as free
-        gpus, endpoint = _place(cfg, job, tag.job_class, count, group.gpus)
+        try:
+            gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus)
+        except NoRoom as e:
+            return refuse(cfg, job, values, str(e))
         values["ANTMAN_GPUS"] = ",".join(map(str, gpus))
         if endpoint:
             values["ANTMAN_SIDECAR_ENDPOINT"] = endpoint
@@ -187,23 +185,60 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     return 0
 
 
+class NoRoom(Exception):
+    """The opportunistic job may not start on this node now; the message says why."""
+
+
+# scontrol requeue is retried on these back-offs (s) before the hook gives up and fails.
+REQUEUE_BACKOFF_S = (1.0, 3.0)
+
+
+def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str], reason: str) -> int:
+    """Fail closed for an opportunistic job: its tasks will not start here (ANTMAN_REFUSED in its env
+    file) and Slurm requeues it. Returns the hook's exit code."""
+    reason = " ".join(reason.split())[:512] or "no reason given"
+    refused = {**values, "ANTMAN_GPUS": "", "CUDA_VISIBLE_DEVICES": "", "ANTMAN_REFUSED": reason}
+    try:
+        write_env_file(env_file(cfg, job.node, job.job_id), refused)
+    except OSError as e:
+        log.error("job %s: cannot write the refusal into its env file: %s", job.job_id, e)
+    for delay in (*REQUEUE_BACKOFF_S, None):
+        r = _scontrol(["requeue", job.job_id])
+        if r.returncode == 0:
+            log.warning("job %s on %s: not started, requeued: %s", job.job_id, job.node, reason)
+            return 0
+        err = r.stderr.strip()
+        if delay is None:
+            break
+        time.sleep(delay)
+    # Exiting non-zero makes slurmd requeue the job itself (and drain the node): better than a job
+    # that runs unmanaged beside a guaranteed one, or one that fails for want of a GPU.
+    log.error("job %s on %s: not started (%s) and scontrol requeue failed (%s); failing the Prolog so that "
+              "Slurm requeues it", job.job_id, job.node, reason, err)
+    return 1
+
+
 def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count: int,
            n_gpus: int) -> tuple[list[int], str | None]:
+    """The job's GPUs and agent endpoint, from the sidecar. Raises ``NoRoom`` for an opportunistic job
+    that must not start (no GPU met the rules, or no sidecar to enforce its limits)."""
     from sidecar import client  # zmq is only needed on this path
 
     physical = job.slurm_gpus if job_class != "opportunistic" else None
     try:
         reply = client.register_job(cfg.node_socket_dir(job.node), job.job_id, uid=job.uid, gid=job.gid,
                                     user=job.user, job_class=job_class, gpus=count, physical_gpus=physical,
-                                    timeout_s=5.0, account=job.account)
-        if reply.note:
-            log.info("job %s: sidecar placement note: %s", job.job_id, reply.note)
-        return list(reply.gpus), reply.endpoint
+                                    timeout_s=5.0, account=job.account, may_wait=physical is None)
     except (client.SidecarUnreachable, client.SidecarError) as e:
-        log.warning("job %s: %s; using the fewest-jobs rule", job.job_id, e)
-    if physical is not None:
+        if physical is None:
+            raise NoRoom(f"no sidecar to place and limit it: {e}") from None
+        log.warning("job %s: %s; the guaranteed job runs on the GPUs Slurm bound, unmeasured", job.job_id, e)
         return physical, None
-    return choose_gpus_fallback(n_gpus, count, _gpus_in_use(cfg, job.node, job.job_id)), None
+    if reply.placement == "wait":
+        raise NoRoom(f"no GPU of {job.node} meets the opportunistic rules: {reply.note}")
+    if reply.note:
+        log.info("job %s: sidecar placement note: %s", job.job_id, reply.note)
+    return list(reply.gpus), reply.endpoint
 
 
 def epilog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
@@ -249,6 +284,13 @@ def main(hook: str, config_path: str) -> int:
         return 2
     try:
         return prolog(cfg, env) if hook == "prolog" else epilog(cfg, env)
-    except Exception:  # noqa: BLE001 - never drain a node over a slurm-antman bug
+    except Exception as e:  # noqa: BLE001 - never drain a node over a slurm-antman bug
+        job = JobContext.from_env(env) if hook == "prolog" else None
+        if job is not None and (job.partition == cfg.slurm.opportunistic_partition
+                                or job.spank_class == "opportunistic"):
+            # Before its class was read: the opportunistic partition holds only jobs that must not run unmanaged.
+            log.exception("prolog for job %s failed", job.job_id)
+            return refuse(cfg, job, {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_NODE": job.node},
+                          f"the Prolog failed ({type(e).__name__}: {e})")
         log.exception("%s for job %s failed; job left to plain Slurm", hook, env.get("SLURM_JOB_ID"))
         return 0

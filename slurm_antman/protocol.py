@@ -94,7 +94,7 @@ AGENT_CLASSES = ("guaranteed", "opportunistic", "none")
 DEVICES = ("cuda", "cpu")
 THROTTLE_MODES = ("off", "iteration", "launch")
 TELEMETRY_KINDS = ("nvml", "emulated")
-PLACEMENTS = ("requested", "fit", "fallback")
+PLACEMENTS = ("requested", "fit", "fallback", "wait")
 
 
 def _job_id(**kw: Any) -> Any:
@@ -218,6 +218,9 @@ class JobRegister(Body):
     gpus: int = _f(int, ge=1, le=64)
     physical_gpus: Optional[list] = _f(list[int], nullable=True, default=None)
     account: Optional[str] = _f(str, nullable=True, default=None)  # Slurm account, for metric labels
+    # The client can requeue the job when no GPU qualifies (placement "wait"); an older Prolog never
+    # sends it, so it is never answered with a placement it does not know.
+    may_wait: bool = _f(bool, default=False)
 
 
 @_dc

@@ -783,6 +783,16 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 		return 0;
 
 	load_env_file(sp, job_id);
+	/*
+	 * The Prolog found no GPU this opportunistic job may use under the rules (or no sidecar to ask)
+	 * and asked Slurm to requeue it: the task must not start unmanaged in the meantime (fail closed).
+	 */
+	for (size_t i = 0; i < antman.n_entries; i++) {
+		if (strcmp(antman.entries[i].key, "ANTMAN_REFUSED") == 0) {
+			slurm_error("antman: job %u not started on this node: %s", job_id, antman.entries[i].value);
+			return -1;
+		}
+	}
 	snprintf(buf, sizeof(buf), "%u", job_id);
 	if (spank_setenv(sp, "ANTMAN_JOB_ID", buf, 1) != ESPANK_SUCCESS)
 		slurm_error("antman: cannot set ANTMAN_JOB_ID in the task env");

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from slurm_antman.jobtag import parse_tag
+from slurm_antman.slurm.models import REQUEUED_START_TIME
 
 pytestmark = pytest.mark.cluster
 
@@ -140,7 +141,7 @@ def test_native_preemption_requeues_and_resumes(clean_cluster, tmp_path):
     assert saved >= 5
     # Let it back in: free the CPUs and skip Slurm's post-requeue BeginTime wait.
     c.run(["scancel", str(g)])
-    c.run(["scontrol", "update", f"JobId={opp}", "StartTime=now"])
+    c.run(["scontrol", "update", f"JobId={opp}", f"StartTime={REQUEUED_START_TIME}"])
     text = c.wait_output(opp, r"restart=1", timeout=60)
     m = re.search(r"START at=(\d+) restart=1", text)
     assert m and int(m.group(1)) >= saved  # resumed from the checkpoint, not from zero
@@ -170,7 +171,7 @@ def test_preempted_job_restarting_on_same_node_keeps_its_env(clean_cluster):
     c.wait_state(g, {"RUNNING"}, timeout=60)
     assert c.show(opp)["Restarts"] == "1"
     c.run(["scancel", str(g)])
-    c.run(["scontrol", "update", f"JobId={opp}", "StartTime=now"])
+    c.run(["scontrol", "update", f"JobId={opp}", f"StartTime={REQUEUED_START_TIME}"])
     again = _run_line(c.wait_output(opp, r"^RUN restart=1 ", timeout=60), 1)
     assert again["NODE"] == "node1"
     assert again["CLASS"] == "opportunistic", again
@@ -215,3 +216,73 @@ def test_missing_env_file_with_unusable_prolog_is_logged_and_step_runs(clean_clu
     log = (c.c.dir / "log" / "slurmd-node1.log").read_text()
     assert (f"antman: job {jid}: cannot execute prolog /nonexistent/antman-prolog: No such file or directory"
             in log)
+
+
+def test_opportunistic_job_without_its_sidecar_is_requeued_never_run_unmanaged(clean_cluster):
+    """Fail closed: with node2's sidecar down the Prolog cannot place or limit an opportunistic job, so
+    the job's task must not start there (it would see every GPU, with no limits, beside any guaranteed
+    job); Slurm requeues it, and once the sidecar is back it runs once, managed."""
+    import os
+    import signal
+    import time
+
+    from sidecar import client
+    from slurm_antman import config, devcluster as dc
+
+    c = clean_cluster
+    side = next(p for p in c.c.procs if p.name == "sidecar:node2")
+    os.kill(side.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while side.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not side.alive()
+    try:
+        opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=RESTART_SCRIPT)
+        hooks_log = c.c.dir / "antman-state" / "hooks.log"
+        deadline = time.monotonic() + 60
+        def logged() -> str:
+            return hooks_log.read_text() if hooks_log.exists() else ""
+
+        while f"job {opp} on node2: not started, requeued" not in logged():
+            assert time.monotonic() < deadline, logged()[-3000:]
+            time.sleep(0.5)
+        info = c.wait_state(opp, {"PENDING"}, timeout=60)
+        assert int(info["Restarts"]) >= 1
+        out = c.workdir / f"{opp}.out"
+        assert "RUN " not in (out.read_text() if out.exists() else "")
+    finally:
+        dc.replace_proc(c.c, dc.start_sidecar(c.c, "node2"))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.ping(config.load(str(c.c.config_path)).node_socket_dir("node2"), timeout_s=1.0)
+            break
+        except client.SidecarUnreachable:
+            assert time.monotonic() < deadline, "sidecar for node2 did not come back"
+    c.run(["scontrol", "update", f"JobId={opp}", f"StartTime={REQUEUED_START_TIME}"])
+    text = c.wait_output(opp, r"^RUN ", timeout=90)
+    runs = [l for l in text.splitlines() if l.startswith("RUN ")]
+    assert len(runs) == 1, text  # never started while refused; started once now
+    seen = dict(kv.split("=", 1) for kv in runs[0].split()[1:])
+    assert seen["NODE"] == "node2" and re.fullmatch(r"[0-3]", seen["CVD"]), seen
+    assert seen["EP"].startswith("ipc://") and f"/jobs/{opp}/" in seen["EP"], seen
+
+
+def test_a_task_whose_env_file_says_refused_never_starts(clean_cluster, tmp_path):
+    """The SPANK side of failing closed: when the Prolog refused a job (ANTMAN_REFUSED in its env file)
+    and Slurm launches a step anyway, the plugin fails the task instead of running it unmanaged."""
+    from slurm_antman.node_hooks import write_env_file
+
+    c = clean_cluster
+    flag = tmp_path / "go"
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", script=STEP_SCRIPT.format(flag=flag))
+    c.wait_output(jid, r"^BATCH")
+    env_file = c.c.dir / "antman-state" / "node1" / "jobs" / f"{jid}.env"
+    values = dict(l.split("=", 1) for l in env_file.read_text().splitlines() if l and not l.startswith("#"))
+    write_env_file(env_file, {**values, "ANTMAN_REFUSED": "no GPU of node1 meets the opportunistic rules (test)"})
+    flag.write_text("")
+    c.wait_state(jid, {"COMPLETED", "FAILED"}, timeout=60)
+    out = (c.workdir / f"{jid}.out").read_text()
+    assert "STEP CLASS=" not in out, out
+    log = (c.c.dir / "log" / "slurmd-node1.log").read_text()
+    assert f"antman: job {jid} not started on this node: no GPU of node1 meets the opportunistic rules (test)" in log

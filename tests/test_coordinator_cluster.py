@@ -197,3 +197,33 @@ def test_coordinator_killed_mid_preemption_loses_and_doubles_nothing(clean, tmp_
     _preemption(clean, tmp_path, kill_coordinator=True)
     starts = [r for r in _audit(clean) if r["kind"] == "coordinator" and r.get("event") == "start"]
     assert starts[-1]["preempting"] or starts[-1]["requeued"] or starts[-1]["replayed"], starts[-1]
+
+
+def test_opportunistic_job_waits_for_room_instead_of_starting_beside_a_busy_guaranteed_job(clean, tmp_path):
+    """opportunistic.no_room: wait (the default). The hog leaves GPU 0 no room; the node keeps its one
+    slot (Slurm would reject submissions otherwise), but the job must not run there: the coordinator
+    keeps it off node1 (ExcNodeList), or, if Slurm starts it first, the Prolog refuses and requeues it.
+    When the hog ends the job runs, once, from step 0."""
+    c = clean
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "research", script=_hog(c))
+    c.wait_state(g, {"RUNNING"}, timeout=60)
+    _wait(lambda: (_squeue(c).get(g, {}).get("mem_used_bytes") or 0) > 1 << 30, 90, "the hog's memory reported")
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research",
+                   script=_train(c, tmp_path / "ckpt", steps=20))
+    kept = _wait(lambda: [r for r in _audit(c, opp) if r["kind"] == "keep_off" and r["outcome"] == "ok"], 60,
+                 "the coordinator keeping the job off node1")[0]
+    assert kept["params"]["nodes"] == ["node1"] and "no GPU meets the opportunistic rules" in kept["reason"], kept
+    info = c.show(opp)
+    assert info["JobState"] == "PENDING" and info["ExcNodeList"] == "node1", info
+    time.sleep(5)
+    out_path = c.workdir / f"{opp}.out"
+    assert "START" not in (out_path.read_text() if out_path.exists() else "")
+    assert c.show(g)["Restarts"] == "0"
+
+    c.run(["scancel", str(g)], check=True)
+    out = c.wait_output(opp, r"DONE step=20", timeout=120)
+    assert out.count("START ") == 1 and "START step=0 " in out, out
+    lifted = [r for r in _audit(c, opp) if r["kind"] == "keep_off" and r["outcome"] == "ok"][-1]
+    assert lifted["params"]["nodes"] == [] and "room again" in lifted["reason"], lifted
+    r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(opp)])
+    assert "no GPU meets the opportunistic rules" in r.stdout, r.stdout

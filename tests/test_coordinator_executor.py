@@ -3,12 +3,14 @@ consistently are refused, never half done."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from slurm_antman import config
 from slurm_antman.coordinator.executor import Executor
 from slurm_antman.jobtag import parse_tag
-from slurm_antman.policy.decisions import SetClass
+from slurm_antman.policy.decisions import KeepOff, SetClass
 from slurm_antman.slurm import CliBackend
 
 pytestmark = pytest.mark.cluster
@@ -27,3 +29,26 @@ def test_pending_gpu_job_keeps_its_class(clean_cluster):
     assert out.outcome == "skipped" and "cannot move" in out.detail, out
     assert parse_tag(after["AdminComment"]).job_class == "opportunistic"
     assert (after["Partition"], after["TresPerNode"]) == (before["Partition"], before["TresPerNode"])
+
+
+def test_keep_off_sets_and_clears_a_pending_jobs_exclusions_and_it_waits_meanwhile(clean_cluster):
+    """Slurm 22.05 takes ExcNodeList on a pending job; excluded from every node the job stays pending
+    (not rejected), and starts once a node is let back; a running job is left alone."""
+    c = clean_cluster
+    cfg = config.load(c.c.config_path)
+    ex = Executor(CliBackend(env=c.env), cfg)
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "--hold", wrap="sleep 30")
+    out = ex.execute(KeepOff(str(jid), ("node1", "node2"), reason="test"))
+    assert out.outcome == "ok", out
+    info = c.show(jid)
+    assert info["ExcNodeList"] == "node[1-2]" or info["ExcNodeList"] == "node1,node2", info
+    assert CliBackend(env=c.env).job(jid).excluded_nodes == ["node1", "node2"]
+    c.run(["scontrol", "release", str(jid)])
+    time.sleep(3)
+    info = c.show(jid)
+    assert info["JobState"] == "PENDING", info
+    assert ex.execute(KeepOff(str(jid), ("node1",))).outcome == "ok"
+    info = c.wait_state(jid, {"RUNNING"}, timeout=30)
+    assert info["NodeList"] == "node2"
+    out = ex.execute(KeepOff(str(jid), ()))
+    assert out.outcome == "skipped" and "RUNNING" in out.detail, out

@@ -284,3 +284,15 @@ def test_choose_gpus_can_make_an_opportunistic_job_wait_instead_of_crawling():
     both = choose_gpus([busy, idle, GpuLoad(4, 80 << 30, 0, 0.0, 0, 0)], 2, 2, 0.8, 10, 0.02, 0.25,
                        wait_without_room=True)
     assert both.placement == "fit" and sorted(both.gpus) == [3, 4]
+
+
+def test_waiting_never_turns_placement_memory_into_a_ban():
+    """A job preempted from the only GPU of its node is placed there again once that GPU qualifies
+    (placement memory is a preference); while another GPU qualifies, that one is taken."""
+    only = GpuLoad(0, 80 << 30, 0, 0.0, 0, 0)
+    again = choose_gpus([only], 1, 2, 0.8, 10, 0.02, 0.25, avoid={0}, wait_without_room=True)
+    assert (again.placement, again.gpus) == ("fit", [0]) and "taken again" in again.note
+    other = GpuLoad(1, 80 << 30, 0, 0.0, 0, 0)
+    assert choose_gpus([only, other], 1, 2, 0.8, 10, 0.02, 0.25, avoid={0}, wait_without_room=True).gpus == [1]
+    busy = GpuLoad(0, 80 << 30, 20 << 30, 0.9, 1, 0)  # avoided and over the threshold: still wait
+    assert choose_gpus([busy], 1, 2, 0.8, 10, 0.02, 0.25, avoid={0}, wait_without_room=True).placement == "wait"

@@ -151,6 +151,49 @@ def test_unreachable_sidecar_is_a_typed_error(sockdir):
         ctx.term()
 
 
+@pytest.mark.parametrize("no_room", ["wait", "fallback", "observe-only"])
+def test_an_opportunistic_job_without_room_is_answered_wait_and_not_registered(sockdir, no_room):
+    """opportunistic.no_room: wait: a job no GPU qualifies for is not placed beside a busy guaranteed
+    job (the Prolog requeues it); a Prolog that cannot requeue (no may_wait) still gets a GPU. With
+    sidecar.enforce: false (observe only) nothing is refused."""
+    base = make_config(gpus=1).model_dump(mode="json")
+    if no_room == "observe-only":
+        base["sidecar"]["enforce"] = False
+    conf = cfgmod.parse({**base, "opportunistic": {"no_room": "fallback" if no_room == "fallback" else "wait"}})
+    r = Running(sockdir, conf)
+    a = None
+    try:
+        g = client.register_job(sockdir, "100", uid=0, user="root", job_class="guaranteed", gpus=1,
+                                physical_gpus=[0])
+        a = SimAgent(g.endpoint, "100", "guaranteed")
+        a.register()
+        a.report(100.0, 8 * GiB)
+        wait_for(lambda: client.node_state(sockdir).gpus[0].memory_used_bytes == 8 * GiB, what="report seen")
+        o = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1,
+                                may_wait=True)
+        jobs = {j.job_id for j in client.node_state(sockdir).jobs}
+        if no_room != "wait":
+            assert (o.gpus, o.placement) == ([0], "fallback") and jobs == {"100", "200"}
+            return
+        assert (o.gpus, o.endpoint, o.placement) == ([], "", "wait")
+        assert "predicted progress" in o.note and "waits for room" in o.note
+        assert jobs == {"100"}
+        assert not os.path.exists(os.path.join(sockdir, "jobs", "200"))
+        assert r.sidecar.placement_waits == 1
+        # An older Prolog (no may_wait) never sees a placement it does not know.
+        old = client.register_job(sockdir, "201", uid=0, user="root", job_class="opportunistic", gpus=1)
+        assert (old.gpus, old.placement) == ([0], "fallback")
+        # Once the guaranteed job is gone the GPU qualifies and the requeued job is placed.
+        client.retire_job(sockdir, "100")
+        again = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1,
+                                    may_wait=True)
+        assert (again.gpus, again.placement) == ([0], "fit")
+    finally:
+        if a is not None:
+            a.close()
+        r.stop()
+
+
 def test_register_guaranteed_and_opportunistic_placement(sidecar, sockdir):
     g = client.register_job(sockdir, "100", uid=0, user="root", job_class="guaranteed", gpus=1, physical_gpus=[0])
     assert (g.gpus, g.placement, g.note) == ([0], "requested", "")

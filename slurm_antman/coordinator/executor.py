@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional, Protocol
 from slurm_antman import protocol as p
 from slurm_antman.config import AntmanConfig
 from slurm_antman.jobtag import JobTag, TagError, parse_tag
-from slurm_antman.policy import (CoordinatorState, HoldForQuota, MakeEligible, PreemptNotice, ReleaseHold,
+from slurm_antman.policy import (CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold,
                                  Requeue, SetClass, SetOppSlots, Upgrade)
 from slurm_antman.slurm import CliBackend, SlurmError
-from slurm_antman.slurm.models import Job
+from slurm_antman.slurm.models import REQUEUED_START_TIME, Job
 
 log = logging.getLogger("antman.coordinator.executor")
 
@@ -288,10 +288,19 @@ class Executor:
         self.backend.requeue(job.job_id)
         return ok(f"scontrol requeue (Restarts {job.restarts} -> {job.restarts + 1})", job.restarts)
 
+    def _keep_off(self, d: KeepOff, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "PENDING":
+            return skipped(f"job is {job.state}; ExcNodeList can only change while it is pending", job.restarts)
+        if job.antman_class != "opportunistic":
+            return skipped(f"job is {job.antman_class}, not opportunistic", job.restarts)
+        self.backend.update(job.job_id, ExcNodeList=",".join(d.nodes))
+        return ok(f"ExcNodeList={','.join(d.nodes) or '(none)'}", job.restarts)
+
     def _make_eligible(self, d: MakeEligible, state: Any) -> Outcome:
         job = self._job(d.job_id)
         if job.state != "PENDING":
             return skipped(f"job is {job.state}", job.restarts)
-        # A requeued job waits ~121 s (Reason=BeginTime); StartTime=now lifts that at once.
-        self.backend.update(job.job_id, StartTime="now")
-        return ok("StartTime=now", job.restarts)
+        # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME).
+        self.backend.update(job.job_id, StartTime=REQUEUED_START_TIME)
+        return ok(f"StartTime={REQUEUED_START_TIME}", job.restarts)

@@ -25,6 +25,7 @@ _VERBS = {
     "preempt_notice": "preemption notice (grace {grace_s:g} s) on {node}",
     "requeue": "requeued",
     "make_eligible": "made eligible again at once",
+    "keep_off": "kept off node(s) {nodes_text}",
     "placed": "placed on {node} GPU(s) {gpus} by its sidecar ({placement})",
 }
 
@@ -48,7 +49,9 @@ def records_for(job_id: str, records: Iterable[dict]) -> list[dict]:
 def _line(r: dict) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(r.get("ts", 0))))
     try:
-        what = _VERBS[r["kind"]].format(**(r.get("params") or {}), node=r.get("node", "?"))
+        params = r.get("params") or {}
+        nodes_text = ", ".join(params.get("nodes") or []) or "none (every node it may use has room)"
+        what = _VERBS[r["kind"]].format(**params, node=r.get("node", "?"), nodes_text=nodes_text)
         if r["kind"] == "preempt_notice" and (r.get("inputs") or {}).get("move"):
             what = what.replace("preemption notice", "move notice (crawling)")
     except (KeyError, ValueError):

@@ -32,7 +32,8 @@ def job_view(job: Job, cfg: AntmanConfig, checkpoints: Mapping[str, float]) -> J
         node=job.nodes[0] if job.nodes else None,
         submit_unix=_unix(job.submit_time) or 0.0,
         start_unix=_unix(job.start_time) if job.state != "PENDING" else None,
-        restarts=job.restarts, last_checkpoint_unix=checkpoints.get(job_id), held_for_quota=held)
+        restarts=job.restarts, last_checkpoint_unix=checkpoints.get(job_id), held_for_quota=held,
+        excluded_nodes=tuple(job.excluded_nodes), begin_wait=job.state == "PENDING" and job.reason == "BeginTime")
 
 
 def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, Any], slurm_class: Mapping[str, str],

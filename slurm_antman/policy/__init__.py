@@ -3,7 +3,7 @@ clock, no Slurm, no ZeroMQ), so the daemon and the trace simulator run the same 
 
 from .core import decide
 from .decisions import (
-    ALL_KINDS, Decision, HoldForQuota, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass,
+    ALL_KINDS, Decision, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass,
     SetOppSlots, Upgrade,
 )
 from .model import (
@@ -13,7 +13,7 @@ from .model import (
 from .preemption import lost_gpu_seconds
 
 __all__ = [
-    "decide", "ALL_KINDS", "Decision", "HoldForQuota", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
+    "decide", "ALL_KINDS", "Decision", "HoldForQuota", "KeepOff", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
     "SetClass", "SetOppSlots", "Upgrade", "HOLDING_STATES", "CoordinatorState", "GpuView", "Issued", "JobView",
     "NodeView", "PolicyParams", "Preemption", "PreemptNeed", "Requeued", "Snapshot", "quotas_from_config",
     "lost_gpu_seconds",

@@ -13,14 +13,16 @@ PARAMS = PolicyParams(grace_s=30.0, slots_per_gpu=2, util_threshold=0.8, min_opp
 
 def job(job_id: str, *, account: str = "a", state: str = "PENDING", requested: str = "guaranteed",
         job_class: str | None = None, gpus: int = 1, node: str | None = None, submit: float = 0.0,
-        start: float | None = None, restarts: int = 0, ckpt: float | None = None, held: bool = False) -> JobView:
+        start: float | None = None, restarts: int = 0, ckpt: float | None = None, held: bool = False,
+        excluded: tuple[str, ...] = (), begin_wait: bool = False) -> JobView:
     if job_class is None:
         job_class = {"auto": "guaranteed", "none": "none"}.get(requested, requested)
     if state == "RUNNING" and node is None:
         node = "n1"
     if state == "RUNNING" and start is None:
         start = submit + 1.0
-    return JobView(job_id, account, "u", state, requested, job_class, gpus, node, submit, start, restarts, ckpt, held)
+    return JobView(job_id, account, "u", state, requested, job_class, gpus, node, submit, start, restarts, ckpt, held,
+                   excluded, begin_wait)
 
 
 def gpu(index: int, *, used_gib: float = 0.0, total_gib: float = 80.0, util: float = 0.0,

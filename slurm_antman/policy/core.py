@@ -2,7 +2,8 @@
 
 Order inside a cycle: preemption first (a guaranteed job is waiting), then moves of crawling
 opportunistic jobs, then quotas (classes, holds,
-upgrades), then placement (opportunistic GRES counts). A job gets at most one decision per cycle.
+upgrades), then placement (opportunistic GRES counts, and which nodes pending opportunistic jobs are
+kept off). A job gets at most one decision per cycle, except that keeping it off nodes is its own.
 
 Decisions that follow from the snapshot alone (classes, holds, upgrades, slot counts) would repeat
 every cycle until Slurm shows them done; ``state.issued`` suppresses such a repeat for
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from . import moves, placement, preemption, quota
+from . import keep_off, moves, placement, preemption, quota
 from .decisions import Decision
 from .model import CoordinatorState, Issued, PolicyParams, Snapshot
 
@@ -42,10 +43,35 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     need_gpus: dict[str, set[int]] = {}
     for need in snap.needs:
         need_gpus.setdefault(need.node, set()).add(need.gpu)
-    derived.extend(placement.step(snap.nodes, jobs.values(), params, need_gpus))
+    slots, no_room = placement.step(snap.nodes, jobs.values(), params, need_gpus)
+    derived.extend(slots)
+    kept_off = dict(state.kept_off)
+    first: list[Decision] = []
+    if params.keep_off_no_room:
+        kept, kept_off = keep_off.step(jobs.values(), no_room, state.kept_off, skip)
+        first = [d for d in kept if d.kind == "keep_off"]
+        derived.extend(d for d in kept if d.kind != "keep_off")
 
-    decisions: list[Decision] = list(pre.decisions)
+    # Exclusions go first: a requeued job made eligible in this cycle must not start where it has no room.
     issued: dict[str, Issued] = {}
+    decisions = _unrepeated(first, state, params, now, issued) + list(pre.decisions)
+    decisions += _unrepeated(derived, state, params, now, issued)
+
+    new_state = CoordinatorState(
+        preempting=MappingProxyType(pre.preempting),
+        requeued=MappingProxyType(pre.requeued),
+        issued=MappingProxyType(issued),
+        avoid=MappingProxyType(avoid),
+        kept_off=MappingProxyType(kept_off),
+    )
+    return decisions, new_state
+
+
+def _unrepeated(derived: list[Decision], state: CoordinatorState, params: PolicyParams, now: float,
+                issued: dict[str, Issued]) -> list[Decision]:
+    """``derived`` without what was issued with the same signature less than ``reissue_after_s`` ago;
+    records what is issued (or still suppressed) in ``issued``."""
+    out: list[Decision] = []
     for d in derived:
         prev = state.issued.get(d.key)
         sig = d.signature
@@ -53,12 +79,5 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
             issued[d.key] = prev
             continue
         issued[d.key] = Issued(sig, now)
-        decisions.append(d)
-
-    new_state = CoordinatorState(
-        preempting=MappingProxyType(pre.preempting),
-        requeued=MappingProxyType(pre.requeued),
-        issued=MappingProxyType(issued),
-        avoid=MappingProxyType(avoid),
-    )
-    return decisions, new_state
+        out.append(d)
+    return out

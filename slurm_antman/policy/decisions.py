@@ -131,6 +131,28 @@ class MakeEligible(_Kind):
     inputs: Mapping[str, object] = field(default_factory=_inputs, compare=False)
 
 
-Decision = Union[SetClass, HoldForQuota, ReleaseHold, SetOppSlots, Upgrade, PreemptNotice, Requeue, MakeEligible]
+@dataclass(frozen=True, slots=True)
+class KeepOff(_Kind):
+    """Pending opportunistic job: its ``ExcNodeList`` becomes ``nodes`` (what the user excluded plus the
+    nodes whose GPUs have no room), so Slurm does not start it on the one slot such a node keeps."""
 
-ALL_KINDS = (SetClass, HoldForQuota, ReleaseHold, SetOppSlots, Upgrade, PreemptNotice, Requeue, MakeEligible)
+    job_id: str
+    nodes: tuple[str, ...]
+    reason: str = field(default="", compare=False)
+    inputs: Mapping[str, object] = field(default_factory=_inputs, compare=False)
+
+    @property
+    def key(self) -> str:
+        # Its own key: a class decision for the same job in the same cycle must not suppress it.
+        return f"keep_off:{self.job_id}"
+
+    @property
+    def signature(self) -> str:
+        return "keep_off:" + ",".join(self.nodes)
+
+
+Decision = Union[SetClass, HoldForQuota, ReleaseHold, SetOppSlots, Upgrade, PreemptNotice, Requeue, MakeEligible,
+                 KeepOff]
+
+ALL_KINDS = (SetClass, HoldForQuota, ReleaseHold, SetOppSlots, Upgrade, PreemptNotice, Requeue, MakeEligible,
+             KeepOff)

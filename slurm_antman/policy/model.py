@@ -59,6 +59,8 @@ class JobView:
     restarts: int
     last_checkpoint_unix: Optional[float]
     held_for_quota: bool
+    excluded_nodes: tuple[str, ...] = ()  # Slurm's ExcNodeList, expanded
+    begin_wait: bool = False  # pending with Reason=BeginTime (a requeued job's ~121 s wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,9 @@ class PolicyParams:
     # A job crawling this long is moved to a GPU promising ``move_gain`` times its progress; None: never.
     move_after_s: Optional[float] = 600.0
     move_gain: float = 2.0
+    # opportunistic.no_room == "wait": pending opportunistic jobs are kept off (ExcNodeList) nodes whose
+    # only slot is the minimum one (policy.keep_off). The simulator models the same effect itself.
+    keep_off_no_room: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PolicyParams":
@@ -118,6 +123,7 @@ class PolicyParams:
             min_progress=float(cfg.opportunistic.min_progress),
             move_after_s=cfg.opportunistic.move_after_s,
             move_gain=float(cfg.opportunistic.move_gain),
+            keep_off_no_room=bool(cfg.sidecar.enforce) and cfg.opportunistic.no_room == "wait",
         )
 
 
@@ -174,6 +180,9 @@ class CoordinatorState:
     issued: Mapping[str, Issued] = field(default_factory=lambda: _frozen(None))
     # Placement memory of moved jobs (policy.moves.Avoid): job -> the GPU it crawled on.
     avoid: Mapping[str, Any] = field(default_factory=lambda: _frozen(None))
+    # Opportunistic jobs whose ExcNodeList the core changed (policy.keep_off.KeptOff): job -> the nodes
+    # it added, so that the rest of the list stays the user's whatever the core adds or removes.
+    kept_off: Mapping[str, Any] = field(default_factory=lambda: _frozen(None))
 
     @classmethod
     def empty(cls) -> "CoordinatorState":
@@ -211,6 +220,7 @@ class CoordinatorState:
             "requeued": [_fields(r) for r in self.requeued.values()],
             "issued": {k: _fields(v) for k, v in self.issued.items()},
             "avoid": [_fields(a) for a in self.avoid.values()],
+            "kept_off": [{"job_id": k.job_id, "added": list(k.added)} for k in self.kept_off.values()],
         }
 
     @classmethod
@@ -224,13 +234,16 @@ class CoordinatorState:
             iss = {str(k): Issued(**v) for k, v in dict(data.get("issued", {})).items()}
             from .moves import Avoid
             avo = [Avoid(**a) for a in data.get("avoid", [])]
-        except TypeError as e:
+            from .keep_off import KeptOff
+            kept = [KeptOff(str(k["job_id"]), tuple(map(str, k["added"]))) for k in data.get("kept_off", [])]
+        except (TypeError, KeyError) as e:
             raise ValueError(f"coordinator state: malformed entry: {e}") from None
         return cls(
             preempting=_frozen({p.job_id: p for p in pre}),
             requeued=_frozen({r.job_id: r for r in req}),
             issued=_frozen(iss),
             avoid=_frozen({a.job_id: a for a in avo}),
+            kept_off=_frozen({k.job_id: k for k in kept}),
         )
 
 

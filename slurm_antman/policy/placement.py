@@ -66,17 +66,21 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
 
 
 def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyParams,
-         need_gpus: Mapping[str, set[int]]) -> list[SetOppSlots]:
+         need_gpus: Mapping[str, set[int]]) -> tuple[list[SetOppSlots], list[str]]:
+    """The count changes, and the nodes whose count is only the minimum slot (no room at all)."""
     in_use = opp_in_use_by_node(jobs)
     out: list[SetOppSlots] = []
+    no_room: list[str] = []
     for n in nodes:
         if n.last_report_unix is None:
             continue  # nothing measured: slurmctld keeps the configured count
         total, inputs = node_slots(n, params, in_use.get(n.name, 0), need_gpus.get(n.name, ()))
+        if inputs["slurm_in_use"] + max(0, inputs["free_slots"] - inputs["unseen"]) < MIN_SLOTS_PER_NODE:
+            no_room.append(n.name)
         if total != n.opp_slots_in_slurm:
             inputs.update(in_slurm=n.opp_slots_in_slurm, report_unix=n.last_report_unix)
             out.append(SetOppSlots(n.name, total, reason=(
                 f"{inputs['gpus_qualifying']} GPUs with room have {inputs['free_slots']} free slots, Slurm has "
                 f"{inputs['slurm_in_use']} allocated: count {total}, Slurm has {n.opp_slots_in_slurm}"),
                 inputs=inputs))
-    return out
+    return out, no_room

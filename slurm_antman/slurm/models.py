@@ -18,6 +18,13 @@ ACTIVE_STATES = frozenset({
 
 ANTMAN_CLASSES = ("guaranteed", "opportunistic", "none")
 
+# What `scontrol update StartTime=` gets to lift the ~121 s BeginTime wait of a requeued job. Not
+# "now": slurmd treats a job credential created in the same second as the revocation it made when the
+# job was requeued as revoked ("Killing non-startable batch JobId=N: Job credential revoked"), and
+# slurmctld then ends the job (exit 1) instead of requeueing it: seen on Slurm 22.05 when the job was
+# started again on the same node within that second. Two seconds puts the new credential past it.
+REQUEUED_START_TIME = "now+2"
+
 
 @dataclass
 class AntmanTag:
@@ -49,6 +56,7 @@ class Job:
     tres_per_node: str
     submit_time: Optional[datetime]
     start_time: Optional[datetime]
+    excluded_nodes: list[str] = field(default_factory=list)  # ExcNodeList, expanded
     raw: dict = field(default_factory=dict, repr=False)
 
     @property

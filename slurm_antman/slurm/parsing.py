@@ -275,7 +275,8 @@ def job_from_scontrol(line: str, gres_name: str = "gpu") -> Job:
         comment=_null(fields.get("Comment")), antman_class=tag.job_class,
         gpus_by_node=_physical_gpus(tag, gres_by_node), tres_per_node=_null(fields.get("TresPerNode")),
         submit_time=parse_slurm_time(fields.get("SubmitTime")),
-        start_time=parse_slurm_time(fields.get("StartTime")), raw=fields,
+        start_time=parse_slurm_time(fields.get("StartTime")),
+        excluded_nodes=_expand_nodes(_null(fields.get("ExcNodeList"))), raw=fields,
     )
 
 
@@ -301,7 +302,8 @@ def job_from_squeue_json(j: dict, gres_name: str = "gpu") -> Job:
         gpus_by_node=_physical_gpus(tag, gres_by_node), tres_per_node=j.get("tres_per_node") or "",
         submit_time=parse_slurm_time(j.get("submit_time")),
         # A pending job's start_time is Slurm's estimate; report it only once it has started.
-        start_time=parse_slurm_time(start) if state not in ("PENDING",) else None, raw=j,
+        start_time=parse_slurm_time(start) if state not in ("PENDING",) else None,
+        excluded_nodes=_expand_nodes(j.get("excluded_nodes") or ""), raw=j,
     )
 
 

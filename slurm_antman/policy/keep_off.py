@@ -1,0 +1,71 @@
+"""Keeping pending opportunistic jobs off nodes without room (``opportunistic.no_room: wait``).
+
+Every node keeps one opportunistic slot whatever its GPUs look like (placement.MIN_SLOTS_PER_NODE:
+slurmctld 22.05 rejects at submission a GRES request no node is configured for). Slurm would start a
+pending opportunistic job on that slot, where its sidecar finds no GPU that meets the rules and its
+Prolog requeues it (docs/evaluation.md: started there anyway, the job crawls beside a busy guaranteed
+job). So the core sets each pending opportunistic job's ``ExcNodeList`` to the nodes the user
+excluded plus the nodes with no room, and narrows it again as nodes gain room. Slurm 22.05 accepts
+the update on a pending job; a job excluded from every node stays pending (Reason=BadConstraints)
+and starts once the list is narrowed (checked on the devcluster, 2026-11-24).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Collection, Mapping
+
+from .decisions import Decision, KeepOff, MakeEligible
+from .model import JobView
+
+
+@dataclass(frozen=True, slots=True)
+class KeptOff:
+    """A job whose ExcNodeList the core changed; ``added``: the nodes the core put there. The rest of
+    the list is the user's (or an admin's), read afresh every cycle, so a later edit of theirs is kept.
+    The daemon persists these with its state; were the state file lost, what the core had added would
+    read as the user's and stay until an admin clears it (``scontrol update JobId=N ExcNodeList=``)."""
+
+    job_id: str
+    added: tuple[str, ...]
+
+
+def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str, KeptOff],
+         skip: Collection[str]) -> tuple[list[Decision], dict[str, KeptOff]]:
+    """One ``KeepOff`` per pending opportunistic job whose ExcNodeList differs from what it should be
+    (its user's exclusions plus ``no_room``); the records of the jobs still alive.
+
+    Jobs in ``skip`` (a requeue of the coordinator's own in progress) get their ``KeepOff`` too: the
+    caller issues it before the ``MakeEligible`` that lets Slurm start them. A job that Slurm holds in
+    its post-requeue BeginTime wait and that is already kept off every node without room (its Prolog
+    refused it on one, in the moment before its list caught up) is made eligible: the wait would only
+    delay it, the exclusions already keep it from crawling."""
+    out: list[Decision] = []
+    records: dict[str, KeptOff] = {}
+    room_less = frozenset(no_room)
+    for j in jobs:
+        rec = kept.get(j.job_id)
+        if j.job_class != "opportunistic":
+            continue  # upgraded or reclassified: no longer the core's to keep off anywhere
+        if j.state != "PENDING":
+            if rec is not None:
+                records[j.job_id] = rec  # a requeued job comes back with the list the core left
+            continue
+        current = frozenset(j.excluded_nodes)
+        users = current.difference(rec.added if rec is not None else ())
+        want = tuple(sorted(users | room_less))
+        added = tuple(sorted(room_less - users))
+        if added or rec is not None:
+            records[j.job_id] = KeptOff(j.job_id, added)
+        if want != tuple(sorted(current)):
+            out.append(KeepOff(j.job_id, want, reason=(
+                f"kept off {len(added)} node(s) where no GPU meets the opportunistic rules "
+                f"({', '.join(added[:8])}{', ...' if len(added) > 8 else ''}); each keeps one slot only so that "
+                "Slurm accepts submissions" if added else "every node it may use has room again"),
+                inputs={"no_room": list(added), "user_excluded": sorted(users), "excluded_before": sorted(current)}))
+        elif j.begin_wait and j.restarts > 0 and j.job_id not in skip:
+            out.append(MakeEligible(j.job_id, reason=(
+                "requeued by its Prolog for want of room, and now kept off every node without room: Slurm's "
+                "BeginTime wait after a requeue would only delay it"),
+                inputs={"restarts": j.restarts, "excluded": list(want)}))
+    return out, records
