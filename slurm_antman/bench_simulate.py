@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="antman: opportunistic.move_after_s (seconds a job may crawl before it is moved); 'none'")
     p.add_argument("--no-room", choices=NO_ROOM, default=SimConfig.no_room,
                    help="antman: an opportunistic job on a node where too few GPUs meet the opportunistic rules "
-                        "starts on the least-loaded ones (fallback, the sidecar today) or waits for room (wait)")
+                        "waits for room (wait, the default, as antman.yaml's opportunistic.no_room) or starts on the "
+                        "least-loaded ones (fallback)")
     p.add_argument("--move-gain", type=float, default=SimConfig.move_gain,
                    help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
     p.add_argument("--json", action="store_true", help="print the JSON document")

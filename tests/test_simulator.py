@@ -57,7 +57,9 @@ def test_shared_slows_guaranteed_antman_protects_it(tmp_path):
     # One tenant with a quota of one GPU: the second job is over quota, so opportunistic, and shares.
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 10_000.0, 1, "a"), ("2017-10-01 00:01:40", 5_000.0, 1, "a")])
     shared = simulate(jobs, one_gpu("shared", utilisation="saturated"))
-    antman = simulate(jobs, one_gpu("antman", utilisation="saturated"))
+    # fallback: the opportunistic job shares the saturated GPU, so the throttle is what protects.
+    antman = simulate(jobs, one_gpu("antman", utilisation="saturated", no_room="fallback"))
+    waited = simulate(jobs, one_gpu("antman", utilisation="saturated"))
     exclusive = simulate(jobs, one_gpu("exclusive", utilisation="saturated"))
     g = {r.policy: next(x for x in r.jobs if x["job_id"] == "philly-2") for r in (shared, antman, exclusive)}
     assert g["exclusive"]["end_s"] == pytest.approx(10_000.0)
@@ -75,6 +77,11 @@ def test_shared_slows_guaranteed_antman_protects_it(tmp_path):
     opp = next(x for x in antman.jobs if x["job_id"] == "philly-3")
     assert opp["class"] in ("opportunistic", "guaranteed") and opp["first_start_s"] < 10_000.0
     assert opp["end_s"] is not None and antman.metrics["jobs_done"] == 2
+    # wait (the default): no GPU has room beside the saturated guaranteed job, so the opportunistic
+    # job does not start until it ends, and the guaranteed job runs exactly as alone.
+    w = {x["job_id"]: x for x in waited.jobs}
+    assert w["philly-2"]["end_s"] == pytest.approx(10_000.0)
+    assert w["philly-3"]["first_start_s"] >= 10_000.0 - 1e-6 and waited.metrics["jobs_done"] == 2
 
 
 def test_shared_oom_is_counted_and_job_retried(tmp_path):
@@ -90,7 +97,8 @@ def test_auto_resolved_at_submission_from_the_quota_file(tmp_path):
     # Quota of one GPU. The second job comes after a cycle has written the first into the quota file:
     # job_submit.lua makes it opportunistic at submission, and it runs beside the first at once.
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 1000.0, 1, "a"), ("2017-10-01 00:01:40", 500.0, 1, "a")])
-    r = simulate(jobs, one_gpu("antman", cycle_s=30.0))
+    # fallback: it starts beside the first whatever the GPU's load (this tests the class, not the room)
+    r = simulate(jobs, one_gpu("antman", cycle_s=30.0, no_room="fallback"))
     rows = {x["job_id"]: x for x in r.jobs}
     assert rows["philly-2"]["submitted_as"] == "guaranteed"
     assert rows["philly-3"]["submitted_as"] == "opportunistic"
@@ -117,8 +125,10 @@ def test_a_neighbour_the_floor_cannot_tame_is_preempted(tmp_path):
     guaranteed job gains nothing here: the rule moves work only where another GPU has room."""
     seed = next(s for s in range(10_000) if assign("philly-2", s).kind == assign("philly-3", s).kind == "R50_32")
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 10_000.0, 1, "a"), ("2017-10-01 00:01:40", 5_000.0, 1, "a")])
-    on = simulate(jobs, one_gpu("antman", seed=seed, slow_preempt_s=120.0, utilisation="saturated", move_after_s=None))
-    off = simulate(jobs, one_gpu("antman", seed=seed, utilisation="saturated", move_after_s=None))
+    # fallback: the pair shares the saturated GPU (under wait the second job would wait for the first)
+    on = simulate(jobs, one_gpu("antman", seed=seed, slow_preempt_s=120.0, utilisation="saturated", move_after_s=None,
+                                no_room="fallback"))
+    off = simulate(jobs, one_gpu("antman", seed=seed, utilisation="saturated", move_after_s=None, no_room="fallback"))
     g_on, g_off = (next(x for x in r.jobs if x["job_id"] == "philly-2") for r in (on, off))
     o_on = next(x for x in on.jobs if x["job_id"] == "philly-3")
     assert SimConfig().slow_preempt_s is None and off.metrics["preemptions"] == 0
@@ -199,7 +209,8 @@ def test_start_overhead_delays_progress_and_is_not_throttled(tmp_path):
     # One tenant, quota 1: its second job runs opportunistic beside the first, throttled.
     two = trace(tmp_path, [("2017-10-01 00:00:00", 1000.0, 1, "a"), ("2017-10-01 00:00:40", 100.0, 1, "a")])
     runs = {ov: {r["job_id"]: r for r in simulate(two, SimConfig(policy="antman", nodes=1, gpus_per_node=1,
-                                                                 start_overhead_s=ov, cycle_s=1.0)).jobs}
+                                                                 start_overhead_s=ov, cycle_s=1.0,
+                                                                 no_room="fallback")).jobs}
             for ov in (0.0, 5.0)}
     late = [j for j in runs[0.0] if runs[0.0][j]["submitted_as"] == "opportunistic"]
     assert late and runs[0.0][late[0]]["first_start_s"] < 100, "the second job should share the GPU at once"

@@ -126,10 +126,11 @@ class SimConfig:
     move_after_s: Optional[float] = cp.PolicyParams.__dataclass_fields__["move_after_s"].default
     move_gain: float = cp.PolicyParams.__dataclass_fields__["move_gain"].default
     # antman: what an opportunistic job does on a node where fewer GPUs than it asks meet the
-    # opportunistic rules. fallback: it starts on the least-loaded ones (the sidecar today);
-    # wait: it waits for room (``choose_gpus(wait_without_room=True)``; not yet on the real path,
-    # docs/evaluation.md).
-    no_room: str = "fallback"
+    # opportunistic rules (antman.yaml opportunistic.no_room). wait (the default): it waits for room
+    # (``choose_gpus(wait_without_room=True)``; the daemons requeue it from its Prolog and keep it off
+    # such nodes, policy.keep_off, which the simulator models as nothing starting there); fallback: it
+    # starts on the least-loaded GPUs.
+    no_room: str = "wait"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
