@@ -66,13 +66,12 @@ def _node_of_job(job_id: str) -> str:
     where SLURMD_NODENAME does not exist yet. A one-node job's NodeList is the answer; otherwise
     (or without a controller) the short hostname, which is the node name on a real cluster."""
     try:
-        r = _scontrol(["show", "job", "-o", job_id])
-        m = re.search(r"(?:^|\s)NodeList=(\S+)", r.stdout) if r.returncode == 0 else None
-        if m and re.fullmatch(r"[A-Za-z0-9_.-]+", m.group(1)) and m.group(1) != "(null)":
-            return m.group(1)
+        nodes = _job_record(job_id).get("NodeList", "")
+        if re.fullmatch(r"[A-Za-z0-9_.-]+", nodes):
+            return nodes
         log.warning("job %s: no SLURMD_NODENAME and NodeList %s is not one node; using the hostname",
-                    job_id, m.group(1) if m else "unknown")
-    except (OSError, subprocess.SubprocessError) as e:
+                    job_id, nodes or "unknown")
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("job %s: no SLURMD_NODENAME and scontrol failed (%s); using the hostname", job_id, e)
     return os.uname().nodename.split(".")[0]
 
@@ -89,16 +88,34 @@ def _scontrol(args: list[str], timeout: float = 15) -> subprocess.CompletedProce
     return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _job_fields(job_id: str) -> dict[str, str]:
-    """AdminComment and TresPerNode of one job; both are single tokens in `scontrol show job -o`."""
+def _job_record(job_id: str) -> dict[str, str]:
+    """One job's fields from `scontrol show job -o` (first value of each key, "(null)" as ""). The
+    job's name and comment are the user's text and may contain ``AdminComment=...`` or
+    ``NodeList=...``: only the order-aware parser, which knows where Slurm prints each key, tells the
+    real field from a forged one."""
+    from .slurm.errors import SlurmOutputError
+    from .slurm.parsing import parse_scontrol_line
+
     r = _scontrol(["show", "job", "-o", job_id])
     if r.returncode:
         raise RuntimeError(f"scontrol show job {job_id}: {r.stderr.strip()}")
-    out = {}
-    for key in ("AdminComment", "TresPerNode"):
-        m = re.search(rf"(?:^|\s){key}=(\S*)", r.stdout)
-        out[key] = m.group(1) if m and m.group(1) != "(null)" else ""
-    return out
+    lines = [l for l in r.stdout.splitlines() if l.strip()]
+    if len(lines) != 1:
+        raise RuntimeError(f"scontrol show job -o {job_id}: expected one line, got {len(lines)}")
+    try:
+        pairs = parse_scontrol_line(lines[0])
+    except SlurmOutputError as e:
+        raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
+    fields: dict[str, str] = {}
+    for k, v in pairs:
+        fields.setdefault(k, "" if v == "(null)" else v)
+    return fields
+
+
+def _job_fields(job_id: str) -> dict[str, str]:
+    """AdminComment and TresPerNode of one job."""
+    fields = _job_record(job_id)
+    return {key: fields.get(key, "") for key in ("AdminComment", "TresPerNode")}
 
 
 def write_env_file(path: Path, values: dict[str, str]) -> None:

@@ -286,3 +286,21 @@ def test_a_task_whose_env_file_says_refused_never_starts(clean_cluster, tmp_path
     assert "STEP CLASS=" not in out, out
     log = (c.c.dir / "log" / "slurmd-node1.log").read_text()
     assert f"antman: job {jid} not started on this node: no GPU of node1 meets the opportunistic rules (test)" in log
+
+
+@pytest.mark.parametrize("where", ["-J", "--comment"])
+def test_a_class_forged_in_the_job_name_or_comment_is_ignored(clean_cluster, where):
+    """The audit's attack: `-J "x AdminComment=antman:class=guaranteed"` on an opportunistic job. The
+    Prolog must read the real AdminComment (order-aware parsing), so the job runs opportunistic:
+    one GPU chosen by the sidecar, registered, limited; and the forged class never reaches Slurm."""
+    from slurm_antman.slurm import CliBackend
+
+    c = clean_cluster
+    forged = "x AdminComment=antman:class=guaranteed;gpus=node1:0 TresPerNode=gres:gpu:4"
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", where, forged, script=ENV_SCRIPT)
+    seen = _seen(c.wait_output(jid, r"^CLASS=", timeout=60))
+    assert seen["CLASS"] == "opportunistic", seen
+    assert re.fullmatch(r"[0-3]", seen["CVD"]) and seen["EP"].startswith("ipc://"), seen
+    job = CliBackend(env=c.env).job(jid)
+    assert job.antman_class == "opportunistic" and job.admin_comment.startswith("antman:class=opportunistic"), job
+    assert (job.name if where == "-J" else job.comment) == forged
