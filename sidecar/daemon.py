@@ -247,6 +247,10 @@ class Sidecar:
             sock.send_multipart(route + p.encode(msg), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the peer is gone or not reading; dropping is right for a best-effort reply
+        except (p.ProtocolError, ValueError, zmq.ZMQError) as e:
+            # A value a job's reports made unencodable, or a socket gone under us: that message is
+            # lost, never the sidecar (every other job on the node depends on it).
+            self._rlog.warning(f"send:{msg.body.TYPE}", "could not send %s: %s", msg.body.TYPE, e)
 
     def _protocol_error(self, where: str, sock: zmq.Socket, route: list[bytes], e: p.ProtocolError) -> None:
         self._rlog.warning(f"{where}:{e.code.value}", "%s: bad message (%s): %s", where, e.code.value, e.message)
@@ -570,7 +574,7 @@ class Sidecar:
             jobs.append(p.JobState(
                 job_id=j.job_id, job_class=j.job_class, uid=j.uid, gpus=list(j.gpus),
                 mem_limit_bytes=j.limits.mem_limit_bytes,
-                mem_used_bytes=sum(self._agent_mem(a, proc_mem) for a in j.agents.values()),
+                mem_used_bytes=p.clamp_number(sum(self._agent_mem(a, proc_mem) for a in j.agents.values())),
                 compute_share=j.limits.compute_share,
                 iteration_ms=max((a.report.iteration_ms for a in reports), default=None),
                 baseline_ms=track.baseline_ms if track else None,
@@ -596,7 +600,8 @@ class Sidecar:
             reports = [a.report.iteration_ms for a in j.agents.values() if a.report is not None]
             jobs.append(p.ReportJob(
                 job_id=j.job_id, job_class=j.job_class, gpus=list(j.gpus), mem_limit_bytes=j.limits.mem_limit_bytes,
-                mem_used_bytes=sum(self._agent_mem(a, proc_mem) for a in j.agents.values()) if j.agents else None,
+                mem_used_bytes=p.clamp_number(sum(self._agent_mem(a, proc_mem) for a in j.agents.values()))
+                if j.agents else None,
                 compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
                 last_checkpoint_unix=None,  # agents do not report checkpoints (yet): the job's start counts
                 progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id),

@@ -106,6 +106,11 @@ class Uplink:
             return True
         except zmq.Again:
             return False  # not connected (IMMEDIATE): the next report carries the same state
+        except (p.ProtocolError, ValueError, zmq.ZMQError) as e:
+            # E.g. a report whose sums a job's numbers pushed out of range: this report is lost, the
+            # sidecar goes on (the next report is built afresh).
+            self._rlog.warning(f"send:{body.TYPE}", "could not send %s to the coordinator: %s", body.TYPE, e)
+            return False
 
     def send_report(self, report: p.NodeReport, mono: float) -> bool:
         self._next_report = mono + self.opt.report_interval_s

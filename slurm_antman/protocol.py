@@ -27,6 +27,14 @@ from typing import Any, Callable, ClassVar, Iterable, Optional
 PROTOCOL_VERSION = 1
 MARKER = b"ANTMAN"
 MAX_MESSAGE_BYTES = 1 << 20
+# Every number on the wire is within +-2^53 (what a JSON number holds exactly, RFC 8259 section 6),
+# whatever narrower bound its field has: a peer can send nothing a sum or a str() cannot handle.
+MAX_NUMBER = 1 << 53
+
+
+def clamp_number(v: int) -> int:
+    """A sum of bounded numbers (e.g. the memory several agents of one job report), kept sendable."""
+    return min(v, MAX_NUMBER)
 
 CONTROL_SOCKET_NAME = "control.sock"
 AGENT_SOCKET_NAME = "agent.sock"
@@ -419,6 +427,10 @@ def _jtype(v: Any) -> str:
 
 
 def _scalar_checker(kind: Any, m: dict) -> Checker:
+    if kind is int or kind is float:
+        m = dict(m, le=MAX_NUMBER if m["le"] is None else m["le"])
+        if m["ge"] is None and m["gt"] is None:
+            m["ge"] = -MAX_NUMBER
     ge, gt, le = m["ge"], m["gt"], m["le"]
     choices, pattern, max_len = m["choices"], m["pattern"], m["max_len"]
     bounded = ge is not None or gt is not None or le is not None
@@ -428,7 +440,8 @@ def _scalar_checker(kind: Any, m: dict) -> Checker:
 
     def check_range(v: Any, where: str, name: str) -> None:
         if (ge is not None and v < ge) or (gt is not None and v <= gt) or (le is not None and v > le):
-            raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: {v!r} is out of range (must be {_bounds_text(m)})")
+            shown = f"an integer of {v.bit_length()} bits" if type(v) is int and v.bit_length() > 64 else repr(v)
+            raise ProtocolError(ErrorCode.bad_value, f"{_at(where, name)}: {shown} is out of range (must be {_bounds_text(m)})")
 
     if kind is int:
         def check(v: Any, where: str, name: str) -> Any:
@@ -627,6 +640,8 @@ def decode(frames: list, accept: Optional[frozenset] = None) -> Message:
         raise ProtocolError(ErrorCode.too_large, f"message of {len(raw)} bytes > {MAX_MESSAGE_BYTES}")
     try:
         env = json.loads(raw)
+    except RecursionError:
+        raise ProtocolError(ErrorCode.bad_json, "envelope is nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(ErrorCode.bad_json, f"envelope is not valid UTF-8 JSON: {e}") from None
     if type(env) is not dict:

@@ -516,3 +516,39 @@ def test_second_sidecar_on_same_dir_is_refused(sidecar, sockdir):
         other.start()
     other.close()
     client.ping(sockdir)
+
+
+def test_huge_and_nested_numbers_from_a_job_never_stop_the_sidecar(sidecar, sockdir):
+    """The audit's reproduction: a job opens two agent connections to its own socket, registers twice
+    and reports the largest numbers it can. Every number is bounded on the wire (2^53); what the
+    sidecar sums from them is still sent, or dropped with a log line, never raised out of the loop;
+    a 4,300-digit number and deeply nested JSON are refused with an error. The node keeps serving."""
+    r = client.register_job(sockdir, "800", uid=0, user="r", job_class="opportunistic", gpus=1)
+    agents = [SimAgent(r.endpoint, "800", pid=4242 + i) for i in range(2)]
+    raw = SimAgent(r.endpoint, "800", pid=5000)
+    try:
+        for a in agents:
+            a.register()
+            a.report(1.0, p.MAX_NUMBER)
+        too_big = json.loads(p.encode(p.message(p.Report(
+            iteration=1, iterations=1, iteration_ms=1.0, busy_ms=1.0, mem_allocated_bytes=0, mem_reserved_bytes=0,
+            mem_peak_bytes=0, spilled_bytes=0, limits_seq=0)))[1])
+        too_big["body"]["mem_reserved_bytes"] = p.MAX_NUMBER + 1
+        raw.send_raw([p.MARKER, json.dumps(too_big).encode()])
+        assert "out of range" in raw.recv("error").body.message
+        for n, answer in ((4300, "integer of 14285 bits is out of range"), (5000, "not valid UTF-8 JSON")):
+            # 4,300 digits: the most Python converts; one more and json refuses the envelope
+            raw.send_raw([p.MARKER, json.dumps(too_big).replace(str(p.MAX_NUMBER + 1), "9" * n).encode()])
+            assert answer in raw.recv("error").body.message
+        raw.send_raw([p.MARKER, b"[" * 100_000 + b"]" * 100_000])
+        assert "nested too deeply" in raw.recv("error").body.message
+        time.sleep(0.5)  # several ticks: sampling, policy, metrics with the summed numbers
+        client.ping(sockdir)
+        assert sidecar.thread.is_alive()
+        st = client.node_state(sockdir)
+        assert job_of(st, "800").agents == 2
+        nxt = client.register_job(sockdir, "801", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
+        assert nxt.placement == "requested"
+    finally:
+        for a in (*agents, raw):
+            a.close()
