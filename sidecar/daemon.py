@@ -37,6 +37,21 @@ AVOID_MAX_JOBS = 4096
 MAX_BATCH = 256  # messages drained from one socket before looking at the others
 
 
+# An agent is one training process; a few per GPU covers every launcher seen (one per rank).
+MAX_AGENTS_PER_GPU = 8
+# Queued messages per peer, each way: a peer that floods is dropped from, not buffered for.
+ROUTER_HWM = 1000
+
+
+def _bound_router(sock: zmq.Socket) -> None:
+    """A ROUTER a job (or any local user) can reach: no message over the protocol's limit is even
+    read (libzmq disconnects the peer), and queues are bounded both ways."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES + 4096)
+    sock.setsockopt(zmq.SNDHWM, ROUTER_HWM)
+    sock.setsockopt(zmq.RCVHWM, ROUTER_HWM)
+
+
 @dataclass(frozen=True)
 class SidecarOptions:
     node: str
@@ -128,7 +143,7 @@ class Sidecar:
     def start(self) -> None:
         self.dir.prepare()
         self._control = self._ctx.socket(zmq.ROUTER)
-        self._control.setsockopt(zmq.LINGER, 0)
+        _bound_router(self._control)
         self._control.bind(p.ipc(self.dir.control_path))
         self.dir.secure_control()
         self._poller.register(self._control, zmq.POLLIN)
@@ -328,6 +343,13 @@ class Sidecar:
         if reg.job_class not in ("none", job.job_class):
             log.warning("job %s: agent believes class %s, sidecar has %s; the sidecar's class applies",
                         job.job_id, reg.job_class, job.job_class)
+        cap = MAX_AGENTS_PER_GPU * max(1, len(job.gpus))
+        if identity not in job.agents and len(job.agents) >= cap:
+            # Each agent costs the sidecar memory and a share of every tick; a job may not flood it.
+            self._protocol_error(f"job {job.job_id} agent", job.socket, route, p.ProtocolError(
+                p.ErrorCode.forbidden, f"job {job.job_id} already has {len(job.agents)} agents registered, the most "
+                f"a job with {len(job.gpus)} GPU(s) on this node may have ({MAX_AGENTS_PER_GPU} per GPU)", msg.id))
+            return
         gpu = job.gpus[reg.local_rank % len(job.gpus)] if job.gpus else None
         # `registered` carries the job's current limits, so they count as acknowledged.
         agent = Agent(identity, reg, gpu, last_seen=mono, last_sent=mono, acked_seq=job.seq)
@@ -425,8 +447,7 @@ class Sidecar:
     def _open_job(self, job: Job) -> None:
         path = self.dir.make_job_dir(job.job_id, job.uid, job.gid)
         sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 1000)
+        _bound_router(sock)
         try:
             sock.bind(p.ipc(path))
             self.dir.secure_agent_socket(job.job_id, job.uid, job.gid)

@@ -552,3 +552,30 @@ def test_huge_and_nested_numbers_from_a_job_never_stop_the_sidecar(sidecar, sock
     finally:
         for a in (*agents, raw):
             a.close()
+
+
+def test_a_job_cannot_flood_its_sidecar_with_agents_or_oversized_frames(sidecar, sockdir):
+    """At most MAX_AGENTS_PER_GPU agents per GPU of the job; a frame over the protocol's limit gets its
+    sender disconnected unread. The job's real agent and the node keep being served."""
+    from sidecar.daemon import MAX_AGENTS_PER_GPU
+
+    r = client.register_job(sockdir, "900", uid=0, user="r", job_class="opportunistic", gpus=1)
+    agents = [SimAgent(r.endpoint, "900", pid=6000 + i) for i in range(MAX_AGENTS_PER_GPU + 1)]
+    big = SimAgent(r.endpoint, "900", pid=7000)
+    try:
+        for a in agents[:-1]:
+            a.register()
+        agents[-1].send(p.Register(job_id="900", pid=6999, rank=0, local_rank=0, world_size=1, hostname="n1",
+                                   agent_version="sim", torch_version="none", device="cuda",
+                                   job_class="opportunistic"))
+        err = agents[-1].recv("error").body
+        assert err.code == "forbidden" and f"{MAX_AGENTS_PER_GPU} per GPU" in err.message
+        assert job_of(client.node_state(sockdir), "900").agents == MAX_AGENTS_PER_GPU
+        big.send_raw([p.MARKER, b" " * (2 * p.MAX_MESSAGE_BYTES)])
+        time.sleep(0.3)
+        client.ping(sockdir)
+        agents[0].report(1.0, 1 * GiB)
+        wait_for(lambda: job_of(client.node_state(sockdir), "900").mem_used_bytes == 1 * GiB, what="report seen")
+    finally:
+        for a in (*agents, big):
+            a.close()
