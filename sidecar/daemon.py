@@ -451,7 +451,7 @@ class Sidecar:
         try:
             sock.bind(p.ipc(path))
             self.dir.secure_agent_socket(job.job_id, job.uid, job.gid)
-        except (zmq.ZMQError, OSError) as e:
+        except (zmq.ZMQError, OSError, EndpointError) as e:
             sock.close(0)
             self.dir.remove_job(job.job_id)
             raise EndpointError(f"cannot bind job {job.job_id}'s endpoint {path}: {e}") from None

@@ -6,8 +6,9 @@
     SOCKET_DIR/state/         0700 root   (job registrations, so a restarted sidecar rebinds them;
                                            not in the job's directory, where its user could forge one)
     SOCKET_DIR/jobs/          0711 root   (traversable, not listable: users cannot see other jobs)
-    SOCKET_DIR/jobs/JOBID/    0700 uid    (only the job's user and root can connect)
-        agent.sock            0600 uid
+    SOCKET_DIR/jobs/JOBID/    0711 root   (root's: the job's user must not be able to swap what root
+                                           chmods and chowns in it, e.g. agent.sock for a symlink)
+        agent.sock            0600 uid    (only the job's user and root can connect)
 """
 
 from __future__ import annotations
@@ -87,17 +88,30 @@ class SocketDir:
         os.chmod(self.control_path, 0o600)
 
     def make_job_dir(self, job_id: str, uid: int, gid: Optional[int]) -> str:
+        """The job's directory, root-owned (an older sidecar made it the user's: taken back), with no
+        agent.sock left in it: the socket is bound afresh, never a leftover the user may have planted."""
         path = self.job_dir(job_id)
-        _ensure_dir(path, 0o700, uid, -1 if gid is None else gid)
+        _ensure_dir(path, 0o711)
         sock = self.agent_path(job_id)
         check_socket_path(sock)
+        try:
+            os.unlink(sock)  # never follows a link: removes the entry itself
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            shutil.rmtree(sock)
         return sock
 
     def secure_agent_socket(self, job_id: str, uid: int, gid: Optional[int]) -> None:
+        """Give the bound socket to the job's user. Its directory is root's, so between the checks
+        and the changes below nobody but root can replace it; the checks catch anything else."""
         sock = self.agent_path(job_id)
+        st = os.lstat(sock)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise EndpointError(f"{sock} is not the socket this sidecar bound; not changing it")
         os.chmod(sock, 0o600)
         if os.geteuid() == 0:
-            os.chown(sock, uid, -1 if gid is None else gid)
+            os.chown(sock, uid, -1 if gid is None else gid, follow_symlinks=False)
 
     def remove_job(self, job_id: str) -> None:
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)

@@ -460,8 +460,9 @@ def test_socket_dir_permissions_isolate_jobs(sidecar, sockdir):
     other = client.register_job(sockdir, "801", uid=0, user="root", job_class="opportunistic", gpus=1)
     jd = os.path.join(sockdir, "jobs", "800")
     st = os.stat(jd)
-    assert (st.st_uid, _mode(jd)) == (NOBODY, 0o700)
-    assert os.stat(os.path.join(jd, "agent.sock")).st_uid == NOBODY
+    assert (st.st_uid, _mode(jd)) == (0, 0o711)  # root's: the user cannot swap what is in it
+    sst = os.stat(os.path.join(jd, "agent.sock"))
+    assert (sst.st_uid, stat.S_IMODE(sst.st_mode)) == (NOBODY, 0o600)
     # As the job's user (a real setuid child): its own endpoint connects, the other job's and the
     # control socket do not.
     probe = (
@@ -481,6 +482,33 @@ def test_socket_dir_permissions_isolate_jobs(sidecar, sockdir):
         capture_output=True, text=True, timeout=30, user=NOBODY, group=NOBODY, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["ok", "denied", "denied"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="permission checks need root (chown to another uid)")
+def test_a_job_cannot_make_root_chown_a_file_through_its_socket(sidecar, sockdir, tmp_path):
+    """The audit's race: agent.sock swapped for a symlink so that root's chmod/chown hits the target.
+    The user cannot touch its job directory any more, and a link planted beforehand (a directory an
+    older sidecar gave the user) is removed, never followed."""
+    target = tmp_path / "precious"
+    target.write_text("root's")
+    os.chmod(target, 0o600)
+    jd = os.path.join(sockdir, "jobs", "802")
+    os.makedirs(jd)
+    os.chown(jd, NOBODY, NOBODY)
+    os.symlink(target, os.path.join(jd, "agent.sock"))
+    r = client.register_job(sockdir, "802", uid=NOBODY, gid=NOBODY, user="nobody", job_class="opportunistic", gpus=1)
+    tst = os.stat(target)
+    assert (tst.st_uid, stat.S_IMODE(tst.st_mode)) == (0, 0o600) and target.read_text() == "root's"
+    assert os.stat(jd).st_uid == 0 and stat.S_ISSOCK(os.lstat(r.endpoint[6:]).st_mode)
+    py = next((x for x in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(x, os.X_OK)), None)
+    if py is None:
+        pytest.skip("no system python3 the unprivileged user can run")
+    swap = ("import os, sys\n"
+            "try:\n    os.unlink(sys.argv[1]); os.symlink(sys.argv[2], sys.argv[1]); print('swapped')\n"
+            "except PermissionError:\n    print('denied')\n")
+    out = subprocess.run([py, "-c", swap, r.endpoint[6:], str(target)], capture_output=True, text=True, timeout=30,
+                         user=NOBODY, group=NOBODY, cwd="/")
+    assert out.stdout.strip() == "denied", (out.stdout, out.stderr)
 
 
 def test_restart_serves_reregistrations(sockdir):
