@@ -61,6 +61,43 @@ class JobContext:
         )
 
 
+    @classmethod
+    def from_slurm(cls, env: dict[str, str], gpu_gres: str) -> "JobContext":
+        """For the Prolog the SPANK plugin runs inside a job step. The step's environment is the user's,
+        so only what the plugin took from slurmstepd itself is used (job id, uid, gid, this node's
+        index in the job: ANTMAN_JOB_NODEID); the node, partition, account and GPUs come from slurmctld."""
+        from .slurm.errors import SlurmOutputError
+        from .slurm.parsing import job_from_scontrol
+
+        job_id = env["SLURM_JOB_ID"]
+        r = _scontrol(["show", "job", "-d", "-o", job_id])
+        lines = [l for l in r.stdout.splitlines() if l.strip()] if r.returncode == 0 else []
+        if len(lines) != 1:
+            raise RuntimeError(f"scontrol show job -d {job_id}: {r.stderr.strip() or 'no single line'}")
+        try:
+            job = job_from_scontrol(lines[0], gpu_gres)
+        except SlurmOutputError as e:
+            raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
+        index = env.get("ANTMAN_JOB_NODEID", "")
+        if index.isdigit() and int(index) < len(job.nodes):
+            node = job.nodes[int(index)]
+        elif len(job.nodes) == 1:
+            node = job.nodes[0]
+        else:
+            raise RuntimeError(f"job {job_id} runs on {job.nodelist or 'no node'} and the plugin gave no usable "
+                               f"node index ({index or 'none'})")
+        return cls(
+            job_id=job_id, node=node,
+            uid=int(env.get("SLURM_JOB_UID", "0")),
+            gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
+            user=env.get("SLURM_JOB_USER", ""),
+            spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
+            partition=job.partition,
+            slurm_gpus=sorted(job.gpus_by_node.get(node, [])),
+            account=job.account,
+        )
+
+
 def _node_of_job(job_id: str) -> str:
     """The node when slurmd did not say: the SPANK plugin runs the Prolog from inside a job step,
     where SLURMD_NODENAME does not exist yet. A one-node job's NodeList is the answer; otherwise
@@ -148,12 +185,14 @@ def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
 
 
 def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
-    job = JobContext.from_env(env)
     s = cfg.slurm
+    from_spank = env.get("ANTMAN_PROLOG_FROM_SPANK") == "1"
+    job = JobContext.from_slurm(env, s.gpu_gres) if from_spank else JobContext.from_env(env)
     # Most jobs on a mixed cluster are plain Slurm jobs: decide that without a controller round trip.
-    if job.spank_class is None and cfg.default_class.value == "none" and job.partition != s.opportunistic_partition:
+    if (not from_spank and job.spank_class is None and cfg.default_class.value == "none"
+            and job.partition != s.opportunistic_partition):
         return 0
-    if env.get("ANTMAN_PROLOG_FROM_SPANK") == "1":
+    if from_spank:
         # slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential.
         log.info("job %s on %s: env file missing at step start; Prolog run by the SPANK plugin", job.job_id, job.node)
     fields = _job_fields(job.job_id)

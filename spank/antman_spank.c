@@ -575,7 +575,7 @@ static void prolog_env_free(struct prolog_env *e)
 	e->n = 0;
 }
 
-/* What slurmd puts in a Prolog's environment, as far as the step knows it. */
+/* A Prolog environment from what slurmstepd knows, never from the job's own environment. */
 static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class, struct prolog_env *e)
 {
 	char buf[1024];
@@ -598,10 +598,15 @@ static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class,
 		snprintf(buf, sizeof(buf), "%u", (unsigned)gid);
 		prolog_env_add(e, "SLURM_JOB_GID", buf);
 	}
-	static const char *const from_job[] = {"SLURM_JOB_PARTITION", "SLURM_JOB_GPUS", "SLURMD_NODENAME", NULL};
-	for (size_t i = 0; from_job[i]; i++) {
-		job_getenv(sp, from_job[i], buf, sizeof(buf));
-		prolog_env_add(e, from_job[i], buf);
+	/*
+	 * Nothing from the step's environment, which the user controls (a forged SLURMD_NODENAME or
+	 * SLURM_JOB_GPUS would have root register the job elsewhere): only what slurmstepd says, and the
+	 * hook asks slurmctld for the node list, partition and GPUs.
+	 */
+	uint32_t nodeid = 0;
+	if (spank_get_item(sp, S_JOB_NODEID, &nodeid) == ESPANK_SUCCESS) {
+		snprintf(buf, sizeof(buf), "%u", nodeid);
+		prolog_env_add(e, "ANTMAN_JOB_NODEID", buf);
 	}
 	prolog_env_add(e, "SPANK_ANTMAN_CLASS", job_class);
 	/* The node's own slurm.conf, where slurmd was not started with the default one. */

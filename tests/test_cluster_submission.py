@@ -304,3 +304,35 @@ def test_a_class_forged_in_the_job_name_or_comment_is_ignored(clean_cluster, whe
     job = CliBackend(env=c.env).job(jid)
     assert job.antman_class == "opportunistic" and job.admin_comment.startswith("antman:class=opportunistic"), job
     assert (job.name if where == "-J" else job.comment) == forged
+
+
+FORGED_STEP_SCRIPT = """#!/bin/bash
+echo BATCH
+while [ ! -f {flag} ]; do sleep 0.2; done
+SLURMD_NODENAME=node2 SLURM_JOB_GPUS=0,1,2,3 SLURM_JOB_PARTITION=gpu SLURM_SPANK_ANTMAN_CLASS=guaranteed \\
+  srun -n1 bash -c 'echo "STEP CLASS=${{ANTMAN_CLASS:-}} CVD=${{CUDA_VISIBLE_DEVICES:-}} EP=${{ANTMAN_SIDECAR_ENDPOINT:-}}"'
+"""
+
+
+def test_the_prolog_the_plugin_runs_ignores_what_the_job_sets_in_its_environment(clean_cluster, tmp_path):
+    """A step whose env file is missing makes the plugin run the Prolog as root. The step's environment
+    is the user's: a forged node, GPU list, partition and class must not move the job to node2, give it
+    every GPU or skip its registration."""
+    c = clean_cluster
+    flag = tmp_path / "go"
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1",
+                   script=FORGED_STEP_SCRIPT.format(flag=flag))
+    c.wait_output(jid, r"^BATCH")
+    state = c.c.dir / "antman-state"
+    env_file = state / "node1" / "jobs" / f"{jid}.env"
+    first = dict(l.split("=", 1) for l in env_file.read_text().splitlines() if l and not l.startswith("#"))
+    env_file.unlink()
+    flag.write_text("")
+    text = c.wait_output(jid, r"^STEP ", timeout=60)
+    step = dict(kv.split("=", 1) for kv in next(l for l in text.splitlines() if l.startswith("STEP ")).split()[1:])
+    assert step["CLASS"] == "opportunistic" and step["CVD"] == first["CUDA_VISIBLE_DEVICES"], (step, first)
+    assert f"/node1/jobs/{jid}/" in step["EP"], step
+    assert env_file.exists() and not (state / "node2" / "jobs" / f"{jid}.env").exists()
+    log = (state / "hooks.log").read_text()
+    assert f"job {jid} on node1: env file missing at step start; Prolog run by the SPANK plugin" in log
+    assert f"job {jid} on node2" not in log
