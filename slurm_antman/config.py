@@ -301,16 +301,53 @@ def parse(data: object, source: str = "<config>") -> AntmanConfig:
         raise ConfigError(source, [_describe(err) for err in e.errors()]) from None
 
 
+# A real antman.yaml is a few kB; its size and shape are bounded before anything walks it (an alias
+# bomb is small on disk and huge once expanded; deep nesting exhausts the recursion).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_NODES = 100_000
+
+
+def _expanded_size(node: yaml.Node, budget: int) -> int:
+    """YAML nodes ``node`` stands for once every alias is expanded, counting no further than ``budget``."""
+    seen, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        seen += 1
+        if seen > budget:
+            return seen
+        if isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+        elif isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                stack.extend((k, v))
+    return seen
+
+
 def load(path: str | Path) -> AntmanConfig:
     path = Path(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise ConfigError(str(path), [("(file)", e.strerror or str(e))]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(str(path), [("(file)", f"larger than {MAX_CONFIG_BYTES} bytes; not an antman.yaml")])
     try:
+        text = raw.decode()
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and _expanded_size(node, MAX_CONFIG_NODES) > MAX_CONFIG_NODES:
+            raise ConfigError(str(path), [("(file)", f"more than {MAX_CONFIG_NODES} values once its aliases are "
+                                                     "expanded; not an antman.yaml (an alias bomb?)")])
         data = yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), [("(file)", f"not UTF-8 text: {e.reason} at byte {e.start}")]) from None
+    except RecursionError:
+        raise ConfigError(str(path), [("(file)", "nested too deeply; not an antman.yaml")]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"
         raise ConfigError(str(path), [(where, f"not valid YAML: {getattr(e, 'problem', e)}")]) from None
-    return parse(data, str(path))
+    try:
+        return parse(data, str(path))
+    except RecursionError:
+        raise ConfigError(str(path), [("(file)", "nested too deeply; not an antman.yaml")]) from None

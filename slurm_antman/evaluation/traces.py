@@ -117,6 +117,14 @@ def _header(path: str | Path) -> list[str]:
             return next(csv.reader(f), [])
     except OSError as e:
         raise TraceError(path, None, None, e.strerror or str(e)) from None
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise TraceError(path, 1, None, _unreadable(e)) from None
+
+
+def _unreadable(e: Exception) -> str:
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text ({e.reason} at byte {e.start})"
+    return f"not CSV: {e}"
 
 
 _start_cache: dict[tuple[str, int, int], float] = {}
@@ -146,20 +154,23 @@ def _rows(path: str | Path, required: tuple[str, ...]) -> Iterator[tuple[int, di
         raise TraceError(path, None, None, e.strerror or str(e)) from None
     with f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise TraceError(path, 1, None, "empty file; expected a CSV header")
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise TraceError(path, 1, missing[0], f"header lacks column(s) {', '.join(missing)}")
-        for row in reader:
-            line = reader.line_num
-            if not row or all(not c.strip() for c in row):
-                continue
-            if len(row) < len(header):
-                raise TraceError(path, line, header[len(row)],
-                                 f"row has {len(row)} fields, the header has {len(header)}: column missing")
-            yield line, dict(zip(header, row))
+        try:
+            header = next(reader, None)
+            if header is None:
+                raise TraceError(path, 1, None, "empty file; expected a CSV header")
+            missing = [c for c in required if c not in header]
+            if missing:
+                raise TraceError(path, 1, missing[0], f"header lacks column(s) {', '.join(missing)}")
+            for row in reader:
+                line = reader.line_num
+                if not row or all(not c.strip() for c in row):
+                    continue
+                if len(row) < len(header):
+                    raise TraceError(path, line, header[len(row)],
+                                     f"row has {len(row)} fields, the header has {len(header)}: column missing")
+                yield line, dict(zip(header, row))
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise TraceError(path, reader.line_num + 1, None, _unreadable(e)) from None
 
 
 def _number(path, line: int, row: dict[str, str], col: str, *, integer: bool = False,
