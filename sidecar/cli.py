@@ -75,6 +75,7 @@ def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_
 
 # What a reload cannot change in a running sidecar: sockets, telemetry and the uplink are bound.
 _RESTART_ONLY = ("sidecar.socket_dir", "sidecar.telemetry", "sidecar.metrics_port", "sidecar.metrics_bind",
+                 "sidecar.metrics_tls",
                  "coordinator.endpoint", "coordinator.key_dir", "coordinator.node_secret_key")
 
 
@@ -137,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sidecar.metrics = metrics.SidecarCollector()
         registry.register(sidecar.metrics)
         try:
-            metrics_server = metrics.serve(registry, conf.sidecar.metrics_bind, conf.sidecar.metrics_port)
+            metrics_server = metrics.serve(registry, conf.sidecar.metrics_bind, conf.sidecar.metrics_port,
+                                           conf.sidecar.metrics_tls)
         except OSError as e:
             # Metrics are for watching; jobs must not lose their sidecar because a port is taken.
             log.error("metrics endpoint %s:%d not served: %s", conf.sidecar.metrics_bind, conf.sidecar.metrics_port, e)

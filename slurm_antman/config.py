@@ -151,6 +151,13 @@ def _bind_address(v: str) -> str:
     return v
 
 
+class MetricsTls(_Strict):
+    cert_file: str = Field(description="PEM certificate the metrics endpoint presents.")
+    key_file: str = Field(description="Its PEM private key (readable by root only).")
+    client_ca_file: str = Field(description="PEM CA(s) whose client certificates may scrape (Prometheus's "
+                                            "tls_config cert_file/key_file); every other client is refused.")
+
+
 class Sidecar(_Strict):
     socket_dir: str = Field(default="/run/slurm-antman", description="Per-node directory of IPC sockets.")
     telemetry: str = Field(default="auto", pattern=r"^(auto|nvml|emulated)$",
@@ -176,6 +183,10 @@ class Sidecar(_Strict):
                               description="Prometheus endpoint port of the sidecar; 0 turns it off. With several "
                                           "slurmd on one host, only one sidecar can bind it.")
     metrics_bind: str = Field(default="127.0.0.1", description="Address the sidecar's metrics endpoint binds.")
+    metrics_tls: Optional[MetricsTls] = Field(
+        default=None, description="HTTPS with client certificates for the metrics endpoint, which shows every job's "
+                                  "account, memory and mini-batch time: set it whenever metrics_bind is reachable by "
+                                  "users (anything but 127.0.0.1 on a node they cannot log in to).")
 
     _bind = field_validator("metrics_bind")(classmethod(lambda cls, v: _bind_address(v)))
 
@@ -227,6 +238,9 @@ class Coordinator(_Strict):
     metrics_port: int = Field(default=0, ge=0, le=65535,
                               description="Prometheus endpoint port of the coordinator; 0 turns it off.")
     metrics_bind: str = Field(default="127.0.0.1", description="Address the coordinator's metrics endpoint binds.")
+    metrics_tls: Optional[MetricsTls] = Field(
+        default=None, description="HTTPS with client certificates for the coordinator's metrics endpoint (as "
+                                  "sidecar.metrics_tls).")
 
     _bind = field_validator("metrics_bind")(classmethod(lambda cls, v: _bind_address(v)))
 

@@ -24,6 +24,9 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return _submodel(rest[0]) if len(rest) == 1 else None
     if typing.get_origin(annotation) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
         return args[0]
     return None

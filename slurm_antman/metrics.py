@@ -12,6 +12,7 @@ AdminComment holds it, ``node`` as the Slurm node name, ``gpu`` as the physical 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
@@ -217,9 +218,20 @@ class MetricsServer:
             self.server = None
 
 
-def serve(registry: CollectorRegistry, bind: str, port: int) -> MetricsServer:
-    """Serve ``registry`` on http://BIND:PORT/metrics in a daemon thread; PORT 0 picks a free one (tests)."""
-    server, _thread = start_http_server(port, addr=bind, registry=registry)
+def serve(registry: CollectorRegistry, bind: str, port: int, tls: Any = None) -> MetricsServer:
+    """Serve ``registry`` on http://BIND:PORT/metrics in a daemon thread; PORT 0 picks a free one (tests).
+    ``tls`` (config.MetricsTls): HTTPS, and only clients with a certificate of ``client_ca_file``."""
+    if tls is None:
+        server, _thread = start_http_server(port, addr=bind, registry=registry)
+    else:
+        for what, path in (("cert_file", tls.cert_file), ("key_file", tls.key_file),
+                           ("client_ca_file", tls.client_ca_file)):
+            if not os.path.isfile(path):
+                raise OSError(f"metrics_tls.{what}: {path} is not a readable file")
+        server, _thread = start_http_server(port, addr=bind, registry=registry, certfile=tls.cert_file,
+                                            keyfile=tls.key_file, client_cafile=tls.client_ca_file,
+                                            client_auth_required=True)
     actual = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", bind if ":" not in bind else f"[{bind}]", actual)
+    log.info("metrics on %s://%s:%d/metrics%s", "https" if tls else "http", bind if ":" not in bind else f"[{bind}]",
+             actual, " (client certificates required)" if tls else "")
     return MetricsServer(registry, actual, server)

@@ -349,7 +349,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         registry = CollectorRegistry()
         coord.metrics = metrics.CoordinatorMetrics(registry)
         try:
-            server = metrics.serve(registry, cfg.coordinator.metrics_bind, cfg.coordinator.metrics_port)
+            server = metrics.serve(registry, cfg.coordinator.metrics_bind, cfg.coordinator.metrics_port,
+                                   cfg.coordinator.metrics_tls)
         except OSError as e:
             log.error("metrics endpoint %s:%d not served: %s", cfg.coordinator.metrics_bind,
                       cfg.coordinator.metrics_port, e)
