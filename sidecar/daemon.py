@@ -19,6 +19,7 @@ import zmq
 import slurm_antman
 from slurm_antman import protocol as p
 
+from . import peers
 from .endpoints import EndpointError, SocketDir
 from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState,
                            PreemptRequest, Snapshot, decide)
@@ -35,6 +36,13 @@ AGENT_TIMEOUT_HEARTBEATS = 5
 AVOID_TTL_S = 86400.0
 AVOID_MAX_JOBS = 4096
 MAX_BATCH = 256  # messages drained from one socket before looking at the others
+
+
+def _peer_address(frame: zmq.Frame) -> Optional[str]:
+    try:
+        return frame.get("Peer-Address")
+    except zmq.ZMQError:
+        return None
 
 
 # An agent is one training process; a few per GPU covers every launcher seen (one per rank).
@@ -127,6 +135,7 @@ class Sidecar:
         self._stop = threading.Event()
         self._dirty = False
         self._rlog = RateLimitedLog(log)
+        self._peer: Optional[peers.Peer] = None  # credentials of the sender of the message in hand
         self._uplink: Optional[Uplink] = None
         self._report_now = False
         self.started = threading.Event()
@@ -234,7 +243,12 @@ class Sidecar:
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(MAX_BATCH):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                if sock in self._sock_job:
+                    parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    self._peer = peers.from_peer_address(_peer_address(parts[0]))
+                    frames = [f.bytes for f in parts]
+                else:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -340,6 +354,13 @@ class Sidecar:
             self._protocol_error(f"job {job.job_id} agent", job.socket, route, p.ProtocolError(
                 p.ErrorCode.forbidden, f"this endpoint serves job {job.job_id}, not job {reg.job_id}", msg.id))
             return
+        host_pid, refused = peers.check(self._peer, reg.pid, job.job_id, job.uid)
+        if refused:
+            self._protocol_error(f"job {job.job_id} agent", job.socket, route, p.ProtocolError(
+                p.ErrorCode.forbidden, refused, msg.id))
+            return
+        if host_pid != reg.pid:
+            reg = replace(reg, pid=host_pid)  # NVML and /proc know the process by this one
         if reg.job_class not in ("none", job.job_class):
             log.warning("job %s: agent believes class %s, sidecar has %s; the sidecar's class applies",
                         job.job_id, reg.job_class, job.job_class)

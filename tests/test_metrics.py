@@ -3,6 +3,7 @@ loopback, scraped over HTTP and parsed with prometheus-client's own parser."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -60,7 +61,7 @@ class Agent:
         self.sock.send_multipart(p.encode(p.Message(body=body)))
 
     def register(self) -> None:
-        self.send(p.Register(job_id=self.job_id, pid=999999, rank=0, local_rank=0, world_size=1, hostname="n1",
+        self.send(p.Register(job_id=self.job_id, pid=os.getpid(), rank=0, local_rank=0, world_size=1, hostname="n1",
                              agent_version="test", torch_version="none", device="cuda", job_class="opportunistic"))
         assert self.sock.poll(5000), "no reply to register"
         assert p.decode(self.sock.recv_multipart(), p.SIDECAR_TO_AGENT).type == "registered"

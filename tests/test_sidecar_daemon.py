@@ -67,12 +67,14 @@ def sidecar(sockdir):
 class SimAgent:
     """An agent simulator: a DEALER that speaks the protocol."""
 
-    def __init__(self, endpoint: str, job_id: str, job_class: str = "opportunistic", pid: int = 4242, rank: int = 0):
+    def __init__(self, endpoint: str, job_id: str, job_class: str = "opportunistic", pid: int | None = None,
+                 rank: int = 0):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
-        self.job_id, self.job_class, self.pid, self.rank = job_id, job_class, pid, rank
+        # The sidecar checks register.pid against the connecting process (SO_PEERCRED): this one.
+        self.job_id, self.job_class, self.pid, self.rank = job_id, job_class, pid or os.getpid(), rank
         self.iteration = 0
 
     def send(self, body, ref=None) -> p.Message:
@@ -254,7 +256,7 @@ def one_gpu_sidecar(sockdir):
 def _guaranteed_reporting(sockdir) -> SimAgent:
     """Job 100, guaranteed on GPU 0, registered, its first report (100 ms, 2 GiB) seen by the sidecar."""
     g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
-    ga = SimAgent(g.endpoint, "100", "guaranteed", pid=1)
+    ga = SimAgent(g.endpoint, "100", "guaranteed")
     try:
         ga.register()
         ga.report(100.0, 2 * GiB)
@@ -269,7 +271,7 @@ def _opportunistic_beside(sockdir):
     """Job 200, opportunistic, placed on GPU 0 beside job 100; its agent and its registration reply."""
     o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
     assert o.gpus == [0]
-    oa = SimAgent(o.endpoint, "200", pid=2)
+    oa = SimAgent(o.endpoint, "200")
     try:
         return oa, oa.register().body
     except BaseException:
@@ -341,7 +343,7 @@ def test_report_before_register_and_wrong_job(sidecar, sockdir):
         err = a.recv("error")
         assert err.body.code == "not_registered"
         a.job_id = "401"
-        a.send(p.Register(job_id="401", pid=1, rank=0, local_rank=0, world_size=1, hostname="h",
+        a.send(p.Register(job_id="401", pid=os.getpid(), rank=0, local_rank=0, world_size=1, hostname="h",
                           agent_version="s", torch_version="t", device="cpu", job_class="none"))
         err = a.recv("error")
         assert err.body.code == "forbidden" and "serves job 400" in err.body.message
@@ -552,8 +554,8 @@ def test_huge_and_nested_numbers_from_a_job_never_stop_the_sidecar(sidecar, sock
     sidecar sums from them is still sent, or dropped with a log line, never raised out of the loop;
     a 4,300-digit number and deeply nested JSON are refused with an error. The node keeps serving."""
     r = client.register_job(sockdir, "800", uid=0, user="r", job_class="opportunistic", gpus=1)
-    agents = [SimAgent(r.endpoint, "800", pid=4242 + i) for i in range(2)]
-    raw = SimAgent(r.endpoint, "800", pid=5000)
+    agents = [SimAgent(r.endpoint, "800") for i in range(2)]
+    raw = SimAgent(r.endpoint, "800")
     try:
         for a in agents:
             a.register()
@@ -588,12 +590,12 @@ def test_a_job_cannot_flood_its_sidecar_with_agents_or_oversized_frames(sidecar,
     from sidecar.daemon import MAX_AGENTS_PER_GPU
 
     r = client.register_job(sockdir, "900", uid=0, user="r", job_class="opportunistic", gpus=1)
-    agents = [SimAgent(r.endpoint, "900", pid=6000 + i) for i in range(MAX_AGENTS_PER_GPU + 1)]
-    big = SimAgent(r.endpoint, "900", pid=7000)
+    agents = [SimAgent(r.endpoint, "900") for i in range(MAX_AGENTS_PER_GPU + 1)]
+    big = SimAgent(r.endpoint, "900")
     try:
         for a in agents[:-1]:
             a.register()
-        agents[-1].send(p.Register(job_id="900", pid=6999, rank=0, local_rank=0, world_size=1, hostname="n1",
+        agents[-1].send(p.Register(job_id="900", pid=os.getpid(), rank=0, local_rank=0, world_size=1, hostname="n1",
                                    agent_version="sim", torch_version="none", device="cuda",
                                    job_class="opportunistic"))
         err = agents[-1].recv("error").body

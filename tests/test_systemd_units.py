@@ -127,7 +127,7 @@ def _register_agent(endpoint: str, job_id: str) -> p.Registered:
     try:
         s.connect(endpoint)
         s.send_multipart(p.encode(p.Message(body=p.Register(
-            job_id=job_id, pid=999998, rank=0, local_rank=0, world_size=1, hostname="n1", agent_version="test",
+            job_id=job_id, pid=os.getpid(), rank=0, local_rank=0, world_size=1, hostname="n1", agent_version="test",
             torch_version="none", device="cuda", job_class="opportunistic"))))
         assert s.poll(5000), "no reply to register"
         msg = p.decode(s.recv_multipart(), p.SIDECAR_TO_AGENT)

@@ -131,14 +131,14 @@ def test_commands_for_unknown_jobs_are_refused(env, caplog):
 def test_preemption_request_goes_up_and_the_coordinators_victim_gets_the_notice(env):
     conf, hub, side, sockdir = env
     g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
-    ga = SimAgent(g.endpoint, "100", "guaranteed", pid=1)
+    ga = SimAgent(g.endpoint, "100", "guaranteed")
     agents = {}
     try:
         ga.register()
         ga.report(100.0, 2 * GiB)
-        for jid, pid in (("200", 2), ("201", 3)):
+        for jid in ("200", "201"):
             o = client.register_job(sockdir, jid, uid=0, user="r", job_class="opportunistic", gpus=1)
-            agents[jid] = SimAgent(o.endpoint, jid, pid=pid)
+            agents[jid] = SimAgent(o.endpoint, jid)
             agents[jid].register()
             time.sleep(0.01)  # distinct registration times: 201 is the newest
         # 14 GiB of 16 leave 1.5 GiB after headroom: not the 2 x 1 GiB two opportunistic jobs need.
@@ -164,7 +164,7 @@ def test_preemption_request_goes_up_and_the_coordinators_victim_gets_the_notice(
         assert [x.job_id for x in client.node_state(sockdir).preemptions] == ["200"]
         # A repeated notice keeps the first deadline; an agent registering later is told too.
         assert hub.send("n1", p.PreemptNotice(job_id="200", grace_s=60.0, reason="again"))
-        late = SimAgent(agents["200"].sock.getsockopt_string(zmq.LAST_ENDPOINT), "200", pid=9)
+        late = SimAgent(agents["200"].sock.getsockopt_string(zmq.LAST_ENDPOINT), "200")
         try:
             late.register()
             assert late.recv("preempt").body.deadline_unix == pytest.approx(pre.deadline_unix)
