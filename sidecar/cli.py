@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from slurm_antman import config as cfgmod
 from slurm_antman.service import serve_until_stopped
 
+from .compliance import ComplianceParams
 from .daemon import Sidecar, SidecarOptions
 from .endpoints import EndpointError
 from .local_policy import MiB, PolicyParams
@@ -70,7 +71,8 @@ def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_
         utilization_window_s=conf.opportunistic.utilization_window_s,
         tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
         params=policy_params(conf), uplink=uplink, enforce=conf.sidecar.enforce,
-        no_room_wait=conf.sidecar.enforce and conf.opportunistic.no_room == "wait")
+        no_room_wait=conf.sidecar.enforce and conf.opportunistic.no_room == "wait",
+        compliance=ComplianceParams(grace_s=conf.sidecar.compliance_grace_s))
 
 
 # What a reload cannot change in a running sidecar: sockets, telemetry and the uplink are bound.

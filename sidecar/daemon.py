@@ -19,7 +19,7 @@ import zmq
 import slurm_antman
 from slurm_antman import protocol as p
 
-from . import peers
+from . import compliance, peers
 from .endpoints import EndpointError, SocketDir
 from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState,
                            PreemptRequest, Snapshot, decide)
@@ -75,6 +75,7 @@ class SidecarOptions:
     uplink: Optional[UplinkOptions] = None  # None: no coordinator; the sidecar notifies preemptions itself
     enforce: bool = True  # False: observe only (sidecar.enforce)
     no_room_wait: bool = True  # opportunistic.no_room == "wait"
+    compliance: compliance.ComplianceParams = compliance.ComplianceParams()
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Job:
     seq: int = 0
     preempt: Optional[PreemptRequest] = None
     account: str = ""
+    limits_sent_unix: Optional[float] = None  # when the limits of ``seq`` were sent
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
@@ -142,6 +144,10 @@ class Sidecar:
         # Set by whoever serves metrics (the CLI); filled from the loop thread once per tick.
         self.metrics = None
         self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
+        # sidecar.compliance: (job, condition) -> since when; jobs asked to be requeued for it; a count.
+        self.compliance_since: dict[tuple[str, str], float] = {}
+        self.noncompliant: dict[str, PreemptRequest] = {}
+        self.noncompliant_total = 0
         # SIGHUP: the handler only sets the flag; the loop calls ``reloader`` (which returns the new
         # options, or None to keep the old) so the options change between messages, never mid-message.
         self.reloader: Optional[Callable[[SidecarOptions], Optional[SidecarOptions]]] = None
@@ -584,9 +590,50 @@ class Sidecar:
                 continue
             job.seq += 1
             job.limits = lim
+            job.limits_sent_unix = now
             for a in job.agents.values():
                 self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
                                                    compute_share=lim.compute_share))
+        if self.opt.enforce:
+            self._check_compliance(now)
+
+    def _check_compliance(self, now: float) -> None:
+        """sidecar.compliance on what this node measures; a non-compliant job is asked to be requeued at
+        once (by the coordinator; without one, it is sent a preemption notice, all a sidecar can do)."""
+        self.noncompliant = {k: v for k, v in self.noncompliant.items() if k in self.jobs}
+        guarded = {g for j in self.jobs.values() if j.job_class == "guaranteed" for g in j.gpus}
+        nvml = self.telemetry.kind == "nvml"
+        on_gpu: dict[str, list[int]] = {}
+        if nvml:
+            for s in self.proc_samples:
+                for job_id in peers.slurm_jobs_of(s.pid) or ():
+                    on_gpu.setdefault(job_id, []).append(s.memory_bytes or 0)
+        checked = []
+        for j in self.jobs.values():
+            if j.job_class != "opportunistic":
+                continue
+            unacked = any(a.acked_seq < j.seq for a in j.agents.values()) and j.limits_sent_unix is not None
+            agent_mem = sum(self._agent_mem(a, {}) for a in j.agents.values())
+            checked.append(compliance.JobCompliance(
+                j.job_id, j.registered_unix, any(g in guarded for g in j.gpus), len(j.agents),
+                len(on_gpu.get(j.job_id, ())) if nvml else None, j.limits_sent_unix if unacked else None,
+                max(agent_mem, sum(on_gpu.get(j.job_id, ()))), j.limits.mem_limit_bytes))
+        bad, self.compliance_since = compliance.step(checked, self.compliance_since, self.opt.compliance, now)
+        for job_id, why in bad.items():
+            job = self.jobs[job_id]
+            if job_id in self.noncompliant or job.preempt is not None:
+                continue
+            gpu = next((g for g in job.gpus if g in guarded), job.gpus[0] if job.gpus else 0)
+            req = PreemptRequest(job_id, gpu, why, now, now)
+            self.noncompliant[job_id] = req
+            self.noncompliant_total += 1
+            log.warning("job %s: NON-COMPLIANT, asking for its requeue: %s", job_id, why)
+            if self._uplink is not None:
+                self._report_now = True
+            else:
+                job.preempt = req
+                for a in job.agents.values():
+                    self._send_preempt(job, a)
 
     def _tick(self, now: float, mono: float) -> None:
         expire_before = mono - AGENT_TIMEOUT_HEARTBEATS * self.opt.heartbeat_s
@@ -649,7 +696,10 @@ class Sidecar:
                 progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id),
                 placement=j.placement, placement_note=j.note[:1024]))
         pre = [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason, since_unix=r.requested_unix)
-               for r in self.policy_state.preempted.values() if r.job_id in self.jobs]
+               for r in self.policy_state.preempted.values() if r.job_id in self.jobs and r.job_id not in self.noncompliant]
+        pre += [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason[:4096], since_unix=r.requested_unix,
+                                       noncompliant=True)
+                for r in self.noncompliant.values() if r.job_id in self.jobs]
         return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,
                             preempt_requests=pre)
 

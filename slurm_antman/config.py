@@ -179,6 +179,11 @@ class Sidecar(_Strict):
         description="false: observe only. The sidecar measures, places and reports as usual but gives every job "
                     "unlimited memory and a compute share of 1 and never asks for a preemption: opportunistic "
                     "jobs share GPUs uncontrolled (a staged rollout; the `shared` baseline of `antman bench trace`).")
+    compliance_grace_s: float = Field(
+        default=120.0, gt=0,
+        description="An opportunistic job sharing a GPU with a guaranteed job is requeued once, for this long, it "
+                    "has run without an agent (its processes on the GPU, NVML only), not acknowledged its limits, or "
+                    "held more GPU memory than its limit (10 % and 256 MiB tolerated). Covers a job's start-up.")
     metrics_port: int = Field(default=0, ge=0, le=65535,
                               description="Prometheus endpoint port of the sidecar; 0 turns it off. With several "
                                           "slurmd on one host, only one sidecar can bind it.")

@@ -54,6 +54,7 @@ class SidecarView:
     gpus: tuple[GpuPoint, ...] = ()
     jobs: tuple[JobPoint, ...] = ()
     placement_waits: int = 0
+    noncompliant: int = 0
 
 
 def sidecar_view(sidecar: Any) -> SidecarView:
@@ -76,7 +77,7 @@ def sidecar_view(sidecar: Any) -> SidecarView:
             iteration_ms=max((r.iteration_ms for r in reports), default=None),
             throttle_delay_ms=max(delays) if delays else None,
             spilled_bytes=sum(spills) if spills else None))
-    return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits)
+    return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits, sidecar.noncompliant_total)
 
 
 class SidecarCollector(Collector):
@@ -134,6 +135,11 @@ class SidecarCollector(Collector):
                                     labels=["node"])
         waits.add_metric([v.node], v.placement_waits)
         yield waits
+        nc = CounterMetricFamily(f"{PREFIX}_noncompliant", "Opportunistic jobs found not keeping to their limits beside "
+                                 "a guaranteed job (no agent, limits not acknowledged, memory over the limit) and "
+                                 "asked to be requeued (sidecar.compliance).", labels=["node"])
+        nc.add_metric([v.node], v.noncompliant)
+        yield nc
 
 
 # --- coordinator -----------------------------------------------------------------------------

@@ -207,6 +207,21 @@ def test_victim_is_the_one_losing_fewest_gpu_seconds():
     assert st.preempting["o2"].deadline_unix == NOW + 30 and st.preempting["o2"].for_job_id == "g1"
 
 
+def test_a_noncompliant_job_named_by_its_sidecar_goes_at_once_whatever_it_loses():
+    """sidecar.compliance: the need names its victim; no grace (it ignored its limits, it would ignore a
+    notice too); the compliant neighbour that would lose less is left alone."""
+    import dataclasses as dc
+
+    loses_little = _opp_running("o1", requested="opportunistic", start=NOW - 500, ckpt=NOW - 10)
+    noncompliant = _opp_running("o2", requested="opportunistic", start=NOW - 9000, ckpt=NOW - 5000)
+    jobs, nodes = _preempt_setup(loses_little, noncompliant)
+    named = dc.replace(need("g1"), victim="o2", reason="non-compliant for 120 s: no ack")
+    ds, st = run(snap(jobs, nodes, needs=[named]))
+    assert ds == [PreemptNotice("o2", "n1", 0.0)] and "requeued at once" in ds[0].reason
+    ds, _ = run(snap(jobs, nodes, needs=[named], now=NOW + 1), st)
+    assert [(d.kind, d.job_id) for d in ds if d.kind != "set_opp_slots"] == [("requeue", "o2")]
+
+
 def test_lost_gpu_seconds_weigh_gpu_count():
     two = _opp_running("o1", requested="opportunistic", gpus=2, ckpt=NOW - 500)  # 1000 GPU-s
     one = _opp_running("o2", requested="opportunistic", gpus=1, ckpt=NOW - 600)  # 600 GPU-s

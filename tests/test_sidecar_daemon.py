@@ -609,3 +609,33 @@ def test_a_job_cannot_flood_its_sidecar_with_agents_or_oversized_frames(sidecar,
     finally:
         for a in (*agents, big):
             a.close()
+
+
+@pytest.mark.parametrize("misbehaviour", ["ignores its limits", "holds more memory than its limit"])
+def test_a_noncompliant_opportunistic_job_beside_a_guaranteed_one_is_asked_to_go(sockdir, misbehaviour):
+    """Enforcement that does not need the job's goodwill (issue 15): an agent that does not acknowledge
+    its new limits, or keeps more memory than its limit, for longer than sidecar.compliance_grace_s
+    is sent away (here without a coordinator: the notice; with one, a requeue at once, see
+    test_uplink_sidecar). A compliant neighbour is left alone."""
+    r = Running(sockdir, make_config(gpus=1, compliance_grace_s=0.5))
+    ga = oa = None
+    try:
+        ga = _guaranteed_reporting(sockdir)
+        oa, reg = _opportunistic_beside(sockdir)
+        if misbehaviour == "ignores its limits":
+            ga.report(100.0, 10 * GiB)          # its limit shrinks; it never acknowledges
+            oa.recv("limits")
+        else:
+            oa.report(100.0, reg.mem_limit_bytes + 2 * GiB)  # acknowledged, but over by 2 GiB
+        t0 = time.monotonic()
+        pre = oa.recv("preempt", timeout_s=10).body
+        assert time.monotonic() - t0 >= 0.4  # not before the grace time
+        assert "non-compliant" in pre.reason
+        assert ("acknowledge" in pre.reason) if misbehaviour == "ignores its limits" else ("over its limit" in pre.reason)
+        assert r.sidecar.noncompliant_total == 1 and "200" in r.sidecar.noncompliant
+        assert job_of(client.node_state(sockdir), "100").compute_share == 1.0  # the guaranteed job untouched
+    finally:
+        for a in (ga, oa):
+            if a is not None:
+                a.close()
+        r.stop()

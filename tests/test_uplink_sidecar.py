@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built witho
 GPU_MB = 16384
 
 
-def make_config(key_dir, port: int, gpus: int = 1) -> cfgmod.AntmanConfig:
+def make_config(key_dir, port: int, gpus: int = 1, **sidecar) -> cfgmod.AntmanConfig:
     return cfgmod.parse({
         "nodes": [{"name": "n1", "gpus": gpus, "gpu_memory_mb": GPU_MB}],
-        "sidecar": {"heartbeat_s": 0.2, "telemetry": "emulated"},
+        "sidecar": {"heartbeat_s": 0.2, "telemetry": "emulated", **sidecar},
         "grace_time_s": 30,
         "coordinator": {"endpoint": f"tcp://127.0.0.1:{port}", "key_dir": str(key_dir), "report_interval_s": 0.2},
     })
@@ -251,6 +251,42 @@ def test_placement_memory_keeps_a_moved_job_off_the_gpu_it_left(tmp_path):
         again = client.register_job(sockdir, "300", uid=0, user="r", job_class="opportunistic", gpus=1)
         assert again.gpus == [1] and again.note == ""
     finally:
+        side.stop()
+        hub.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_a_noncompliant_job_is_named_to_the_coordinator_not_told_by_the_sidecar(tmp_path):
+    """With an uplink the sidecar names the non-compliant job in its report (noncompliant: true), so the
+    coordinator requeues that job at once (policy.preemption); the sidecar itself tells the agent nothing."""
+    kd = tmp_path / "keys"
+    keys.init_keys(kd, ["n1"])
+    conf = make_config(kd, free_port(), compliance_grace_s=0.5)
+    sockdir = tempfile.mkdtemp(prefix="am-", dir="/tmp")
+    hub = SidecarHub(conf)
+    hub.start()
+    side = Running(sockdir, conf)
+    agents = []
+    try:
+        g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
+        ga = SimAgent(g.endpoint, "100", "guaranteed")
+        agents.append(ga)
+        ga.register()
+        ga.report(100.0, 2 * GiB)
+        o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
+        oa = SimAgent(o.endpoint, "200")
+        agents.append(oa)
+        oa.register()
+        ga.report(100.0, 10 * GiB)  # new limits for 200, never acknowledged
+        oa.recv("limits")
+        r = next_report(hub, lambda r: any(x.noncompliant for x in r.preempt_requests), timeout_s=10)
+        (req,) = [x for x in r.preempt_requests if x.noncompliant]
+        assert req.job_id == "200" and "non-compliant" in req.reason and "acknowledge" in req.reason
+        with pytest.raises(AssertionError):
+            oa.recv("preempt", timeout_s=0.5)
+    finally:
+        for a in agents:
+            a.close()
         side.stop()
         hub.close()
         shutil.rmtree(sockdir, ignore_errors=True)

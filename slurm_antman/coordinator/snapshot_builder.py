@@ -90,4 +90,5 @@ def _needs(fresh: Mapping[str, Any], slurm_class: Mapping[str, str]) -> Iterable
         for r in rep.preempt_requests:
             owners = [j for j in on_gpu.get(r.gpu, ()) if slurm_class.get(j) == "guaranteed"]
             if owners:
-                yield PreemptNeed(node, r.gpu, owners[0], r.reason, r.since_unix)
+                yield PreemptNeed(node, r.gpu, owners[0], r.reason, r.since_unix,
+                                  r.job_id if getattr(r, "noncompliant", False) else "")

@@ -72,6 +72,8 @@ class PreemptNeed:
     job_id: str
     reason: str
     since_unix: float
+    # Set when the sidecar found this opportunistic job non-compliant: it goes, at once, whatever it loses.
+    victim: str = ""
 
 
 @dataclass(frozen=True, slots=True)

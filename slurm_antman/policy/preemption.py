@@ -120,7 +120,7 @@ def _answer_needs(now: float, needs: tuple[PreemptNeed, ...], params: PolicyPara
     served = _served(out, nodes)
     for need in sorted(needs, key=lambda n: (n.since_unix, n.node, n.gpu, n.job_id)):
         key = (need.node, need.gpu, need.job_id)
-        if key in served:
+        if key in served and not need.victim:  # a named victim is owed its requeue whatever else is on
             continue
         owner = jobs.get(need.job_id)
         gpu = _find_gpu(nodes.get(need.node), need.gpu)
@@ -131,19 +131,27 @@ def _answer_needs(now: float, needs: tuple[PreemptNeed, ...], params: PolicyPara
             if j is not None and j.state == "RUNNING" and j.job_class == "opportunistic"
             and j.job_id not in out.preempting and j.job_id not in out.requeued and j.job_id not in out.touched
         ]
+        grace = params.grace_s
+        if need.victim:
+            # Non-compliant (sidecar.compliance): this job, at once; it ignored what a notice would ask.
+            candidates = [j for j in candidates if j.job_id == need.victim]
+            grace = 0.0
         if not candidates:
             continue
         victim = min(candidates, key=lambda j: _victim_key(j, now))
         lost = lost_gpu_seconds(victim, now)
+        why = (f"non-compliant beside guaranteed job {need.job_id} on {need.node} GPU {need.gpu}: {need.reason}; "
+               "requeued at once" if need.victim else
+               f"guaranteed job {need.job_id} on {need.node} GPU {need.gpu} needs room that shrinking "
+               f"cannot free ({need.reason}); this job loses the fewest GPU-seconds ({lost:.0f})")
         out.decisions.append(PreemptNotice(
-            victim.job_id, need.node, params.grace_s,
-            reason=(f"guaranteed job {need.job_id} on {need.node} GPU {need.gpu} needs room that shrinking "
-                    f"cannot free ({need.reason}); this job loses the fewest GPU-seconds ({lost:.0f})"),
+            victim.job_id, need.node, grace,
+            reason=why,
             inputs={"node": need.node, "gpu": need.gpu, "for_job": need.job_id, "need_reason": need.reason,
                     "need_since_unix": need.since_unix, "lost_gpu_seconds": lost,
                     "candidates": {j.job_id: round(lost_gpu_seconds(j, now), 3) for j in candidates}},
         ))
         out.touched.add(victim.job_id)
         out.preempting[victim.job_id] = Preemption(
-            victim.job_id, need.node, now, now + params.grace_s, victim.restarts, need.reason, need.gpu, need.job_id)
+            victim.job_id, need.node, now, now + grace, victim.restarts, need.reason, need.gpu, need.job_id)
         served.add(key)
