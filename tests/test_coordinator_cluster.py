@@ -26,6 +26,7 @@ from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm
 pytestmark = pytest.mark.cluster
 
 GRACE_S = 5
+COMPLIANCE_GRACE_S = 10  # long enough for a real agent's start-up on this loaded machine
 TRAIN = resources.files("slurm_antman") / "data" / "demo_train.py"
 HOG = resources.files("slurm_antman") / "data" / "gpu_hog.py"
 # HOG: a guaranteed job whose memory (RSS on CPU, which the agent reports) leaves the opportunistic
@@ -39,6 +40,7 @@ def cc(tmp_path_factory):
     work = tmp_path_factory.mktemp("coord-jobs")
     c = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=TEST_PORT_BASE + 300, overrides={
         "grace_time_s": GRACE_S, "nodes": {"gpu_memory_mb": 2048},
+        "sidecar": {"compliance_grace_s": COMPLIANCE_GRACE_S},
         "tenants": [{"account": "research", "guaranteed_gpus": 1}]})
     try:
         yield ClusterHandle(c, work)
@@ -227,3 +229,52 @@ def test_opportunistic_job_waits_for_room_instead_of_starting_beside_a_busy_guar
     assert lifted["params"]["nodes"] == [] and "room again" in lifted["reason"], lifted
     r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(opp)])
     assert "no GPU meets the opportunistic rules" in r.stdout, r.stdout
+
+
+# A job that speaks the protocol as itself but lies about its memory: registers, then reports 4 GiB
+# reserved, far over any limit on the 2 GiB GPU, and ignores what it is sent.
+ROGUE = """
+import os, sys, time, zmq
+from slurm_antman import protocol as p
+s = zmq.Context().socket(zmq.DEALER)
+s.connect(os.environ["ANTMAN_SIDECAR_ENDPOINT"])
+s.send_multipart(p.encode(p.Message(body=p.Register(job_id=os.environ["SLURM_JOB_ID"], pid=os.getpid(), rank=0,
+    local_rank=0, world_size=1, hostname="x", agent_version="rogue", torch_version="none", device="cuda",
+    job_class="opportunistic"))))
+print("REGISTERED restarts=" + os.environ.get("SLURM_RESTART_COUNT", "0"), flush=True)
+i = 0
+while True:
+    i += 1
+    s.send_multipart(p.encode(p.Message(body=p.Report(iteration=i, iterations=1, iteration_ms=100.0, busy_ms=90.0,
+        mem_allocated_bytes=4 << 30, mem_reserved_bytes=4 << 30, mem_peak_bytes=4 << 30, spilled_bytes=0,
+        limits_seq=0))))
+    while s.poll(0):
+        s.recv_multipart()
+    time.sleep(0.2)
+"""
+
+
+def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once(clean, tmp_path):
+    """Issue 15, enforcement without the job's goodwill, end to end: the sidecar finds the job over its
+    limit for longer than sidecar.compliance_grace_s and names it; the coordinator requeues it with no
+    grace time; the guaranteed job keeps running; explain says why."""
+    c = clean
+    # A guaranteed job that holds the GPU but no memory (no agent): the rogue's limit is all the GPU's
+    # memory less the headroom, so only the rogue's overshoot, not a guaranteed need, can send it away.
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "research", wrap="sleep 300")
+    c.wait_state(g, {"RUNNING"}, timeout=60)
+    rogue = tmp_path / "rogue.py"
+    rogue.write_text(ROGUE)
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research",
+                   script=f"#!/bin/bash\nexec {sys.executable} {rogue}\n")
+    c.wait_output(opp, r"REGISTERED restarts=0", timeout=60)
+    registered = time.time()
+    requeued = _wait(lambda: c.show(opp)["Restarts"] == "1" and time.time(), COMPLIANCE_GRACE_S + 40, "the requeue")
+    assert requeued - registered >= COMPLIANCE_GRACE_S - 1
+    notice = next(r for r in _audit(c, opp) if r["kind"] == "preempt_notice" and r["outcome"] == "ok")
+    assert notice["params"]["grace_s"] == 0 and "non-compliant" in notice["reason"], notice
+    assert "over its limit" in notice["reason"]
+    g_info = c.show(g)
+    assert g_info["JobState"] == "RUNNING" and g_info["Restarts"] == "0"  # the guaranteed job was not harmed
+    r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(opp)])
+    assert "non-compliant" in r.stdout, r.stdout
