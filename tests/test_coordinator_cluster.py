@@ -278,3 +278,34 @@ def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once
     assert g_info["JobState"] == "RUNNING" and g_info["Restarts"] == "0"  # the guaranteed job was not harmed
     r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(opp)])
     assert "non-compliant" in r.stdout, r.stdout
+
+
+def test_sidecar_killed_and_restarted_while_jobs_run_requeues_nothing(clean, tmp_path):
+    """Issue 15's first fault: the node's sidecar SIGKILLed (as systemd would then restart it) while a
+    guaranteed and an opportunistic job run. The restarted sidecar finds its jobs again (its state
+    directory), the agent reconnects and gets its limits back, and nothing is requeued: the
+    reconnection is inside every grace time, the compliance check's included."""
+    c = clean
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "research", wrap="sleep 300")
+    c.wait_state(g, {"RUNNING"}, timeout=60)
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research", script=_train(c, tmp_path / "o"))
+    c.wait_output(opp, r"step 10 ", timeout=90)
+    _wait(lambda: _squeue(c).get(opp, {}).get("iteration_ms") is not None, 30, "the agent's reports")
+    side = next(pr for pr in c.c.procs if pr.name == "sidecar:node1")
+    os.kill(side.pid, signal.SIGKILL)
+    _wait(lambda: not side.alive(), 10, "the sidecar to die")
+    killed = time.time()
+    dc.replace_proc(c.c, dc.start_sidecar(c.c, "node1"))
+    # The agent re-registers by itself and reports again; its limit is set again.
+    _wait(lambda: (_squeue(c).get(opp, {}).get("iteration_ms") is not None
+                   and isinstance(_squeue(c)[opp].get("mem_limit_bytes"), int)), 60, "the agent back")
+    steps_then = len(re.findall(r"^step ", (c.workdir / f"{opp}.out").read_text(), re.M))
+    time.sleep(COMPLIANCE_GRACE_S + 5)  # past the compliance grace time too
+    assert len(re.findall(r"^step ", (c.workdir / f"{opp}.out").read_text(), re.M)) > steps_then  # still training
+    for j in (g, opp):
+        info = c.show(j)
+        assert info["JobState"] == "RUNNING" and info["Restarts"] == "0", info
+    after = [r for r in _audit(c, opp) if r.get("ts", 0) >= killed and r["kind"] in ("preempt_notice", "requeue")]
+    assert after == [], after
+    log = (c.c.dir / "log" / "sidecar-node1.log").read_text()
+    assert log.count("NON-COMPLIANT") == 0
