@@ -367,10 +367,31 @@ def wait_ready(cluster: Cluster, timeout: float) -> None:
         last = r.stdout.strip() or r.stderr.strip()
         states = dict(line.split() for line in r.stdout.splitlines() if len(line.split()) == 2)
         if r.returncode == 0 and all(states.get(h, "").startswith(("idle", "mixed", "alloc")) for h in cluster.nodes):
-            return
+            waiting = _sidecars_not_answering(cluster)
+            if not waiting:
+                return
+            last = f"sidecar(s) of {', '.join(waiting)} not answering yet"
         time.sleep(delay)
         delay = min(delay * 1.5, 2.0)
-    raise DevclusterError(f"cluster not ready after {timeout:.0f}s; last sinfo: {last}")
+    raise DevclusterError(f"cluster not ready after {timeout:.0f}s; last: {last}")
+
+
+def _sidecars_not_answering(cluster: Cluster) -> list[str]:
+    """Nodes whose sidecar was started but does not answer yet: a job started before then is refused
+    by its Prolog (fail closed), so the cluster is not ready for jobs."""
+    started = [p.name.split(":", 1)[1] for p in cluster.procs if p.name.startswith("sidecar:")]
+    if not started:
+        return []
+    from sidecar import client  # zmq is only needed here
+
+    cfg = config_mod.load(cluster.config_path)
+    waiting = []
+    for node in started:
+        try:
+            client.ping(cfg.node_socket_dir(node), timeout_s=1.0)
+        except (client.SidecarUnreachable, client.SidecarError):
+            waiting.append(node)
+    return waiting
 
 
 def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:

@@ -251,6 +251,49 @@ def check_nvml() -> Check:
     return ok("nvml", f"NVML sees {n} GPU(s), driver {drv.decode() if isinstance(drv, bytes) else drv}")
 
 
+def driver_memory_caps() -> str:
+    """Whether this node's driver can cap a job's GPU memory itself (NVML memory limits, MPS v3
+    memory partitioning): "" when it can, else why not."""
+    try:
+        import pynvml
+    except ImportError:
+        return "no nvidia-ml-py"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return f"no NVML ({e})"
+    try:
+        pynvml._nvmlGetFunctionPointer("nvmlDeviceSetMemoryLimits_v1")
+    except pynvml.NVMLError as e:
+        return f"the driver has no nvmlDeviceSetMemoryLimits ({e})"
+    finally:
+        pynvml.nvmlShutdown()
+    return ""
+
+
+def check_enforcement(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]],
+                      caps: Callable[[], str] = driver_memory_caps) -> Check:
+    """Which enforcement is in force for opportunistic jobs on this node, from the strongest down."""
+    if not cfg.sidecar.enforce:
+        return warn("enforcement", "sidecar.enforce is false: observe only, no limit reaches any job",
+                    "set sidecar.enforce: true once the rollout is over")
+    parts = ["limits applied by each job's agent",
+             f"jobs that ignore them requeued after {cfg.sidecar.compliance_grace_s:g} s (sidecar.compliance)"]
+    proctrack = (sconf or {}).get("ProctrackType", "")
+    telemetry = cfg.sidecar.telemetry
+    if telemetry == "emulated":
+        parts.append("jobs without an agent invisible (emulated telemetry: no GPU processes to see)")
+    elif proctrack != "proctrack/cgroup":
+        parts.append(f"jobs without an agent invisible: their GPU processes cannot be mapped to jobs "
+                     f"(ProctrackType={proctrack or 'unknown'}, not proctrack/cgroup)")
+    else:
+        parts.append("jobs without an agent found through NVML and Slurm's cgroups")
+    why_not = caps()
+    parts.append("driver memory caps: available on this node, not yet applied by slurm-antman" if not why_not
+                 else f"no driver memory caps ({why_not})")
+    return ok("enforcement", "; ".join(parts))
+
+
 def controller_time() -> tuple[Optional[float], str]:
     """slurmctld's own clock: ``sdiag`` prints the time slurmctld answered at, as a Unix time."""
     r = _run(["sdiag"])
@@ -323,6 +366,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     checks.append(check_hooks(sconf) if sconf else skip("prolog_epilog", need_slurm))
     checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
     checks.append(check_nvml())
+    checks.append(check_enforcement(cfg, sconf) if cfg else skip("enforcement", need_cfg))
     checks.append(check_clock() if sconf else skip("clock_skew", need_slurm))
     checks.append(check_socket_dir(cfg) if cfg else skip("socket_dir", need_cfg))
     return checks

@@ -128,3 +128,16 @@ def test_plugin_version_is_read_from_the_built_plugin():
         assert out.stdout.startswith(f"{major}.{minor:02d}.")
     else:
         assert (major, minor) >= (20, 0)
+
+
+def test_enforcement_says_what_is_in_force_and_what_is_not():
+    check_enforcement = doctor.check_enforcement
+    cfg = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "sidecar": {"telemetry": "nvml"}})
+    c = check_enforcement(cfg, {"ProctrackType": "proctrack/cgroup"}, caps=lambda: "")
+    assert c.status == "ok" and "found through NVML and Slurm's cgroups" in c.reason
+    assert "after 120 s" in c.reason and "driver memory caps: available" in c.reason
+    c = check_enforcement(cfg, {"ProctrackType": "proctrack/linuxproc"}, caps=lambda: "no NVML (x)")
+    assert "cannot be mapped to jobs (ProctrackType=proctrack/linuxproc" in c.reason
+    assert "no driver memory caps (no NVML (x))" in c.reason
+    observe = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "sidecar": {"enforce": False}})
+    assert check_enforcement(observe, {}).status == "warn"
