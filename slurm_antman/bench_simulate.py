@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="antman: an opportunistic job on a node where too few GPUs meet the opportunistic rules "
                         "waits for room (wait, the default, as antman.yaml's opportunistic.no_room) or starts on the "
                         "least-loaded ones (fallback)")
+    p.add_argument("--upgrade-running", action="store_true",
+                   help="antman: make running opportunistic jobs guaranteed when their tenant has quota again "
+                        "(antman.yaml opportunistic.upgrade_running; off by default)")
     p.add_argument("--move-gain", type=float, default=SimConfig.move_gain,
                    help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
@@ -93,7 +96,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
                           util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
-                          no_room=a.no_room)
+                          no_room=a.no_room, upgrade_running=a.upgrade_running)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -109,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
             "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
-            "move_gain": a.move_gain, "no_room": a.no_room,
+            "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
             "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:

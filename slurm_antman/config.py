@@ -121,6 +121,13 @@ class Opportunistic(_Strict):
         description="Fraction of its solo rate an opportunistic job must be expected to make on a GPU for the GPU to "
                     "take it (predicted from the GPU's utilisation and jobs; none qualifies: see no_room), and "
                     "measured to make once running; under it the job is crawling.")
+    upgrade_running: bool = Field(
+        default=False,
+        description="true: a running opportunistic job whose tenant has quota again is made guaranteed in place "
+                    "(no restart). Off by default: the quota it takes is then not there for the tenant's next "
+                    "submissions, which job_submit.lua would admit guaranteed and start at once; on the Philly "
+                    "window at saturated utilisation upgrades made the mean JCT 1.22x what it is without them, and "
+                    "no better at production utilisation (docs/evaluation.md).")
     no_room: Literal["wait", "fallback"] = Field(
         default="wait",
         description="What the sidecar does when Slurm starts an opportunistic job on a node where fewer of its GPUs "

@@ -41,6 +41,7 @@ def cc(tmp_path_factory):
     c = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=TEST_PORT_BASE + 300, overrides={
         "grace_time_s": GRACE_S, "nodes": {"gpu_memory_mb": 2048},
         "sidecar": {"compliance_grace_s": COMPLIANCE_GRACE_S},
+        "opportunistic": {"upgrade_running": True},  # test_auto_resolves_by_quota_then_upgrades_without_restart
         "tenants": [{"account": "research", "guaranteed_gpus": 1}]})
     try:
         yield ClusterHandle(c, work)

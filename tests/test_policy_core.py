@@ -162,6 +162,19 @@ def test_upgrade_when_quota_and_gpu_alone():
     assert ds[0].inputs["gpu_indices"] == [0] and "quota again" in ds[0].reason
 
 
+def test_no_upgrade_unless_the_site_asks_for_it():
+    """opportunistic.upgrade_running is off by default in antman.yaml (PolicyParams.from_config): the
+    quota stays for the tenant's next submissions."""
+    n = node("n1", (gpu(0, o=("o1",)), gpu(1)))
+    off = dataclasses.replace(PARAMS, upgrade_running=False)
+    ds, _ = run(snap([_opp_running()], [n], quotas={"a": 1}), params=off)
+    assert not any(d.kind == "upgrade" for d in ds)
+    cfg = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 2}]})
+    assert PolicyParams.from_config(cfg).upgrade_running is False
+    cfg = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 2}], "opportunistic": {"upgrade_running": True}})
+    assert PolicyParams.from_config(cfg).upgrade_running is True
+
+
 @pytest.mark.parametrize("case", ["guaranteed_shares_gpu", "no_quota", "asked_opportunistic", "not_reported"])
 def test_no_upgrade(case):
     gpus = (gpu(0, o=("o1",), g=("g1",) if case == "guaranteed_shares_gpu" else ()),)

@@ -131,6 +131,8 @@ class SimConfig:
     # such nodes, policy.keep_off, which the simulator models as nothing starting there); fallback: it
     # starts on the least-loaded GPUs.
     no_room: str = "wait"
+    # antman: opportunistic.upgrade_running (off by default, as in antman.yaml).
+    upgrade_running: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -268,7 +270,7 @@ class Simulator:
             min_opp_mem_bytes=lp.PolicyParams().min_opportunistic_bytes,
             headroom_bytes=lp.PolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
         self.cp_params = replace(self.cp_params, min_progress=cfg.min_progress, move_after_s=cfg.move_after_s,
-                                 move_gain=cfg.move_gain)
+                                 move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running)
         self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
                                          min_progress=cfg.min_progress)
         self.cp_state = cp.CoordinatorState.empty()

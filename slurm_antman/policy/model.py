@@ -109,6 +109,8 @@ class PolicyParams:
     # opportunistic.no_room == "wait": pending opportunistic jobs are kept off (ExcNodeList) nodes whose
     # only slot is the minimum one (policy.keep_off). The simulator models the same effect itself.
     keep_off_no_room: bool = False
+    # opportunistic.upgrade_running: running opportunistic jobs become guaranteed when quota frees.
+    upgrade_running: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PolicyParams":
@@ -126,6 +128,7 @@ class PolicyParams:
             move_after_s=cfg.opportunistic.move_after_s,
             move_gain=float(cfg.opportunistic.move_gain),
             keep_off_no_room=bool(cfg.sidecar.enforce) and cfg.opportunistic.no_room == "wait",
+            upgrade_running=bool(cfg.opportunistic.upgrade_running),
         )
 
 

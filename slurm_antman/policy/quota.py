@@ -49,7 +49,8 @@ def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], param
         j for j in jobs
         if j.job_id not in skip and (
             (j.state == "PENDING" and (j.requested in WANTS_GUARANTEED or j.held_for_quota))
-            or (j.state == "RUNNING" and j.job_class == "opportunistic" and j.requested in WANTS_GUARANTEED))
+            or (params.upgrade_running and j.state == "RUNNING" and j.job_class == "opportunistic"
+                and j.requested in WANTS_GUARANTEED))
     ]
     candidates.sort(key=_fifo)
     out: list[Decision] = []
