@@ -112,7 +112,7 @@ class Opportunistic(_Strict):
     queue_to_opportunistic_s: Optional[float] = Field(
         default=None, ge=0,
         description="A guaranteed job held over its tenant's quota this long is released as opportunistic "
-                    "(upgraded once quota frees). Unset: it waits for quota. Slurm 22.05 keeps scheduling a "
+                    "(upgraded once quota frees, with upgrade_running). Unset: it waits for quota. Slurm 22.05 keeps scheduling a "
                     "pending job by the GPU request it was submitted with, so the job still waits for a free "
                     "physical GPU; once running it is limited, throttled and preemptable like any "
                     "opportunistic job.")
