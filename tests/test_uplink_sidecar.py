@@ -4,6 +4,7 @@ choosing the victim, and reconnection after the hub restarts."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -37,19 +38,28 @@ def make_config(key_dir, port: int, gpus: int = 1, **sidecar) -> cfgmod.AntmanCo
 
 
 
-@pytest.fixture
-def env(tmp_path):
+@contextlib.contextmanager
+def uplinked(tmp_path, **config):
+    """A real hub and a real sidecar reporting to it: (config, hub, running sidecar, socket dir)."""
     kd = tmp_path / "keys"
     keys.init_keys(kd, ["n1"])
-    conf = make_config(kd, free_port())
+    conf = make_config(kd, free_port(), **config)
     sockdir = tempfile.mkdtemp(prefix="am-", dir="/tmp")
     hub = SidecarHub(conf)
     hub.start()
     side = Running(sockdir, conf)
-    yield conf, hub, side, sockdir
-    side.stop()
-    hub.close()
-    shutil.rmtree(sockdir, ignore_errors=True)
+    try:
+        yield conf, hub, side, sockdir
+    finally:
+        side.stop()
+        hub.close()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@pytest.fixture
+def env(tmp_path):
+    with uplinked(tmp_path) as e:
+        yield e
 
 
 def next_report(hub, pred=lambda r: True, timeout_s: float = 5.0):
@@ -259,34 +269,22 @@ def test_placement_memory_keeps_a_moved_job_off_the_gpu_it_left(tmp_path):
 def test_a_noncompliant_job_is_named_to_the_coordinator_not_told_by_the_sidecar(tmp_path):
     """With an uplink the sidecar names the non-compliant job in its report (noncompliant: true), so the
     coordinator requeues that job at once (policy.preemption); the sidecar itself tells the agent nothing."""
-    kd = tmp_path / "keys"
-    keys.init_keys(kd, ["n1"])
-    conf = make_config(kd, free_port(), compliance_grace_s=0.5)
-    sockdir = tempfile.mkdtemp(prefix="am-", dir="/tmp")
-    hub = SidecarHub(conf)
-    hub.start()
-    side = Running(sockdir, conf)
-    agents = []
-    try:
+    with uplinked(tmp_path, compliance_grace_s=0.5) as (conf, hub, side, sockdir):
         g = client.register_job(sockdir, "100", uid=0, user="r", job_class="guaranteed", gpus=1, physical_gpus=[0])
         ga = SimAgent(g.endpoint, "100", "guaranteed")
-        agents.append(ga)
-        ga.register()
-        ga.report(100.0, 2 * GiB)
         o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
         oa = SimAgent(o.endpoint, "200")
-        agents.append(oa)
-        oa.register()
-        ga.report(100.0, 10 * GiB)  # new limits for 200, never acknowledged
-        oa.recv("limits")
-        r = next_report(hub, lambda r: any(x.noncompliant for x in r.preempt_requests), timeout_s=10)
-        (req,) = [x for x in r.preempt_requests if x.noncompliant]
-        assert req.job_id == "200" and "non-compliant" in req.reason and "acknowledge" in req.reason
-        with pytest.raises(AssertionError):
-            oa.recv("preempt", timeout_s=0.5)
-    finally:
-        for a in agents:
-            a.close()
-        side.stop()
-        hub.close()
-        shutil.rmtree(sockdir, ignore_errors=True)
+        try:
+            ga.register()
+            ga.report(100.0, 2 * GiB)
+            oa.register()
+            ga.report(100.0, 10 * GiB)  # new limits for 200, never acknowledged
+            oa.recv("limits")
+            r = next_report(hub, lambda r: any(x.noncompliant for x in r.preempt_requests), timeout_s=10)
+            (req,) = [x for x in r.preempt_requests if x.noncompliant]
+            assert req.job_id == "200" and "non-compliant" in req.reason and "acknowledge" in req.reason
+            with pytest.raises(AssertionError):
+                oa.recv("preempt", timeout_s=0.5)
+        finally:
+            ga.close()
+            oa.close()
