@@ -34,7 +34,6 @@ class ComplianceParams:
 @dataclass(frozen=True)
 class JobCompliance:
     job_id: str
-    registered_unix: float
     shares_with_guaranteed: bool
     agents: int
     gpu_processes: Optional[int]       # its processes on its GPUs; None: telemetry cannot see processes

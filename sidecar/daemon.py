@@ -148,6 +148,9 @@ class Sidecar:
         self.compliance_since: dict[tuple[str, str], float] = {}
         self.noncompliant: dict[str, PreemptRequest] = {}
         self.noncompliant_total = 0
+        # Job -> GPU memory of each of its processes NVML shows, mapped through Slurm's cgroups once per
+        # telemetry sample (not per message: it reads /proc).
+        self.gpu_procs_by_job: dict[str, list[int]] = {}
         # SIGHUP: the handler only sets the flag; the loop calls ``reloader`` (which returns the new
         # options, or None to keep the old) so the options change between messages, never mid-message.
         self.reloader: Optional[Callable[[SidecarOptions], Optional[SidecarOptions]]] = None
@@ -534,6 +537,11 @@ class Sidecar:
         except Exception as e:  # a driver hiccup must not stop the node's sidecar
             self._rlog.warning("telemetry", "telemetry sample failed: %s", e)
             return
+        procs: dict[str, list[int]] = {}
+        for s in self.proc_samples:
+            for job_id in peers.slurm_jobs_of(s.pid) or ():
+                procs.setdefault(job_id, []).append(s.memory_bytes or 0)
+        self.gpu_procs_by_job = procs
         for s in self.gpu_samples:
             self.util.add(now, s.index, s.utilization)
 
@@ -603,11 +611,7 @@ class Sidecar:
         self.noncompliant = {k: v for k, v in self.noncompliant.items() if k in self.jobs}
         guarded = {g for j in self.jobs.values() if j.job_class == "guaranteed" for g in j.gpus}
         nvml = self.telemetry.kind == "nvml"
-        on_gpu: dict[str, list[int]] = {}
-        if nvml:
-            for s in self.proc_samples:
-                for job_id in peers.slurm_jobs_of(s.pid) or ():
-                    on_gpu.setdefault(job_id, []).append(s.memory_bytes or 0)
+        on_gpu = self.gpu_procs_by_job
         checked = []
         for j in self.jobs.values():
             if j.job_class != "opportunistic":
@@ -615,7 +619,7 @@ class Sidecar:
             unacked = any(a.acked_seq < j.seq for a in j.agents.values()) and j.limits_sent_unix is not None
             agent_mem = sum(self._agent_mem(a, {}) for a in j.agents.values())
             checked.append(compliance.JobCompliance(
-                j.job_id, j.registered_unix, any(g in guarded for g in j.gpus), len(j.agents),
+                j.job_id, any(g in guarded for g in j.gpus), len(j.agents),
                 len(on_gpu.get(j.job_id, ())) if nvml else None, j.limits_sent_unix if unacked else None,
                 max(agent_mem, sum(on_gpu.get(j.job_id, ()))), j.limits.mem_limit_bytes))
         bad, self.compliance_since = compliance.step(checked, self.compliance_since, self.opt.compliance, now)

@@ -8,7 +8,7 @@ import dataclasses
 from sidecar.compliance import ComplianceParams, JobCompliance, MiB, step
 
 P = ComplianceParams(grace_s=60.0)
-GOOD = JobCompliance("7", registered_unix=0.0, shares_with_guaranteed=True, agents=1, gpu_processes=1,
+GOOD = JobCompliance("7", shares_with_guaranteed=True, agents=1, gpu_processes=1,
                      unacked_since=None, mem_used_bytes=900 * MiB, mem_limit_bytes=1024 * MiB)
 
 
