@@ -23,7 +23,7 @@ from . import compliance, peers
 from .endpoints import EndpointError, SocketDir
 from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState,
                            PreemptRequest, Snapshot, decide)
-from .placement import GpuLoad, choose_gpus
+from .placement import GpuLoad, choose_gpus, util_measured
 from .ratelimit import RateLimitedLog
 from .telemetry import GpuSample, ProcessSample, ReportedLoad, Telemetry, UtilizationWindow
 from .uplink import Uplink, UplinkOptions
@@ -108,6 +108,7 @@ class Job:
     preempt: Optional[PreemptRequest] = None
     account: str = ""
     limits_sent_unix: Optional[float] = None  # when the limits of ``seq`` were sent
+    first_report_unix: Optional[float] = None  # its agents' first report since this sidecar started
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
@@ -141,6 +142,7 @@ class Sidecar:
         self._uplink: Optional[Uplink] = None
         self._report_now = False
         self.started = threading.Event()
+        self.started_unix = time.time()  # the utilisation window holds nothing from before this
         # Set by whoever serves metrics (the CLI); filled from the loop thread once per tick.
         self.metrics = None
         self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
@@ -159,6 +161,7 @@ class Sidecar:
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.started_unix = time.time()
         self.dir.prepare()
         self._control = self._ctx.socket(zmq.ROUTER)
         _bound_router(self._control)
@@ -352,6 +355,8 @@ class Sidecar:
         elif isinstance(b, p.Report):
             agent.report = b
             agent.report_unix = time.time()
+            if job.first_report_unix is None:
+                job.first_report_unix = agent.report_unix
             self._dirty = True
         elif isinstance(b, p.Ack):
             agent.acked_seq = max(agent.acked_seq, b.seq)
@@ -411,12 +416,19 @@ class Sidecar:
 
     def _gpu_loads(self) -> list[GpuLoad]:
         loads = []
+        now = time.time()
         for s in self.gpu_samples:
             on = [j for j in self.jobs.values() if s.index in j.gpus]
             loads.append(GpuLoad(s.index, s.memory_total_bytes, s.memory_used_bytes, self.util.average(s.index),
                                  sum(j.job_class == "guaranteed" for j in on),
-                                 sum(j.job_class == "opportunistic" for j in on)))
+                                 sum(j.job_class == "opportunistic" for j in on),
+                                 self._util_measured(on, now)))
         return loads
+
+    def _util_measured(self, on: list[Job], now: float) -> bool:
+        return all(util_measured(now, self.util.window_s, self.opt.compliance.grace_s,
+                                 max(j.registered_unix, self.started_unix), j.first_report_unix)
+                   for j in on if j.job_class == "guaranteed")
 
     def _register_job(self, b: p.JobRegister) -> p.JobRegisterReply:
         n = self.telemetry.gpu_count()
@@ -655,11 +667,14 @@ class Sidecar:
 
     def _node_state(self) -> p.NodeStateReply:
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
-        gpus = [p.GpuState(index=s.index, memory_used_bytes=s.memory_used_bytes,
-                           memory_total_bytes=s.memory_total_bytes, utilization=s.utilization,
-                           utilization_avg=min(1.0, self.util.average(s.index)),
-                           jobs=[j.job_id for j in self.jobs.values() if s.index in j.gpus])
-                for s in self.gpu_samples]
+        now = time.time()
+        gpus = []
+        for s in self.gpu_samples:
+            on = [j for j in self.jobs.values() if s.index in j.gpus]
+            gpus.append(p.GpuState(index=s.index, memory_used_bytes=s.memory_used_bytes,
+                                   memory_total_bytes=s.memory_total_bytes, utilization=s.utilization,
+                                   utilization_avg=min(1.0, self.util.average(s.index)),
+                                   jobs=[j.job_id for j in on], util_measured=self._util_measured(on, now)))
         jobs = []
         for j in self.jobs.values():
             reports = [a for a in j.agents.values() if a.report is not None]
@@ -684,10 +699,14 @@ class Sidecar:
 
     def _node_report(self) -> p.NodeReport:
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
-        gpus = [p.ReportGpu(index=s.index, mem_total_bytes=s.memory_total_bytes, mem_used_bytes=s.memory_used_bytes,
-                            util=min(1.0, max(0.0, self.util.average(s.index))),
-                            jobs=[j.job_id for j in self.jobs.values() if s.index in j.gpus])
-                for s in self.gpu_samples]
+        now = time.time()
+        gpus = []
+        for s in self.gpu_samples:
+            on = [j for j in self.jobs.values() if s.index in j.gpus]
+            gpus.append(p.ReportGpu(index=s.index, mem_total_bytes=s.memory_total_bytes,
+                                    mem_used_bytes=s.memory_used_bytes,
+                                    util=min(1.0, max(0.0, self.util.average(s.index))),
+                                    jobs=[j.job_id for j in on], util_measured=self._util_measured(on, now)))
         jobs = []
         for j in self.jobs.values():
             reports = [a.report.iteration_ms for a in j.agents.values() if a.report is not None]

@@ -5,7 +5,7 @@ telemetry, by AntMan's rules."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Optional
 
 from slurm_antman.policy.progress import predicted_progress
 
@@ -18,6 +18,10 @@ class GpuLoad:
     utilization_avg: float     # 0..1 over the configured window
     guaranteed_jobs: int
     opportunistic_jobs: int
+    # False while a guaranteed job on the GPU is still starting: the window average then shows the
+    # idle time before its first iteration, not the job, and would let opportunistic work in beside a
+    # job that is about to keep the GPU busy.
+    util_measured: bool = True
 
     @property
     def spare_bytes(self) -> int:
@@ -29,6 +33,18 @@ class Placement:
     gpus: list[int]
     placement: str   # fit | fallback | wait
     note: str
+
+
+def util_measured(now: float, window_s: float, agent_grace_s: float, since_unix: float,
+                  first_report_unix: Optional[float]) -> bool:
+    """Whether a GPU's utilisation window shows a guaranteed job on it: once the window holds nothing
+    from before the job's first iteration (its agent's first report). A job whose agent never reports
+    (opted out, or broken) is taken as measured once the agent would have had to register
+    (``sidecar.compliance_grace_s``) plus a window. ``since_unix``: when the sidecar began to watch
+    the job (its registration, or the sidecar's own start after a restart, which empties the window)."""
+    if first_report_unix is not None:
+        return now - max(first_report_unix, since_unix) >= window_s
+    return now - since_unix >= agent_grace_s + window_s
 
 
 def _progress(g: GpuLoad, target_slowdown: float) -> float:
@@ -43,6 +59,9 @@ def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, 
         return f"GPU {g.index}: {g.opportunistic_jobs}/{slots_per_gpu} opportunistic slots taken"
     if g.guaranteed_jobs > 1:
         return f"GPU {g.index}: {g.guaranteed_jobs} guaranteed jobs (at most 1 may take opportunistic work)"
+    if not g.util_measured:
+        return (f"GPU {g.index}: its guaranteed job has not iterated for a {window_s:g} s window yet; "
+                "its utilisation is not measured")
     if g.utilization_avg > threshold:
         return f"GPU {g.index}: utilisation {g.utilization_avg:.2f} > {threshold:.2f} over {window_s:g} s"
     if min_progress > 0 and _progress(g, target_slowdown) < min_progress:

@@ -267,6 +267,8 @@ class GpuState:
     utilization: float = _f(float, ge=0.0, le=1.0)
     utilization_avg: float = _f(float, ge=0.0, le=1.0)
     jobs: list = _f(list[str])
+    # as node_report's: False while a guaranteed job on it is too new to show in utilization_avg
+    util_measured: bool = _f(bool, default=True)
 
 
 @_dc
@@ -315,6 +317,9 @@ class ReportGpu:
     mem_used_bytes: int = _bytes_()
     util: float = _f(float, ge=0.0, le=1.0)
     jobs: list = _f(list[str], pattern=JOB_ID_RE)
+    # False while a guaranteed job on the GPU has not yet run a utilisation window of iterations:
+    # ``util`` does not show it yet. Optional: an older sidecar is read as having measured.
+    util_measured: bool = _f(bool, default=True)
 
 
 @_dc

@@ -141,6 +141,17 @@ def test_gpu_with_two_guaranteed_jobs_or_a_need_takes_no_opportunistic():
     assert ds == [SetOppSlots("n1", 2)]  # only GPU 2
 
 
+def test_gpu_whose_new_guaranteed_job_is_not_measured_yet_takes_no_opportunistic():
+    # GPU 0's guaranteed job has not filled the sidecar's utilisation window: util 0.0 says nothing.
+    n = node("n1", (gpu(0, g=("g1",), measured=False), gpu(1, g=("g2",))), configured=4, in_slurm=4)
+    jobs = [job(x, state="RUNNING", job_class="guaranteed") for x in ("g1", "g2")]
+    ds, _ = run(snap(jobs, [n]))
+    assert ds == [SetOppSlots("n1", 2)]  # only GPU 1
+    assert ds[0].inputs["gpus_qualifying"] == 1
+    from slurm_antman.policy.placement import gpu_qualifies
+    assert not gpu_qualifies(n.gpus[0], PARAMS) and gpu_qualifies(n.gpus[1], PARAMS)
+
+
 def test_slurm_allocations_the_sidecar_has_not_seen_take_free_slots_first():
     o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
     o2 = job("o2", state="RUNNING", requested="opportunistic", node="n1")  # not in the report yet

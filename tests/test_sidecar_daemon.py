@@ -26,12 +26,18 @@ NOBODY = 65534
 GPU_MB = 16384
 
 
-def make_config(gpus: int = 2, **sidecar):
+def make_config(gpus: int = 2, window_s: float = 10.0, **sidecar):
     return cfgmod.parse({
         "nodes": [{"name": "n1", "gpus": gpus, "gpu_memory_mb": GPU_MB}],
         "sidecar": {"heartbeat_s": 0.2, "telemetry": "emulated", **sidecar},
+        "opportunistic": {"utilization_window_s": window_s},
         "grace_time_s": 30,
     })
+
+
+def wait_measured(sockdir: str, gpu: int) -> None:
+    """Until the sidecar's utilisation window shows the guaranteed job on ``gpu`` (sidecar.placement)."""
+    wait_for(lambda: client.node_state(sockdir).gpus[gpu].util_measured, what=f"GPU {gpu} measured")
 
 
 class Running:
@@ -158,10 +164,11 @@ def test_an_opportunistic_job_without_room_is_answered_wait_and_not_registered(s
     """opportunistic.no_room: wait: a job no GPU qualifies for is not placed beside a busy guaranteed
     job (the Prolog requeues it); a Prolog that cannot requeue (no may_wait) still gets a GPU. With
     sidecar.enforce: false (observe only) nothing is refused."""
-    base = make_config(gpus=1).model_dump(mode="json")
+    base = make_config(gpus=1, window_s=0.5).model_dump(mode="json")
     if no_room == "observe-only":
         base["sidecar"]["enforce"] = False
-    conf = cfgmod.parse({**base, "opportunistic": {"no_room": "fallback" if no_room == "fallback" else "wait"}})
+    conf = cfgmod.parse({**base, "opportunistic": {**base["opportunistic"],
+                                                   "no_room": "fallback" if no_room == "fallback" else "wait"}})
     r = Running(sockdir, conf)
     a = None
     try:
@@ -171,6 +178,7 @@ def test_an_opportunistic_job_without_room_is_answered_wait_and_not_registered(s
         a.register()
         a.report(100.0, 8 * GiB)
         wait_for(lambda: client.node_state(sockdir).gpus[0].memory_used_bytes == 8 * GiB, what="report seen")
+        wait_measured(sockdir, 0)
         o = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1,
                                 may_wait=True)
         jobs = {j.job_id for j in client.node_state(sockdir).jobs}
@@ -178,7 +186,7 @@ def test_an_opportunistic_job_without_room_is_answered_wait_and_not_registered(s
             assert (o.gpus, o.placement) == ([0], "fallback") and jobs == {"100", "200"}
             return
         assert (o.gpus, o.endpoint, o.placement) == ([], "", "wait")
-        assert "predicted progress" in o.note and "waits for room" in o.note
+        assert "utilisation 0.90 > 0.80" in o.note and "waits for room" in o.note
         assert jobs == {"100"}
         assert not os.path.exists(os.path.join(sockdir, "jobs", "200"))
         assert r.sidecar.placement_waits == 1
@@ -196,7 +204,53 @@ def test_an_opportunistic_job_without_room_is_answered_wait_and_not_registered(s
         r.stop()
 
 
-def test_register_guaranteed_and_opportunistic_placement(sidecar, sockdir):
+def test_no_opportunistic_job_beside_a_guaranteed_job_its_window_does_not_show_yet(sockdir):
+    """A guaranteed job's GPU looks idle until its first iterations fill the utilisation window (the
+    replay on the devcluster placed opportunistic jobs beside jobs that were only starting). Until its
+    agent has reported for a window, or, with no agent, until the agent's grace plus a window, the GPU
+    takes no opportunistic job, in the placement and in what the coordinator is told."""
+    r = Running(sockdir, make_config(gpus=1, window_s=1.0, compliance_grace_s=2.0))
+    a = None
+    try:
+        g = client.register_job(sockdir, "100", uid=0, user="root", job_class="guaranteed", gpus=1,
+                                physical_gpus=[0])
+        assert client.node_state(sockdir).gpus[0].util_measured is False
+        assert r.sidecar._node_report().gpus[0].util_measured is False
+        o = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1,
+                                may_wait=True)
+        assert (o.gpus, o.placement) == ([], "wait") and "not measured" in o.note, o
+        # A light guaranteed job: once its reports fill a window, its GPU takes opportunistic work.
+        a = SimAgent(g.endpoint, "100", "guaranteed")
+        a.register()
+        a.report(100.0, 2 * GiB, busy_ms=5.0)  # 5 %: the 2 % slowdown target leaves it 0.4 of the GPU
+        first = time.monotonic()
+        wait_measured(sockdir, 0)
+        assert time.monotonic() - first >= 0.9  # a window after the first report, not at it
+        assert r.sidecar._node_report().gpus[0].util_measured is True
+        o = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1,
+                                may_wait=True)
+        assert (o.gpus, o.placement) == ([0], "fit"), o
+        # A guaranteed job whose agent never reports is measured by NVML alone after the agent's
+        # grace (sidecar.compliance_grace_s) plus a window.
+        client.register_job(sockdir, "101", uid=0, user="root", job_class="guaranteed", gpus=1, physical_gpus=[0])
+        t0 = time.monotonic()
+        assert client.node_state(sockdir).gpus[0].util_measured is False
+        wait_measured(sockdir, 0)
+        assert time.monotonic() - t0 >= 2.5
+    finally:
+        if a is not None:
+            a.close()
+        r.stop()
+
+
+@pytest.fixture
+def quick_window_sidecar(sockdir):
+    r = Running(sockdir, make_config(window_s=0.5))
+    yield r
+    r.stop()
+
+
+def test_register_guaranteed_and_opportunistic_placement(quick_window_sidecar, sockdir):
     g = client.register_job(sockdir, "100", uid=0, user="root", job_class="guaranteed", gpus=1, physical_gpus=[0])
     assert (g.gpus, g.placement, g.note) == ([0], "requested", "")
     assert g.endpoint == "ipc://" + os.path.join(sockdir, "jobs", "100", "agent.sock")
@@ -206,19 +260,20 @@ def test_register_guaranteed_and_opportunistic_placement(sidecar, sockdir):
         a.register()
         a.report(100.0, 8 * GiB)
         wait_for(lambda: client.node_state(sockdir).gpus[0].memory_used_bytes == 8 * GiB, what="report seen")
+        wait_measured(sockdir, 0)
         o = client.register_job(sockdir, "200", uid=0, user="root", job_class="opportunistic", gpus=1)
         assert (o.gpus, o.placement) == ([1], "fit")
         o2 = client.register_job(sockdir, "201", uid=0, user="root", job_class="opportunistic", gpus=1)
         assert o2.gpus == [1]  # still more spare memory than GPU 0
-        # GPU 1 is now full (2 slots); GPU 0 has room but its busy guaranteed job leaves too little
-        # compute for the 2 % target: Slurm already allocated the job, so it goes there, and says why.
+        # GPU 1 is now full (2 slots); GPU 0 has room but its guaranteed job keeps it busier than the
+        # threshold: Slurm already allocated the job, so it goes there, and says why.
         o3 = client.register_job(sockdir, "202", uid=0, user="root", job_class="opportunistic", gpus=1)
-        assert (o3.gpus, o3.placement) == ([0], "fallback") and "predicted progress" in o3.note
+        assert (o3.gpus, o3.placement) == ([0], "fallback") and "utilisation 0.90 > 0.80" in o3.note, o3
         # Both GPUs have their opportunistic slots... GPU 0 has one left; fill it, then fall back.
         client.register_job(sockdir, "203", uid=0, user="root", job_class="opportunistic", gpus=1)
         fb = client.register_job(sockdir, "204", uid=0, user="root", job_class="opportunistic", gpus=1)
         assert fb.placement == "fallback" and len(fb.gpus) == 1
-        assert "opportunistic slots taken" in fb.note or "predicted progress" in fb.note
+        assert "opportunistic slots taken" in fb.note or "utilisation 0.90 > 0.80" in fb.note
         st = client.node_state(sockdir)
         assert {j.job_id for j in st.jobs} == {"100", "200", "201", "202", "203", "204"}
     finally:

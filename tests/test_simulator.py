@@ -400,3 +400,17 @@ def test_report_names_the_best_baseline_and_antman_against_it(tmp_path):
     for r in results:
         assert r.metrics["jct_floor_mean_s"] == pytest.approx(floor) and r.metrics["jct_mean_s"] >= floor
     assert f"JCT floor (every job alone on its GPUs at submission, what no policy can beat): {floor:,.0f} s" in table
+
+
+@pytest.mark.parametrize("window_s", [10.0, 40.0])
+def test_antman_places_no_opportunistic_job_before_a_new_guaranteed_job_shows_in_its_gpu(tmp_path, window_s):
+    # The sidecar's utilisation window shows a guaranteed job only once it has iterated for a window
+    # (sidecar.placement.util_measured); before that its GPU has no opportunistic room, here as on
+    # the devcluster. A nearly idle guaranteed job (utilisation scaled to 2 %) then takes a neighbour.
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 1_000.0, 1, "a"), ("2017-10-01 00:00:01", 100.0, 1, "a")])
+    rows = {x["job_id"]: x for x in simulate(jobs, one_gpu("antman", util_scale=0.02, cycle_s=1.0,
+                                                           util_window_s=window_s)).jobs}
+    g, o = rows["philly-2"], rows["philly-3"]
+    assert (g["class"], o["class"]) == ("guaranteed", "opportunistic")
+    assert window_s <= o["first_start_s"] <= window_s + 2.0  # once measured, at the next cycle
+    assert o["first_start_s"] < g["end_s"]  # beside the guaranteed job, not after it

@@ -58,7 +58,7 @@ def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, A
             gpus.append(GpuView(g.index, g.mem_total_bytes, g.mem_used_bytes, g.util,
                                 tuple(j for j, c in classes if c == "guaranteed"), opp,
                                 tuple((j, progress[j]) for j in opp if j in progress),
-                                tuple((j, crawling[j]) for j in opp if j in crawling)))
+                                tuple((j, crawling[j]) for j in opp if j in crawling), g.util_measured))
         out.append(NodeView(host, tuple(gpus), configured, in_slurm.get(host, configured), rep.received_unix))
     return tuple(out)
 

@@ -62,7 +62,7 @@ NO_ROOM = ("fallback", "wait")
 WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
 
 # Event kinds, in the order they are handled at one instant: finishes free GPUs before new jobs look.
-_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW, _REQUEUE = 0, 1, 2, 3, 4, 5
+_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW, _REQUEUE, _MEASURED = 0, 1, 2, 3, 4, 5, 6
 
 SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
 
@@ -92,6 +92,9 @@ class SimConfig:
     quota_scale: float = 1.0
     slots_per_gpu: int = 2
     util_threshold: float = 0.8
+    # opportunistic.utilization_window_s: the sidecar's utilisation average, and how long a new
+    # guaranteed job must have iterated before its GPU counts as measured (sidecar.placement).
+    util_window_s: float = 10.0
     grace_s: float = 30.0
     checkpoint_s: float = 1800.0  # opportunistic jobs checkpoint this often (estimate)
     oom_retry_s: float = 60.0
@@ -219,6 +222,9 @@ class _Gpu:
     # (the local policy's slow_preempt_s rule), as the steady state of this mix says.
     slow_since: Optional[float] = None
     useful: float = 0.0  # progress-weighted busy time: sum of each job's rate x its own utilisation
+    # antman: until when the sidecar's window does not show its newest guaranteed job yet (its
+    # start-up plus a window of iterations): no opportunistic room before (sidecar.placement).
+    measured_at: float = 0.0
     progress: dict[str, float] = field(default_factory=dict)  # opportunistic job -> its rate
     crawl: dict[str, float] = field(default_factory=dict)     # opportunistic job -> crawling since
 
@@ -364,6 +370,12 @@ class Simulator:
                 elif kind == _WAKE:
                     self.sched_dirty = True  # a job's retry or BeginTime is over
                     self.force_cycle = True  # a grace time is over: requeue now, not a cycle later
+                elif kind == _MEASURED:  # a new guaranteed job now shows in its GPU's utilisation
+                    g = self.gpus[version]
+                    if self.now >= g.measured_at:
+                        self.dirty_nodes.add(g.node)
+                        self.unfit_nodes.discard(g.node)
+                        self.sched_dirty = True
                 elif kind == _REQUEUE:  # scavenger: Slurm requeues a preempted job after its grace time
                     if j.state == "RUNNING" and version == j.restarts and j.notice_at is not None:
                         self._stop(j, "preempt")
@@ -636,15 +648,16 @@ class Simulator:
             take = min(want - len(chosen), free_slots, len(room))
             if take <= 0:
                 continue
-            loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp)) for g in room]
+            loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp), self.now >= g.measured_at)
+                     for g in room]
             avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
             if self.cfg.policy == "antman":
-                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0,
+                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
                                    self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
                 if wait and not pick.gpus and not avoid:
                     self.unfit_nodes.add(k)
             else:
-                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, 10.0)
+                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
             chosen.extend(k * per_node + i for i in pick.gpus)
         return chosen if len(chosen) >= want else None
 
@@ -686,6 +699,9 @@ class Simulator:
             g = self.gpus[i]
             if j.klass == "guaranteed":
                 g.guar.append(j.job.job_id)
+                if self.cfg.policy == "antman":
+                    g.measured_at = max(g.measured_at, self.now + self.cfg.start_overhead_s + self.cfg.util_window_s)
+                    self._push(g.measured_at, _MEASURED, j.job.job_id, i)
             else:
                 g.opp.append(j.job.job_id)
                 self.node_opp[g.node] += 1
@@ -976,7 +992,7 @@ class Simulator:
             per = self.cfg.gpus_per_node
             gv = self.gpu_views[k] = tuple(
                 cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp),
-                           tuple(g.progress.items()), tuple(g.crawl.items()))
+                           tuple(g.progress.items()), tuple(g.crawl.items()), self.now >= g.measured_at)
                 for g in self.gpus[k * per:(k + 1) * per])
         return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * self.cfg.gpus_per_node,
                            self.opp_slots[k], self.now)

@@ -27,9 +27,9 @@ def job(job_id: str, *, account: str = "a", state: str = "PENDING", requested: s
 
 def gpu(index: int, *, used_gib: float = 0.0, total_gib: float = 80.0, util: float = 0.0,
         g: tuple[str, ...] = (), o: tuple[str, ...] = (), progress: dict | None = None,
-        crawling: dict | None = None) -> GpuView:
+        crawling: dict | None = None, measured: bool = True) -> GpuView:
     return GpuView(index, int(total_gib * GiB), int(used_gib * GiB), util, g, o,
-                   tuple((progress or {}).items()), tuple((crawling or {}).items()))
+                   tuple((progress or {}).items()), tuple((crawling or {}).items()), measured)
 
 
 def node(name: str = "n1", gpus: tuple[GpuView, ...] | None = None, *, configured: int = 8, in_slurm: int = 8,

@@ -33,6 +33,8 @@ class GpuView:
     progress: tuple[tuple[str, float], ...] = ()
     # (job, since when) for the opportunistic jobs the sidecar finds crawling (policy.moves).
     crawling: tuple[tuple[str, float], ...] = ()
+    # False while a guaranteed job on it is too new for ``util`` to show it (sidecar.placement).
+    util_measured: bool = True
 
 
 @dataclass(frozen=True, slots=True)

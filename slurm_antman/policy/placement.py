@@ -11,9 +11,11 @@ from .progress import predicted_progress
 
 def gpu_qualifies(g: GpuView, params: PolicyParams) -> bool:
     """Room for one more opportunistic job: memory, AntMan's utilisation rule, at most one guaranteed
-    job, and a predicted progress worth running for (policy.progress): otherwise the job waits."""
+    job, and a predicted progress worth running for (policy.progress): otherwise the job waits. A GPU
+    whose guaranteed job is too new to show in its utilisation has no room until it does."""
     spare = g.mem_total_bytes - g.mem_used_bytes
-    return (spare >= params.min_opp_mem_bytes + params.headroom_bytes and g.util < params.util_threshold
+    return (g.util_measured and spare >= params.min_opp_mem_bytes + params.headroom_bytes
+            and g.util < params.util_threshold
             and len(g.guaranteed_jobs) <= 1
             and predicted_progress(g.util, len(g.guaranteed_jobs), len(g.opportunistic_jobs),
                                    params.target_slowdown) >= params.min_progress)
@@ -48,7 +50,7 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
     for g in node.gpus:
         n_opp = len(g.opportunistic_jobs)
         reported += n_opp
-        if (g.util < threshold and g.mem_total_bytes - g.mem_used_bytes >= need_mem
+        if (g.util < threshold and g.util_measured and g.mem_total_bytes - g.mem_used_bytes >= need_mem
                 and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus
                 and predicted_progress(g.util, len(g.guaranteed_jobs), n_opp, target) >= floor):
             qualifying += 1
