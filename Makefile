@@ -37,9 +37,14 @@ spank: .deps-apt.stamp
 demo: deps
 	$(PY) -m slurm_antman.cli demo $(DEMO_ARGS)
 
-# Fails on any failure, and on "no tests ran" (pytest exit 5).
+# Fails on any failure, and on "no tests ran" (pytest exit 5). `make test` leaves the tests marked
+# slow (minutes of devcluster each: the trace replay, the fault scenarios) to `make test-slow`, so
+# that it stays under 15 minutes; .ci/run runs both.
 test: deps
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+test-slow: deps
+	$(PY) -m pytest -ra -m slow $(PYTEST_ARGS)
 
 test-gpu: deps
 	$(PY) -m pytest -ra -m gpu $(PYTEST_ARGS)

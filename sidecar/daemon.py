@@ -146,6 +146,7 @@ class Sidecar:
         # Set by whoever serves metrics (the CLI); filled from the loop thread once per tick.
         self.metrics = None
         self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
+        self.state_write_errors = 0
         # sidecar.compliance: (job, condition) -> since when; jobs asked to be requeued for it; a count.
         self.compliance_since: dict[tuple[str, str], float] = {}
         self.noncompliant: dict[str, PreemptRequest] = {}
@@ -477,10 +478,20 @@ class Sidecar:
         job = Job(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),
                   account=b.account or "")
         self._open_job(job)
-        self.dir.save_job(job.job_id, job.record())
+        self._save(job)
         log.info("job %s (%s, uid %d) registered on GPU(s) %s [%s]", job.job_id, job.job_class, job.uid, gpus, placement)
         self._run_policy(time.time())
         return self._register_reply(job)
+
+    def _save(self, job: Job) -> None:
+        """Record the job for a restarted sidecar. A full or read-only state directory costs only
+        that (a restart would not find the job): the job itself is served and limited as before."""
+        try:
+            self.dir.save_job(job.job_id, job.record())
+        except OSError as e:
+            self.state_write_errors += 1
+            self._rlog.warning("state-write", "job %s: cannot record it in %s (%s); it is served, but a restarted "
+                               "sidecar will not find it", job.job_id, self.dir.root, e)
 
     def _register_reply(self, job: Job) -> p.JobRegisterReply:
         return p.JobRegisterReply(job_id=job.job_id, gpus=list(job.gpus), endpoint=p.ipc(self.dir.agent_path(job.job_id)),
@@ -760,7 +771,7 @@ class Sidecar:
             job.preempt = None
             self.policy_state = replace(self.policy_state, preempted={
                 k: v for k, v in self.policy_state.preempted.items() if k != job.job_id})
-        self.dir.save_job(job.job_id, job.record())
+        self._save(job)
         self._run_policy(time.time())
 
     def _remember_avoid(self, job_id: str, gpus: list[int], now: float) -> None:

@@ -123,9 +123,17 @@ class SocketDir:
     def save_job(self, job_id: str, record: dict) -> None:
         path = self._state_file(job_id)
         tmp = f"{path}.tmp"
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
+        try:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except OSError:
+            # A full disk leaves a partial temp file; never leave it to take the space a retry needs.
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
     def saved_jobs(self) -> list[dict]:
         out = []

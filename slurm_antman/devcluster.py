@@ -306,7 +306,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     env = _daemon_env(cluster)
     _ensure_munged(cluster.procs)
     try:
-        cluster.procs.append(_spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-i"], env, d / "log" / "slurmctld.out"))
+        cluster.procs.append(start_slurmctld(cluster, env, clear_state=True))
         for h in cluster.nodes:
             cluster.procs.append(_spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
                                         d / "log" / f"slurmd-{h}.out"))
@@ -332,6 +332,14 @@ def _daemon_env(cluster: Cluster) -> dict:
     env = cluster.env
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def start_slurmctld(cluster: Cluster, env: dict | None = None, clear_state: bool = False) -> Proc:
+    """Start slurmctld; ``clear_state`` on a new cluster only: a restart (after a fault) recovers
+    its jobs from StateSaveLocation, as a site's slurmctld does."""
+    env = env if env is not None else _daemon_env(cluster)
+    argv = [_which("slurmctld"), "-D", *(["-c"] if clear_state else []), "-i"]
+    return _spawn("slurmctld", argv, env, cluster.dir / "log" / "slurmctld.out")
 
 
 def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:

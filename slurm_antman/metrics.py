@@ -55,6 +55,7 @@ class SidecarView:
     jobs: tuple[JobPoint, ...] = ()
     placement_waits: int = 0
     noncompliant: int = 0
+    state_write_errors: int = 0
 
 
 def sidecar_view(sidecar: Any) -> SidecarView:
@@ -77,7 +78,8 @@ def sidecar_view(sidecar: Any) -> SidecarView:
             iteration_ms=max((r.iteration_ms for r in reports), default=None),
             throttle_delay_ms=max(delays) if delays else None,
             spilled_bytes=sum(spills) if spills else None))
-    return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits, sidecar.noncompliant_total)
+    return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits, sidecar.noncompliant_total,
+                       sidecar.state_write_errors)
 
 
 class SidecarCollector(Collector):
@@ -140,6 +142,11 @@ class SidecarCollector(Collector):
                                  "asked to be requeued (sidecar.compliance).", labels=["node"])
         nc.add_metric([v.node], v.noncompliant)
         yield nc
+        sw = CounterMetricFamily(f"{PREFIX}_state_write_errors", "Job records the sidecar could not write to its "
+                                 "state directory (full, read-only); the jobs are served, but a restarted sidecar "
+                                 "would not find them.", labels=["node"])
+        sw.add_metric([v.node], v.state_write_errors)
+        yield sw
 
 
 # --- coordinator -----------------------------------------------------------------------------

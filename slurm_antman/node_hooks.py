@@ -158,14 +158,18 @@ def _job_fields(job_id: str) -> dict[str, str]:
 def write_env_file(path: Path, values: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write("# written by `antman node prolog`; applied to every task by the SPANK plugin\n")
-        for k, v in values.items():
-            if "\n" in v:
-                raise ValueError(f"env value for {k} contains a newline")
-            f.write(f"{k}={v}\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("# written by `antman node prolog`; applied to every task by the SPANK plugin\n")
+            for k, v in values.items():
+                if "\n" in v:
+                    raise ValueError(f"env value for {k} contains a newline")
+                f.write(f"{k}={v}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a full disk must not keep the partial file's space
+        raise
 
 
 def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
@@ -235,7 +239,14 @@ def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag
             # Slurm bound no device for a count-only GRES: this is what makes the job see its GPU(s).
             values["CUDA_VISIBLE_DEVICES"] = values["ANTMAN_GPUS"]
             values["GPU_DEVICE_ORDINAL"] = values["ANTMAN_GPUS"]
-        write_env_file(env_file(cfg, job.node, job.job_id), values)
+        try:
+            write_env_file(env_file(cfg, job.node, job.job_id), values)
+        except OSError:
+            # Without its env file the job's tasks would not get what the sidecar set up for them,
+            # and the Epilog would not retire it: undo the registration before failing.
+            if endpoint:
+                _retire_quietly(cfg, job)
+            raise
     log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values["ANTMAN_GPUS"] or "-")
     _record_gpus_in_slurm(job, tag.with_gpus(job.node, gpus))
     return 0
@@ -297,17 +308,21 @@ def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count:
     return list(reply.gpus), reply.endpoint
 
 
-def epilog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
-    job = JobContext.from_env(env)
-    f = env_file(cfg, job.node, job.job_id)
-    if not f.exists():
-        return 0
+def _retire_quietly(cfg: config_mod.AntmanConfig, job: JobContext) -> None:
     from sidecar import client
 
     try:
         client.retire_job(cfg.node_socket_dir(job.node), job.job_id, timeout_s=5.0)
     except (client.SidecarUnreachable, client.SidecarError) as e:
         log.warning("job %s: could not retire at the sidecar: %s", job.job_id, e)
+
+
+def epilog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
+    job = JobContext.from_env(env)
+    f = env_file(cfg, job.node, job.job_id)
+    if not f.exists():
+        return 0
+    _retire_quietly(cfg, job)
     f.unlink(missing_ok=True)
     log.info("job %s on %s: retired", job.job_id, job.node)
     return 0

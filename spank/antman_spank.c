@@ -73,6 +73,7 @@ static struct {
 	char prolog[PATH_MAX];        /* hook to run when the env file is missing, "" = never */
 	char opp_partition[128];      /* a job in this partition is a slurm-antman job */
 	char job_class[32]; /* validated --antman value, "" when not given */
+	bool no_env_file;   /* an opportunistic job whose env file no Prolog could write here */
 	uid_t stepd_euid;   /* euid of slurmstepd, recorded before it drops to the user */
 	struct env_candidate candidates[MAX_NODE_DIRS]; /* opened while privileged */
 	size_t n_candidates;
@@ -744,6 +745,16 @@ static void init_post_opt_remote(spank_t sp)
 	build_prolog_env(sp, job_id, job_class, &env);
 	run_prolog(job_id, env.vars);
 	prolog_env_free(&env);
+	/*
+	 * Still no file (the state directory full or unwritable, the hook broken): the Prolog could not
+	 * even record a refusal. An opportunistic job must not run unmanaged beside a guaranteed one, so
+	 * its tasks fail; the Prolog has asked Slurm to requeue it. A guaranteed job runs on the GPUs
+	 * Slurm bound, as it would without slurm-antman.
+	 */
+	if (!env_file_present(sp, job_id) &&
+	    (strcmp(job_class, "opportunistic") == 0 ||
+	     (antman.opp_partition[0] && strcmp(partition, antman.opp_partition) == 0)))
+		antman.no_env_file = true;
 }
 
 int slurm_spank_init_post_opt(spank_t sp, int ac, char **av)
@@ -787,6 +798,11 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	if (job_id_of(sp, &job_id) < 0)
 		return 0;
 
+	if (antman.no_env_file) {
+		slurm_error("antman: job %u not started on this node: it is opportunistic and the node could not "
+			    "write its env file (state directory %s full or unwritable?)", job_id, antman.state_dir);
+		return -1;
+	}
 	load_env_file(sp, job_id);
 	/*
 	 * The Prolog found no GPU this opportunistic job may use under the rules (or no sidecar to ask)

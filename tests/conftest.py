@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman import devcluster as dc
+from slurm_antman.devcluster_jobs import ClusterJobs
 
 TEST_PORT_BASE = int(os.environ.get("ANTMAN_TEST_PORT_BASE", "18417"))
 
@@ -23,65 +23,9 @@ def _require_slurm() -> None:
         pytest.fail("the devcluster tests run slurmctld/slurmd and must run as root")
 
 
-class ClusterHandle:
-    """The devcluster plus the few Slurm calls the tests need, with back-off polling."""
-
-    def __init__(self, cluster: dc.Cluster, workdir: Path):
-        self.c = cluster
-        self.workdir = workdir
-
-    @property
-    def env(self) -> dict[str, str]:
-        return self.c.env
-
-    def run(self, args, **kw):
-        return self.c.run(args, **kw)
-
-    def sbatch(self, *args: str, script: str | None = None, wrap: str | None = None, expect_ok: bool = True):
-        argv = ["sbatch", "--parsable", "-D", str(self.workdir), "-o", str(self.workdir / "%j.out"), *args]
-        if wrap is not None:
-            argv += ["--wrap", wrap]
-        if script is not None:
-            path = self.workdir / f"script-{time.monotonic_ns()}.sh"
-            path.write_text(script)
-            argv.append(str(path))
-        r = self.c.run(argv)
-        if expect_ok:
-            assert r.returncode == 0, f"sbatch failed: {r.stderr}"
-            return int(r.stdout.strip().split(";")[0])
-        return r
-
-    def show(self, job_id: int) -> dict[str, str]:
-        r = self.c.run(["scontrol", "show", "job", "-o", str(job_id)])
-        assert r.returncode == 0, r.stderr
-        return dict(m.groups() for m in re.finditer(r"(?:^|\s)([A-Za-z:/]+)=(\S*)", r.stdout))
-
-    def wait_state(self, job_id: int, states: set[str], timeout: float = 60) -> dict[str, str]:
-        deadline = time.monotonic() + timeout
-        delay = 0.2
-        info: dict[str, str] = {}
-        while time.monotonic() < deadline:
-            info = self.show(job_id)
-            if info.get("JobState") in states:
-                return info
-            time.sleep(delay)
-            delay = min(delay * 1.5, 2.0)
-        raise AssertionError(f"job {job_id} not in {states} after {timeout}s: {info.get('JobState')} "
-                             f"{info.get('Reason')}")
-
-    def wait_output(self, job_id: int, pattern: str, timeout: float = 30) -> str:
-        path = self.workdir / f"{job_id}.out"
-        deadline = time.monotonic() + timeout
-        text = ""
-        while time.monotonic() < deadline:
-            text = path.read_text() if path.exists() else ""
-            if re.search(pattern, text, re.M):
-                return text
-            time.sleep(0.3)
-        raise AssertionError(f"job {job_id} output never matched {pattern!r}:\n{text}")
-
-    def cancel_all(self) -> None:
-        self.c.run(["scancel", "--user", "root"])
+# The tests' name for the devcluster plus its job calls (slurm_antman.devcluster_jobs, shared with
+# `antman bench faults`).
+ClusterHandle = ClusterJobs
 
 
 @pytest.fixture(scope="session")
@@ -101,12 +45,7 @@ def cluster(tmp_path_factory) -> ClusterHandle:
 def clean_cluster(cluster: ClusterHandle) -> ClusterHandle:
     """The session cluster with no job left over from an earlier test."""
     cluster.cancel_all()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        r = cluster.run(["squeue", "-h", "-t", "PD,R,CG,S", "-o", "%i"])
-        if r.returncode == 0 and not r.stdout.strip():
-            break
-        time.sleep(0.3)
+    cluster.wait_empty(30)
     return cluster
 
 

@@ -694,3 +694,32 @@ def test_a_noncompliant_opportunistic_job_beside_a_guaranteed_one_is_asked_to_go
             if a is not None:
                 a.close()
         r.stop()
+
+
+def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, sockdir):
+    """Issue 15's fault, at the sidecar: its state directory full (a real tmpfs, filled). The job is
+    still registered, placed and limited, its agent served; only the record a restarted sidecar
+    would read is missing, counted in a metric, and no partial file takes the space."""
+    from slurm_antman.metrics import sidecar_view
+
+    state = os.path.join(sockdir, "state")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", state], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs for the test (run as root): {r.stderr.strip()}")
+    try:
+        with open(os.path.join(state, "filler"), "wb", buffering=0) as f:
+            with pytest.raises(OSError):
+                while True:
+                    f.write(b"\0" * 1024)
+        reply = client.register_job(sockdir, "901", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert reply.placement != "wait" and reply.endpoint
+        a = SimAgent(reply.endpoint, "901")
+        try:
+            assert a.register().body.mem_limit_bytes > 0
+        finally:
+            a.close()
+        assert [j.job_id for j in client.node_state(sockdir).jobs] == ["901"]
+        assert sidecar_view(sidecar.sidecar).state_write_errors == 1
+        assert sorted(os.listdir(state)) == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", state], check=True)

@@ -15,6 +15,8 @@ from conftest import TEST_PORT_BASE, _require_slurm
 from slurm_antman import bench_trace
 from slurm_antman.evaluation import replay as rp
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # four minutes of devcluster: `make test-slow`
+
 # Two tenants on one node of two emulated GPUs: the first job of each tenant fits its quota
 # (guaranteed), the later ones do not (opportunistic, sharing under antman, queueing under exclusive).
 TRACE = """timestamp,duration,num_gpus,gpu_time,cluster
