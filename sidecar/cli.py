@@ -72,6 +72,7 @@ def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_
         tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
         params=policy_params(conf), uplink=uplink, enforce=conf.sidecar.enforce,
         no_room_wait=conf.sidecar.enforce and conf.opportunistic.no_room == "wait",
+        hooks_state_dir=os.path.join(conf.state_dir, node),
         compliance=ComplianceParams(grace_s=conf.sidecar.compliance_grace_s))
 
 

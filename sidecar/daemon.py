@@ -19,7 +19,7 @@ import zmq
 import slurm_antman
 from slurm_antman import protocol as p
 
-from . import compliance, peers
+from . import compliance, health, peers
 from .endpoints import EndpointError, SocketDir
 from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState,
                            PreemptRequest, Snapshot, decide)
@@ -31,6 +31,7 @@ from .uplink import Uplink, UplinkOptions
 log = logging.getLogger("antman.sidecar")
 
 AGENT_TIMEOUT_HEARTBEATS = 5
+HEALTH_CHECK_S = 2.0  # statvfs of the state directories at most this often
 # Placement memory: a requeued job is back within Slurm's BeginTime (120 s) plus its queue wait; a
 # day covers that on a busy cluster and bounds what a sidecar keeps.
 AVOID_TTL_S = 86400.0
@@ -75,6 +76,7 @@ class SidecarOptions:
     uplink: Optional[UplinkOptions] = None  # None: no coordinator; the sidecar notifies preemptions itself
     enforce: bool = True  # False: observe only (sidecar.enforce)
     no_room_wait: bool = True  # opportunistic.no_room == "wait"
+    hooks_state_dir: Optional[str] = None  # where the Prolog writes this node's env files (state_dir/NODE)
     compliance: compliance.ComplianceParams = compliance.ComplianceParams()
 
 
@@ -147,6 +149,8 @@ class Sidecar:
         self.metrics = None
         self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
         self.state_write_errors = 0
+        self.unhealthy = ""  # why no opportunistic job may start here now (health.node_problem); "" = healthy
+        self._health_checked = 0.0
         # sidecar.compliance: (job, condition) -> since when; jobs asked to be requeued for it; a count.
         self.compliance_since: dict[tuple[str, str], float] = {}
         self.noncompliant: dict[str, PreemptRequest] = {}
@@ -458,6 +462,12 @@ class Sidecar:
                 self._retire_job(old.job_id)
             self._sample(time.time())  # place on fresh numbers, not the last tick's
             avoid, until = self.avoid.pop(b.job_id, (frozenset(), 0.0))
+            self._check_health(time.monotonic(), force=True)  # fresh: the Prolog may have just failed to write
+            if self.unhealthy and self.opt.no_room_wait and b.may_wait:
+                self.placement_waits += 1
+                note = f"node {self.opt.node} takes no new opportunistic job: {self.unhealthy}"
+                log.info("job %s: %s; the Prolog requeues it", b.job_id, note)
+                return p.JobRegisterReply(job_id=b.job_id, gpus=[], endpoint="", placement="wait", note=note[:4096])
             choice = choose_gpus(self._gpu_loads(), b.gpus, self.opt.slots_per_gpu,
                                  self.opt.utilization_threshold, self.opt.utilization_window_s,
                                  self.opt.params.target_slowdown, self.opt.params.min_progress,
@@ -673,8 +683,23 @@ class Sidecar:
                 elif mono - a.last_sent >= self.opt.heartbeat_s:
                     self._send(job.socket, a, p.Heartbeat())
         self._sample(now)
+        self._check_health(mono)
         self._run_policy(now)
         self._publish_metrics()
+
+    def _check_health(self, mono: float, force: bool = False) -> None:
+        if not force and mono - self._health_checked < HEALTH_CHECK_S:
+            return
+        self._health_checked = mono
+        paths = [self.dir.state_dir] + ([self.opt.hooks_state_dir] if self.opt.hooks_state_dir else [])
+        why = health.node_problem(paths)
+        if why != self.unhealthy:
+            if why:
+                log.error("node %s takes no new opportunistic job: %s", self.opt.node, why)
+            else:
+                log.warning("node %s takes opportunistic jobs again: its state directories have room", self.opt.node)
+            self.unhealthy = why
+            self._report_now = True
 
     def _node_state(self) -> p.NodeStateReply:
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
@@ -704,7 +729,8 @@ class Sidecar:
                               deadline_unix=j.preempt.deadline_unix)
                for j in self.jobs.values() if j.preempt is not None]
         return p.NodeStateReply(node=self.opt.node, telemetry=self.telemetry.kind,
-                                sidecar_version=slurm_antman.__version__, gpus=gpus, jobs=jobs, preemptions=pre)
+                                sidecar_version=slurm_antman.__version__, gpus=gpus, jobs=jobs, preemptions=pre,
+                                unhealthy=self.unhealthy[:1024])
 
     # --- coordinator uplink -----------------------------------------------------------------
 
@@ -735,7 +761,7 @@ class Sidecar:
                                        noncompliant=True)
                 for r in self.noncompliant.values() if r.job_id in self.jobs]
         return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,
-                            preempt_requests=pre)
+                            preempt_requests=pre, unhealthy=self.unhealthy[:1024])
 
     def _on_coordinator(self, frames: list[bytes]) -> None:
         assert self._uplink is not None

@@ -64,15 +64,20 @@ class SocketDir:
     def agent_path(self, job_id: str) -> str:
         return protocol.agent_path(self.root, job_id)
 
+    @property
+    def state_dir(self) -> str:
+        """Where the job records a restarted sidecar reads live."""
+        return os.path.join(self.root, "state")
+
     def _state_file(self, job_id: str) -> str:
         protocol.job_dir(self.root, job_id)  # validates the id
-        return os.path.join(self.root, "state", f"{job_id}.json")
+        return os.path.join(self.state_dir, f"{job_id}.json")
 
     def prepare(self) -> None:
         """Create the tree and take the directory's lock (a second sidecar here fails clearly)."""
         _ensure_dir(self.root, 0o755)
         _ensure_dir(os.path.join(self.root, "jobs"), 0o711)
-        _ensure_dir(os.path.join(self.root, "state"), 0o700)
+        _ensure_dir(self.state_dir, 0o700)
         check_socket_path(self.control_path)
         fd = os.open(os.path.join(self.root, "sidecar.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -137,7 +142,7 @@ class SocketDir:
 
     def saved_jobs(self) -> list[dict]:
         out = []
-        d = os.path.join(self.root, "state")
+        d = self.state_dir
         for name in sorted(os.listdir(d)):
             if not name.endswith(".json"):
                 continue

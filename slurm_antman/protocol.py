@@ -305,6 +305,7 @@ class NodeStateReply(Body):
     gpus: list = _f(list[GpuState])
     jobs: list = _f(list[JobState])
     preemptions: list = _f(list[PreemptState])
+    unhealthy: str = _text(max_len=1024, default="")  # as in node_report
 
 
 # --- uplink: coordinator ROUTER (CURVE server) <-> one DEALER per node sidecar (CURVE client) --------
@@ -359,6 +360,10 @@ class NodeReport(Body):
     gpus: list = _f(list[ReportGpu])
     jobs: list = _f(list[ReportJob])
     preempt_requests: list = _f(list[ReportPreemptRequest])
+    # Why no opportunistic job may start on this node now although its GPUs may have room (its state
+    # directories full: nothing it would place could be recorded); "" = healthy. Optional: an older
+    # sidecar is read as healthy.
+    unhealthy: str = _text(max_len=1024, default="")
 
 
 @_dc

@@ -9,7 +9,7 @@ import pytest
 
 from slurm_antman import config as cfgmod
 from slurm_antman.policy import (
-    CoordinatorState, HoldForQuota, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass,
+    CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass,
     SetOppSlots, Upgrade, decide,
 )
 from slurm_antman.policy.builders import NOW, PARAMS, gpu, job, need, node, snap
@@ -150,6 +150,21 @@ def test_gpu_whose_new_guaranteed_job_is_not_measured_yet_takes_no_opportunistic
     assert ds[0].inputs["gpus_qualifying"] == 1
     from slurm_antman.policy.placement import gpu_qualifies
     assert not gpu_qualifies(n.gpus[0], PARAMS) and gpu_qualifies(n.gpus[1], PARAMS)
+
+
+def test_an_unhealthy_node_gets_no_opportunistic_room_and_pending_jobs_are_kept_off_it():
+    # n1's sidecar reports its state directory full: idle GPUs or not, no new opportunistic job there.
+    sick = node("n1", configured=8, in_slurm=8, unhealthy="/var/lib/slurm-antman/n1 is full (0 bytes free)")
+    well = node("n2", configured=8, in_slurm=8)
+    pending = job("o1", requested="opportunistic", state="PENDING")
+    params = dataclasses.replace(PARAMS, keep_off_no_room=True)
+    ds, _ = run(snap([pending], [sick, well]), params=params)
+    slots = {d.node: d for d in ds if isinstance(d, SetOppSlots)}
+    assert slots["n1"].slots == 1 and slots["n1"].inputs["gpus_qualifying"] == 0
+    assert slots["n1"].reason.startswith("node unhealthy (/var/lib/slurm-antman/n1 is full")
+    assert "n2" not in slots  # 4 idle GPUs x 2 slots = 8: unchanged
+    kept = [d for d in ds if isinstance(d, KeepOff)]
+    assert [(k.job_id, k.nodes) for k in kept] == [("o1", ("n1",))]
 
 
 def test_slurm_allocations_the_sidecar_has_not_seen_take_free_slots_first():

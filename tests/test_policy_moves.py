@@ -154,5 +154,8 @@ def test_sidecar_report_carries_progress_and_crawling_into_the_snapshot():
     views = node_views(cfg, [], {"n1": NodeReport("n1", NOW, body)}, {"1": "guaranteed", "7": "opportunistic"}, NOW)
     g0 = views[0].gpus[0]
     assert g0.opportunistic_jobs == ("7",) and g0.progress == (("7", 0.05),) and g0.crawling == (("7", NOW - 700),)
+    assert views[0].unhealthy == ""  # healthy
+    sick = p.decode(p.encode(p.message(dataclasses.replace(body, unhealthy="/run/x is full")))).body
+    assert node_views(cfg, [], {"n1": NodeReport("n1", NOW, sick)}, {}, NOW)[0].unhealthy == "/run/x is full"
     ds, _ = decide(snap(jobs("7"), views), EMPTY, PARAMS)
     assert [d.job_id for d in moves(ds)] == ["7"]

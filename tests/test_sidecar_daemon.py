@@ -703,7 +703,7 @@ def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, so
     from slurm_antman.metrics import sidecar_view
 
     state = os.path.join(sockdir, "state")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", state], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", state], capture_output=True, text=True)
     if r.returncode != 0:
         pytest.fail(f"cannot mount a tmpfs for the test (run as root): {r.stderr.strip()}")
     try:
@@ -721,5 +721,15 @@ def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, so
         assert [j.job_id for j in client.node_state(sockdir).jobs] == ["901"]
         assert sidecar_view(sidecar.sidecar).state_write_errors == 1
         assert sorted(os.listdir(state)) == ["filler"]
+        # The node says why it takes no new opportunistic job, and a Prolog that can requeue is told to.
+        assert client.node_state(sockdir).unhealthy.startswith(f"{state} is full")
+        waited = client.register_job(sockdir, "902", uid=0, user="r", job_class="opportunistic", gpus=1,
+                                     may_wait=True)
+        assert waited.placement == "wait" and "takes no new opportunistic job" in waited.note
+        os.unlink(os.path.join(state, "filler"))
+        wait_for(lambda: client.node_state(sockdir).unhealthy == "", 10, "the node healthy again")
+        again = client.register_job(sockdir, "902", uid=0, user="r", job_class="opportunistic", gpus=1,
+                                    may_wait=True)
+        assert again.placement != "wait"
     finally:
         subprocess.run(["umount", "-l", state], check=True)

@@ -63,6 +63,10 @@ class NodeReport:
     def preempt_requests(self) -> list[p.ReportPreemptRequest]:
         return self.body.preempt_requests
 
+    @property
+    def unhealthy(self) -> str:
+        return self.body.unhealthy
+
 
 class _KeyRing:
     """The admitted public keys; read by the ZAP thread, replaced whole by the hub's thread."""

@@ -59,7 +59,8 @@ def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, A
                                 tuple(j for j, c in classes if c == "guaranteed"), opp,
                                 tuple((j, progress[j]) for j in opp if j in progress),
                                 tuple((j, crawling[j]) for j in opp if j in crawling), g.util_measured))
-        out.append(NodeView(host, tuple(gpus), configured, in_slurm.get(host, configured), rep.received_unix))
+        out.append(NodeView(host, tuple(gpus), configured, in_slurm.get(host, configured), rep.received_unix,
+                            rep.unhealthy))
     return tuple(out)
 
 

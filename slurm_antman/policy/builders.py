@@ -33,10 +33,10 @@ def gpu(index: int, *, used_gib: float = 0.0, total_gib: float = 80.0, util: flo
 
 
 def node(name: str = "n1", gpus: tuple[GpuView, ...] | None = None, *, configured: int = 8, in_slurm: int = 8,
-         reported: float | None = NOW - 1) -> NodeView:
+         reported: float | None = NOW - 1, unhealthy: str = "") -> NodeView:
     if gpus is None:
         gpus = tuple(gpu(i) for i in range(4))
-    return NodeView(name, gpus, configured, in_slurm, reported)
+    return NodeView(name, gpus, configured, in_slurm, reported, unhealthy)
 
 
 def snap(jobs=(), nodes=None, quotas=None, needs=(), now: float = NOW) -> Snapshot:

@@ -44,6 +44,7 @@ class NodeView:
     opp_slots_configured: int  # the count antman.yaml renders into slurm.conf
     opp_slots_in_slurm: int  # the count slurmctld has now (what SetOppSlots changes)
     last_report_unix: Optional[float]  # None: no sidecar heard from, the GPU figures mean nothing
+    unhealthy: str = ""  # the sidecar's reason no opportunistic job may start there now; "" = healthy
 
 
 @dataclass(frozen=True, slots=True)

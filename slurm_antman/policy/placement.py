@@ -47,10 +47,11 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
     threshold = params.util_threshold
     # The hot loop of a cycle (every GPU of the cluster): gpu_qualifies() inlined.
     target, floor = params.target_slowdown, params.min_progress
+    healthy = not node.unhealthy
     for g in node.gpus:
         n_opp = len(g.opportunistic_jobs)
         reported += n_opp
-        if (g.util < threshold and g.util_measured and g.mem_total_bytes - g.mem_used_bytes >= need_mem
+        if (healthy and g.util < threshold and g.util_measured and g.mem_total_bytes - g.mem_used_bytes >= need_mem
                 and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus
                 and predicted_progress(g.util, len(g.guaranteed_jobs), n_opp, target) >= floor):
             qualifying += 1
@@ -62,9 +63,11 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
     # a node without room still admits one opportunistic job, which the sidecar then shrinks or has
     # preempted; the alternative would be to lose submissions.
     total = max(MIN_SLOTS_PER_NODE, slurm_in_use + max(0, free - unseen))
-    return total, {"free_slots": free, "slurm_in_use": slurm_in_use, "reported_in_use": reported,
-                   "unseen": unseen, "gpus_qualifying": qualifying,
-                   "gpus_with_need": sorted(busy_gpus)}
+    inputs = {"free_slots": free, "slurm_in_use": slurm_in_use, "reported_in_use": reported,
+              "unseen": unseen, "gpus_qualifying": qualifying, "gpus_with_need": sorted(busy_gpus)}
+    if node.unhealthy:
+        inputs["unhealthy"] = node.unhealthy
+    return total, inputs
 
 
 def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyParams,
@@ -82,7 +85,8 @@ def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyP
         if total != n.opp_slots_in_slurm:
             inputs.update(in_slurm=n.opp_slots_in_slurm, report_unix=n.last_report_unix)
             out.append(SetOppSlots(n.name, total, reason=(
-                f"{inputs['gpus_qualifying']} GPUs with room have {inputs['free_slots']} free slots, Slurm has "
+                (f"node unhealthy ({n.unhealthy}): no opportunistic job starts there; " if n.unhealthy else "")
+                + f"{inputs['gpus_qualifying']} GPUs with room have {inputs['free_slots']} free slots, Slurm has "
                 f"{inputs['slurm_in_use']} allocated: count {total}, Slurm has {n.opp_slots_in_slurm}"),
                 inputs=inputs))
     return out, no_room
