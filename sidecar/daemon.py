@@ -19,7 +19,7 @@ import zmq
 import slurm_antman
 from slurm_antman import protocol as p
 
-from . import compliance, health, peers
+from . import compliance, driver_caps, health, peers
 from .endpoints import EndpointError, SocketDir
 from .local_policy import (UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState,
                            PreemptRequest, Snapshot, decide)
@@ -150,6 +150,11 @@ class Sidecar:
         self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
         self.state_write_errors = 0
         self.unhealthy = ""  # why no opportunistic job may start here now (health.node_problem); "" = healthy
+        # Driver-level memory caps (MPS v3 memory partitioning), set in start() where the node has them.
+        self.caps_support = driver_caps.Support("emulated telemetry: no NVIDIA driver")
+        self.caps: Optional[driver_caps.MemoryCaps] = None
+        self.cap_errors = 0
+        self.gpu_pids_by_job: dict[str, list[int]] = {}
         self._health_checked = 0.0
         # sidecar.compliance: (job, condition) -> since when; jobs asked to be requeued for it; a count.
         self.compliance_since: dict[tuple[str, str], float] = {}
@@ -185,6 +190,14 @@ class Sidecar:
                 log.warning("could not restore saved job %r: %s", rec.get("job_id"), e)
         if self.jobs:
             log.info("restored %d job(s) from %s: %s", len(self.jobs), self.dir.root, ", ".join(sorted(self.jobs)))
+        if self.telemetry.kind == "nvml":
+            nvml = getattr(self.telemetry, "nvml", None)
+            self.caps_support = driver_caps.detect(nvml)
+            if self.caps_support.available and self.opt.enforce:
+                self.caps = driver_caps.MemoryCaps(nvml, self.caps_support)
+        log.info("enforcement on %s: %s; %s", self.opt.node,
+                 "agent limits and compliance checks" if self.opt.enforce else "none (sidecar.enforce: false)",
+                 self.caps_support.describe())
         self._run_policy(time.time())
         self._publish_metrics()
         log.info("sidecar for node %s serving %s (telemetry: %s, %d GPU(s))", self.opt.node,
@@ -543,6 +556,7 @@ class Sidecar:
             self._sock_job.pop(job.socket, None)
             job.socket.close(0)
         self.dir.remove_job(job_id)
+        self._lift_caps(job_id)
         log.info("job %s retired", job_id)
         self._run_policy(time.time())
         return True
@@ -571,10 +585,13 @@ class Sidecar:
             self._rlog.warning("telemetry", "telemetry sample failed: %s", e)
             return
         procs: dict[str, list[int]] = {}
+        pids: dict[str, list[int]] = {}
         for s in self.proc_samples:
             for job_id in peers.slurm_jobs_of(s.pid) or ():
                 procs.setdefault(job_id, []).append(s.memory_bytes or 0)
+                pids.setdefault(job_id, []).append(s.pid)
         self.gpu_procs_by_job = procs
+        self.gpu_pids_by_job = pids
         for s in self.gpu_samples:
             self.util.add(now, s.index, s.utilization)
 
@@ -636,7 +653,41 @@ class Sidecar:
                 self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
                                                    compute_share=lim.compute_share))
         if self.opt.enforce:
+            self._apply_caps()
             self._check_compliance(now)
+
+    def _apply_caps(self) -> None:
+        """Driver caps follow each opportunistic job's memory limit, with compliance's tolerance on top
+        (the agent keeps under its limit; the cap stops only a job that does not)."""
+        if self.caps is None:
+            return
+        tol = self.opt.compliance
+        for j in self.jobs.values():
+            if j.job_class != "opportunistic" or j.limits.mem_limit_bytes is None:
+                self._lift_caps(j.job_id)
+                continue
+            hard = int(j.limits.mem_limit_bytes * (1 + tol.mem_tolerance)) + tol.mem_slack_bytes
+            candidates = [a.reg.pid for a in j.agents.values()] + self.gpu_pids_by_job.get(j.job_id, [])
+            cgroup = next((c for c in map(lambda pid: self.caps.cgroup_of(j.job_id, pid), candidates) if c), None)
+            if cgroup is None:
+                continue  # no process of it seen yet: the next tick
+            for gpu in j.gpus:
+                try:
+                    if self.caps.set(j.job_id, gpu, cgroup, hard):
+                        log.info("job %s: driver memory cap %d MiB on GPU %d (%s)", j.job_id, hard >> 20, gpu, cgroup)
+                except Exception as e:  # noqa: BLE001 - an NVML refusal costs the cap, never the sidecar
+                    self.cap_errors += 1
+                    self._rlog.warning(f"cap:{j.job_id}", "job %s: could not set its driver memory cap on GPU %d: %s",
+                                       j.job_id, gpu, e)
+
+    def _lift_caps(self, job_id: str) -> None:
+        if self.caps is None:
+            return
+        try:
+            self.caps.clear(job_id)
+        except Exception as e:  # noqa: BLE001
+            self.cap_errors += 1
+            self._rlog.warning(f"cap:{job_id}", "job %s: could not lift its driver memory cap: %s", job_id, e)
 
     def _check_compliance(self, now: float) -> None:
         """sidecar.compliance on what this node measures; a non-compliant job is asked to be requeued at

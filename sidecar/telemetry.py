@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 log = logging.getLogger("antman.sidecar.telemetry")
 
@@ -120,6 +120,11 @@ class NvmlTelemetry:
 
     def gpu_count(self) -> int:
         return len(self._handles)
+
+    @property
+    def nvml(self) -> Any:
+        """The initialised pynvml module (driver caps use it too)."""
+        return self._nvml
 
     def sample(self, reported: Mapping[int, ReportedLoad]) -> tuple[list[GpuSample], list[ProcessSample]]:
         nv = self._nvml

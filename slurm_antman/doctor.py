@@ -252,8 +252,10 @@ def check_nvml() -> Check:
 
 
 def driver_memory_caps() -> str:
-    """Whether this node's driver can cap a job's GPU memory itself (NVML memory limits, MPS v3
-    memory partitioning): "" when it can, else why not."""
+    """Whether this node's driver can cap a job's GPU memory itself (MPS v3 memory partitioning,
+    ``sidecar.driver_caps``): "" when it can, else why not."""
+    from sidecar import driver_caps
+
     try:
         import pynvml
     except ImportError:
@@ -263,12 +265,9 @@ def driver_memory_caps() -> str:
     except pynvml.NVMLError as e:
         return f"no NVML ({e})"
     try:
-        pynvml._nvmlGetFunctionPointer("nvmlDeviceSetMemoryLimits_v1")
-    except pynvml.NVMLError as e:
-        return f"the driver has no nvmlDeviceSetMemoryLimits ({e})"
+        return driver_caps.detect(pynvml).why_not
     finally:
         pynvml.nvmlShutdown()
-    return ""
 
 
 def check_enforcement(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]],
@@ -289,8 +288,8 @@ def check_enforcement(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]],
     else:
         parts.append("jobs without an agent found through NVML and Slurm's cgroups")
     why_not = caps()
-    parts.append("driver memory caps: available on this node, not yet applied by slurm-antman" if not why_not
-                 else f"no driver memory caps ({why_not})")
+    parts.append("driver memory caps (MPS v3 memory partitioning) set by the sidecar on every opportunistic job: "
+                 "its limit plus the compliance tolerance" if not why_not else f"no driver memory caps ({why_not})")
     return ok("enforcement", "; ".join(parts))
 
 

@@ -135,7 +135,7 @@ def test_enforcement_says_what_is_in_force_and_what_is_not():
     cfg = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "sidecar": {"telemetry": "nvml"}})
     c = check_enforcement(cfg, {"ProctrackType": "proctrack/cgroup"}, caps=lambda: "")
     assert c.status == "ok" and "found through NVML and Slurm's cgroups" in c.reason
-    assert "after 120 s" in c.reason and "driver memory caps: available" in c.reason
+    assert "after 120 s" in c.reason and "driver memory caps (MPS v3 memory partitioning) set by the sidecar" in c.reason
     c = check_enforcement(cfg, {"ProctrackType": "proctrack/linuxproc"}, caps=lambda: "no NVML (x)")
     assert "cannot be mapped to jobs (ProctrackType=proctrack/linuxproc" in c.reason
     assert "no driver memory caps (no NVML (x))" in c.reason

@@ -733,3 +733,42 @@ def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, so
         assert again.placement != "wait"
     finally:
         subprocess.run(["umount", "-l", state], check=True)
+
+
+def test_driver_caps_follow_an_opportunistic_jobs_limit_and_are_lifted_when_it_leaves(sidecar, sockdir, tmp_path):
+    """Where the driver has memory caps (MPS v3; set for real by the gpu test in test_driver_caps.py),
+    the sidecar caps each opportunistic job's Slurm cgroup at its limit plus compliance's tolerance and
+    lifts the cap when the job retires. Here only the NVML call itself is recorded instead of made:
+    the cgroup comes from the agent's real pid through a /proc and cgroup tree laid out as Slurm's."""
+    import pynvml
+
+    from sidecar import driver_caps
+
+    calls = []
+
+    class RecordingCaps(driver_caps.MemoryCaps):
+        def _call(self, gpu, cgroup_dir, soft, hard):
+            calls.append((gpu, cgroup_dir, soft, hard))
+
+    proc, root = tmp_path / "proc", tmp_path / "cg"
+    (proc / str(os.getpid())).mkdir(parents=True)
+    (proc / str(os.getpid()) / "cgroup").write_text("0::/system.slice/slurmstepd.scope/job_903/step_0/user/task_0\n")
+    (root / "system.slice/slurmstepd.scope/job_903").mkdir(parents=True)
+    sc = sidecar.sidecar
+    sc.caps = RecordingCaps(pynvml, driver_caps.Support("", "dmem"), cgroup_root=str(root), proc=str(proc))
+    reply = client.register_job(sockdir, "903", uid=0, user="r", job_class="opportunistic", gpus=1)
+    a = SimAgent(reply.endpoint, "903")
+    try:
+        limit = a.register().body.mem_limit_bytes
+        a.report(10.0, 1 << 20)
+        wait_for(lambda: calls, 5, "the cap")
+        tol = sc.opt.compliance
+        assert calls[0] == (reply.gpus[0], str(root / "system.slice/slurmstepd.scope/job_903"), 0,
+                            int(limit * (1 + tol.mem_tolerance)) + tol.mem_slack_bytes)
+        time.sleep(0.5)
+        assert len(calls) == 1  # set once, not every tick
+    finally:
+        a.close()
+    client.retire_job(sockdir, "903")
+    wait_for(lambda: len(calls) == 2, 5, "the cap lifted")
+    assert calls[1][3] == pynvml.NVML_DEVICE_MEMORY_LIMIT_MAX and calls[1][:2] == calls[0][:2]
