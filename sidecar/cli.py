@@ -40,6 +40,8 @@ def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
         min_opportunistic_bytes=sc.min_opportunistic_memory_mb * MiB,
         target_slowdown=sc.target_slowdown,
         slow_preempt_s=sc.slow_preempt_s,
+        pause_max_s=sc.pause_max_s,
+        resume_hold_s=sc.resume_hold_s,
         grace_s=float(conf.grace_time_s),
         min_progress=conf.opportunistic.min_progress,
     )

@@ -31,6 +31,7 @@ from .uplink import Uplink, UplinkOptions
 log = logging.getLogger("antman.sidecar")
 
 AGENT_TIMEOUT_HEARTBEATS = 5
+PAUSE_TIMES_KEPT = 256
 HEALTH_CHECK_S = 2.0  # statvfs of the state directories at most this often
 # Placement memory: a requeued job is back within Slurm's BeginTime (120 s) plus its queue wait; a
 # day covers that on a busy cluster and bounds what a sidecar keeps.
@@ -111,6 +112,11 @@ class Job:
     account: str = ""
     limits_sent_unix: Optional[float] = None  # when the limits of ``seq`` were sent
     first_report_unix: Optional[float] = None  # its agents' first report since this sidecar started
+    # Pause in place: the pause in force (its seq), when it was sent, when its agents acked it.
+    pause_seq: int = 0
+    paused: bool = False
+    pause_sent_mono: Optional[float] = None
+    paused_unix: Optional[float] = None
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
@@ -149,6 +155,10 @@ class Sidecar:
         self.metrics = None
         self.placement_waits = 0  # opportunistic jobs answered "wait" (no GPU met the rules)
         self.state_write_errors = 0
+        self.pauses_total = 0
+        self.pause_seconds_total = 0.0
+        self.pause_bytes_moved_total = 0
+        self.pause_ack_ms: list[float] = []  # sidecar's pause sent -> agent's ack, the latest ones
         self.unhealthy = ""  # why no opportunistic job may start here now (health.node_problem); "" = healthy
         # Driver-level memory caps (MPS v3 memory partitioning), set in start() where the node has them.
         self.caps_support = driver_caps.Support("emulated telemetry: no NVIDIA driver")
@@ -378,6 +388,18 @@ class Sidecar:
             self._dirty = True
         elif isinstance(b, p.Ack):
             agent.acked_seq = max(agent.acked_seq, b.seq)
+        elif isinstance(b, p.Paused):
+            if b.seq == job.pause_seq and job.paused and job.paused_unix is None:
+                job.paused_unix = time.time()
+                self.pause_bytes_moved_total += b.bytes_moved
+                if job.pause_sent_mono is not None:
+                    self.pause_ack_ms.append((time.monotonic() - job.pause_sent_mono) * 1000.0)
+                    del self.pause_ack_ms[:-PAUSE_TIMES_KEPT]
+                log.info("job %s: paused: %d MiB moved to host memory, %d MiB of GPU memory freed (%.1f ms in the agent)",
+                         job.job_id, b.bytes_moved >> 20, b.bytes_freed >> 20, b.pause_ms)
+            self._dirty = True
+        elif isinstance(b, p.Resumed):
+            log.info("job %s: resumed (%.1f ms in the agent)", job.job_id, b.resume_ms)
 
     def _register_agent(self, job: Job, identity: bytes, msg: p.Message, mono: float) -> None:
         reg: p.Register = msg.body
@@ -415,6 +437,9 @@ class Sidecar:
             compute_share=job.limits.compute_share, heartbeat_s=self.opt.heartbeat_s, throttle=throttle), ref=msg.id)
         if job.preempt is not None:
             self._send_preempt(job, agent)
+        elif job.paused and p.FEATURE_PAUSE in reg.features:
+            # An agent that joins a paused job (a new rank, a restarted process) pauses with it.
+            self._send(job.socket, agent, p.Pause(seq=job.pause_seq, reason="the job is paused in place"))
 
     # --- sending ----------------------------------------------------------------------------
 
@@ -612,7 +637,9 @@ class Sidecar:
                     ms = r.iteration_ms if ms is None else max(ms, r.iteration_ms)
                 else:
                     demand = max(demand, used)
-            jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms))
+            can_pause = bool(job.agents) and all(p.FEATURE_PAUSE in a.reg.features for a in job.agents.values())
+            jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms,
+                                can_pause=can_pause))
         gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
                              max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
                      for s in self.gpu_samples)
@@ -642,6 +669,14 @@ class Sidecar:
                         req.deadline_unix - now, req.reason)
             for a in job.agents.values():
                 self._send_preempt(job, a)
+        for rec in decision.new_pauses:
+            job = self.jobs.get(rec.job_id)
+            if job is not None:
+                self._pause(job, rec.reason)
+        for job_id in decision.resumes:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                self._resume(job)
         for job_id, lim in decision.limits.items():
             job = self.jobs.get(job_id)
             if job is None or lim == job.limits:
@@ -689,6 +724,28 @@ class Sidecar:
             self.cap_errors += 1
             self._rlog.warning(f"cap:{job_id}", "job %s: could not lift its driver memory cap: %s", job_id, e)
 
+    def _pause(self, job: Job, reason: str) -> None:
+        job.pause_seq += 1
+        job.paused = True
+        job.pause_sent_mono = time.monotonic()
+        job.paused_unix = None
+        self.pauses_total += 1
+        log.warning("job %s: PAUSE in place: %s", job.job_id, reason)
+        for a in job.agents.values():
+            self._send(job.socket, a, p.Pause(seq=job.pause_seq, reason=reason[:4096]))
+        self._report_now = True
+
+    def _resume(self, job: Job) -> None:
+        if not job.paused:
+            return
+        job.paused = False
+        if job.paused_unix is not None:
+            self.pause_seconds_total += time.time() - job.paused_unix
+        log.warning("job %s: RESUME: its GPU has room again", job.job_id)
+        for a in job.agents.values():
+            self._send(job.socket, a, p.Resume(seq=job.pause_seq))
+        self._report_now = True
+
     def _check_compliance(self, now: float) -> None:
         """sidecar.compliance on what this node measures; a non-compliant job is asked to be requeued at
         once (by the coordinator; without one, it is sent a preemption notice, all a sidecar can do)."""
@@ -698,8 +755,8 @@ class Sidecar:
         on_gpu = self.gpu_procs_by_job
         checked = []
         for j in self.jobs.values():
-            if j.job_class != "opportunistic":
-                continue
+            if j.job_class != "opportunistic" or j.paused:
+                continue  # a paused job is compliant by definition: it holds nothing and runs nothing
             unacked = any(a.acked_seq < j.seq for a in j.agents.values()) and j.limits_sent_unix is not None
             agent_mem = sum(self._agent_mem(a, {}) for a in j.agents.values())
             checked.append(compliance.JobCompliance(
@@ -775,7 +832,7 @@ class Sidecar:
                 baseline_ms=track.baseline_ms if track else None,
                 last_report_unix=max((a.report_unix for a in reports if a.report_unix), default=None),
                 agents=len(j.agents), limits_seq=j.seq,
-                acked_seq=min((a.acked_seq for a in j.agents.values()), default=0)))
+                acked_seq=min((a.acked_seq for a in j.agents.values()), default=0), paused=j.paused))
         pre = [p.PreemptState(job_id=j.job_id, reason=j.preempt.reason, requested_unix=j.preempt.requested_unix,
                               deadline_unix=j.preempt.deadline_unix)
                for j in self.jobs.values() if j.preempt is not None]
@@ -805,7 +862,9 @@ class Sidecar:
                 compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
                 last_checkpoint_unix=None,  # agents do not report checkpoints (yet): the job's start counts
                 progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id),
-                placement=j.placement, placement_note=j.note[:1024]))
+                placement=j.placement, placement_note=j.note[:1024], paused=j.paused,
+                pause_reason=(self.policy_state.paused[j.job_id].reason[:1024]
+                              if j.paused and j.job_id in self.policy_state.paused else "")))
         pre = [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason, since_unix=r.requested_unix)
                for r in self.policy_state.preempted.values() if r.job_id in self.jobs and r.job_id not in self.noncompliant]
         pre += [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason[:4096], since_unix=r.requested_unix,

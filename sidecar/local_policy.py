@@ -31,6 +31,12 @@ The rules (AntMan's, with TGS-style rate control for compute):
   at its floor, ``min_share``, for ``slow_preempt_s``), the newest opportunistic job on that GPU is
   asked to be preempted, one per period: measured interference between two jobs can be so large
   (a neighbour at 5 % duty costing a CNN 8 %) that only leaving restores the guaranteed job.
+* Pause before requeue (issue 16, PipeSwitch's lesson): where the job's agents can pause in place
+  and ``pause_max_s`` is set, each of the two preemption rules above pauses the job instead (its
+  state moves to host memory in milliseconds, its GPU memory is freed). A paused job resumes once
+  its GPU would fit it again (its minimum memory beside the others) for ``resume_hold_s``; one
+  paused for ``pause_max_s`` is asked to be preempted after all. Shrink, throttle, pause, requeue:
+  one ladder, each step with its reason.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ class PolicyParams:
     slow_preempt_s: Optional[float] = None
     # An opportunistic job progressing under this fraction of its solo rate is crawling (module doc).
     min_progress: float = 0.25
+    # Pause in place instead of requeue, for jobs whose agents can (None: never pause), and for how long
+    # at most before the job is requeued after all; a paused job resumes after its GPU has fitted it
+    # again for resume_hold_s.
+    pause_max_s: Optional[float] = None
+    resume_hold_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,7 @@ class JobInfo:
     mem_demand_bytes: int = 0         # per GPU: what the job holds or has just needed
     iteration: Optional[int] = None   # index of the last reported iteration
     iteration_ms: Optional[float] = None
+    can_pause: bool = False           # every agent of the job answers pause / resume
 
 
 @dataclass(frozen=True)
@@ -109,6 +121,15 @@ class PreemptRequest:
 
 
 @dataclass(frozen=True)
+class PauseRecord:
+    job_id: str
+    gpu: int
+    reason: str
+    since_unix: float
+    fits_since_unix: Optional[float] = None  # since when its GPU would fit it again
+
+
+@dataclass(frozen=True)
 class PolicyState:
     guaranteed: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
     gpu_budget: Mapping[int, float] = field(default_factory=dict)
@@ -119,6 +140,8 @@ class PolicyState:
     opportunistic: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
     # Opportunistic job -> since when it has been crawling.
     crawling: Mapping[str, float] = field(default_factory=dict)
+    # Opportunistic jobs paused in place.
+    paused: Mapping[str, PauseRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,8 @@ class Decision:
     slowdown: Mapping[str, float]  # guaranteed job -> latest measured slowdown, for display
     # Opportunistic job -> its progress, the fraction of its solo rate it makes (when measured).
     progress: Mapping[str, float] = field(default_factory=dict)
+    new_pauses: tuple[PauseRecord, ...] = ()
+    resumes: tuple[str, ...] = ()  # jobs to resume: their GPU fits them again
 
 
 def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float) -> Optional[float]:
@@ -261,30 +286,63 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
 
     # Memory per GPU; preempt newest opportunistic jobs when the minimums do not fit.
     preempted = {k: v for k, v in state.preempted.items() if k in jobs}
+    paused = {k: v for k, v in state.paused.items() if k in jobs and k not in preempted}
     new_preempt: list[PreemptRequest] = []
+    new_pauses: list[PauseRecord] = []
+    resumes: list[str] = []
     per_job_mem: dict[str, list[int]] = {}
     per_job_share: dict[str, list[float]] = {}
     for g, info in gpus.items():
         guar_demand = sum(j.mem_demand_bytes for j in on_gpu[g] if j.job_class == "guaranteed")
         available = info.memory_total_bytes - info.foreign_bytes - guar_demand - p.headroom_bytes
         opp = sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
-        active = [j for j in opp if j.job_id not in preempted]
+        active = [j for j in opp if j.job_id not in preempted and j.job_id not in paused]
 
         def ask_to_leave(victim: JobInfo, reason: str) -> None:
+            paused.pop(victim.job_id, None)
             req = PreemptRequest(victim.job_id, g, reason, now, now + p.grace_s)
             preempted[victim.job_id] = req
             new_preempt.append(req)
 
+        def pause_or_leave(victim: JobInfo, reason: str) -> None:
+            if victim.can_pause and p.pause_max_s is not None:
+                rec = PauseRecord(victim.job_id, g, reason, now)
+                paused[victim.job_id] = rec
+                new_pauses.append(rec)
+            else:
+                ask_to_leave(victim, reason)
+
+        # Paused jobs first: too long paused -> requeue; fitting again for resume_hold_s -> resume.
+        for j in opp:
+            rec = paused.get(j.job_id)
+            if rec is None or rec.gpu != g:
+                continue
+            if p.pause_max_s is not None and now - rec.since_unix >= p.pause_max_s:
+                ask_to_leave(j, f"paused for {now - rec.since_unix:.0f} s, the most sidecar.pause_max_s allows "
+                                f"({p.pause_max_s:g} s): {rec.reason}")
+                continue
+            if available >= (len(active) + 1) * p.min_opportunistic_bytes:
+                since = rec.fits_since_unix if rec.fits_since_unix is not None else now
+                if now - since >= p.resume_hold_s:
+                    del paused[j.job_id]
+                    resumes.append(j.job_id)
+                    active.append(j)
+                    active.sort(key=lambda x: (x.registered_unix, x.job_id))
+                else:
+                    paused[j.job_id] = replace(rec, fits_since_unix=since)
+            elif rec.fits_since_unix is not None:
+                paused[j.job_id] = replace(rec, fits_since_unix=None)
+
         # A job asked to leave is not counted: its memory returns when Slurm requeues it.
         while active and available < len(active) * p.min_opportunistic_bytes:
             victim = active.pop()
-            ask_to_leave(victim, f"GPU {g}: guaranteed demand {guar_demand // MiB} MiB leaves "
+            pause_or_leave(victim, f"GPU {g}: guaranteed demand {guar_demand // MiB} MiB leaves "
                                  f"{max(available, 0) // MiB} MiB for {len(active) + 1} opportunistic job(s) "
                                  f"that need {p.min_opportunistic_bytes // MiB} MiB each")
         since = over_since.get(g)
         if active and since is not None and p.slow_preempt_s is not None and now - since >= p.slow_preempt_s:
             worst, who = worst_on.get(g, (float("nan"), "?"))
-            ask_to_leave(active.pop(), f"GPU {g}: guaranteed job {who} runs {worst:.1%} slower than alone (target "
+            pause_or_leave(active.pop(), f"GPU {g}: guaranteed job {who} runs {worst:.1%} slower than alone (target "
                                        f"{p.target_slowdown:.0%}) with opportunistic jobs at the minimum compute "
                                        f"share {p.min_share:.0%} for {now - since:.0f} s")
             over_since[g] = now  # the next one only if a whole period passes without relief
@@ -300,7 +358,7 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
     for j in snap.jobs:
         if j.job_class == "guaranteed":
             limits[j.job_id] = UNLIMITED
-        elif j.job_id in preempted:
+        elif j.job_id in preempted or j.job_id in paused:
             limits[j.job_id] = JobLimits(p.min_opportunistic_bytes, p.min_share)
         elif j.job_id in per_job_mem:
             limits[j.job_id] = JobLimits(min(per_job_mem[j.job_id]), min(per_job_share[j.job_id]))
@@ -309,15 +367,16 @@ def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> D
 
     progress: dict[str, float] = {}
     for j in snap.jobs:
-        if j.job_class == "opportunistic" and j.job_id not in preempted:
+        if j.job_class == "opportunistic" and j.job_id not in preempted and j.job_id not in paused:
             v = progress_of(opp_tracks[j.job_id], j.iteration_ms, limits[j.job_id].compute_share)
             if v is not None:
                 progress[j.job_id] = v
     order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
-                 if j.job_id not in preempted] for g in gpus}
+                 if j.job_id not in preempted and j.job_id not in paused] for g in gpus}
     crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
 
     new_state = replace(state, guaranteed=tracks,
                         gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
-                        preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl)
-    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress)
+                        preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl,
+                        paused=paused)
+    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress, tuple(new_pauses), tuple(resumes))

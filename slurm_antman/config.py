@@ -181,6 +181,16 @@ class Sidecar(_Strict):
                     "already at the minimum compute share; then the newest of them is preempted (one per period). "
                     "null (default): only throttle. Slurm may place the requeued job back on the same GPU, so "
                     "enable it where nodes have GPUs to spare (docs/evaluation.md measures both).")
+    pause_max_s: Optional[float] = Field(
+        default=120.0, gt=0,
+        description="Pause in place before requeue: when a guaranteed job's burst leaves an opportunistic job less "
+                    "than its minimum memory (or slow_preempt_s runs out), a job whose agents can pause moves its "
+                    "GPU state to host memory and waits in place; paused this long, it is requeued after all. "
+                    "null: never pause, requeue at once (as before issue 16).")
+    resume_hold_s: float = Field(
+        default=10.0, ge=0,
+        description="A paused job resumes once its GPU has had room for it again for this long, so that a burst "
+                    "that comes and goes does not move its state back and forth.")
     enforce: bool = Field(
         default=True,
         description="false: observe only. The sidecar measures, places and reports as usual but gives every job "

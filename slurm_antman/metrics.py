@@ -56,6 +56,9 @@ class SidecarView:
     placement_waits: int = 0
     noncompliant: int = 0
     state_write_errors: int = 0
+    pauses: int = 0
+    pause_seconds: float = 0.0
+    pause_bytes_moved: int = 0
 
 
 def sidecar_view(sidecar: Any) -> SidecarView:
@@ -79,7 +82,8 @@ def sidecar_view(sidecar: Any) -> SidecarView:
             throttle_delay_ms=max(delays) if delays else None,
             spilled_bytes=sum(spills) if spills else None))
     return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits, sidecar.noncompliant_total,
-                       sidecar.state_write_errors)
+                       sidecar.state_write_errors, sidecar.pauses_total, sidecar.pause_seconds_total,
+                       sidecar.pause_bytes_moved_total)
 
 
 class SidecarCollector(Collector):
@@ -147,6 +151,15 @@ class SidecarCollector(Collector):
                                  "would not find them.", labels=["node"])
         sw.add_metric([v.node], v.state_write_errors)
         yield sw
+        for name, text, value in (
+                ("pauses", "Opportunistic jobs paused in place (their GPU state moved to host memory) for a "
+                           "guaranteed job's burst, instead of requeued.", v.pauses),
+                ("pause_seconds", "Seconds opportunistic jobs spent paused in place, summed over ended pauses.",
+                 v.pause_seconds),
+                ("pause_bytes_moved", "Bytes of GPU state paused jobs moved to host memory.", v.pause_bytes_moved)):
+            c = CounterMetricFamily(f"{PREFIX}_{name}", text, labels=["node"])
+            c.add_metric([v.node], value)
+            yield c
 
 
 # --- coordinator -----------------------------------------------------------------------------

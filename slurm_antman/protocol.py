@@ -103,6 +103,7 @@ DEVICES = ("cuda", "cpu")
 THROTTLE_MODES = ("off", "iteration", "launch")
 TELEMETRY_KINDS = ("nvml", "emulated")
 PLACEMENTS = ("requested", "fit", "fallback", "wait")
+FEATURE_PAUSE = "pause"  # register.features: the agent answers pause / resume
 
 
 def _job_id(**kw: Any) -> Any:
@@ -143,6 +144,13 @@ class Register(Body):
     device: str = _f(str, choices=DEVICES)
     job_class: str = _f(str, choices=AGENT_CLASSES)
     cuda_visible_devices: Optional[str] = _text(max_len=1024, nullable=True, default=None)
+    # What this agent can do beyond the base protocol: "pause" (it answers pause/resume). Optional:
+    # an older agent sends none, and the sidecar never sends it a message it would not know. Names
+    # a sidecar does not know are ignored, so a newer agent registers with an older sidecar.
+    features: tuple = _f(list[str], max_len=32, default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))  # one type, however it was built
 
 
 @_dc
@@ -192,6 +200,37 @@ class Preempt(Body):
     deadline_unix: float = _f(float, ge=0.0)
     grace_s: float = _f(float, ge=0.0)
     reason: str = _text()
+
+
+@_dc
+class Pause(Body):
+    """Sidecar -> agent: at the next iteration boundary, move the job's GPU state to host memory, free
+    the device memory, ack with ``paused`` and block the training thread until ``resume``."""
+    TYPE: ClassVar[str] = "pause"
+    seq: int = _f(int, ge=1)
+    reason: str = _text()
+
+
+@_dc
+class Paused(Body):
+    TYPE: ClassVar[str] = "paused"
+    seq: int = _f(int, ge=1)
+    bytes_freed: int = _bytes_()     # device memory given back (reserved before - after)
+    bytes_moved: int = _bytes_()     # state copied to host memory
+    pause_ms: float = _f(float, ge=0.0)  # from the boundary to the memory freed
+
+
+@_dc
+class Resume(Body):
+    TYPE: ClassVar[str] = "resume"
+    seq: int = _f(int, ge=1)         # the pause it ends
+
+
+@_dc
+class Resumed(Body):
+    TYPE: ClassVar[str] = "resumed"
+    seq: int = _f(int, ge=1)
+    resume_ms: float = _f(float, ge=0.0)  # from ``resume`` arriving to the training thread running again
 
 
 @_dc
@@ -286,6 +325,7 @@ class JobState:
     agents: int = _f(int, ge=0)
     limits_seq: int = _f(int, ge=0)
     acked_seq: int = _f(int, ge=0)
+    paused: bool = _f(bool, default=False)  # paused in place (issue 16); optional, older sidecars: false
 
 
 @_dc
@@ -340,6 +380,9 @@ class ReportJob:
     # How the sidecar placed the job and why (job_register_reply's), for `antman explain`; optional.
     placement: Optional[str] = _f(str, choices=PLACEMENTS, nullable=True, default=None)
     placement_note: Optional[str] = _text(max_len=1024, nullable=True, default=None)
+    # Paused in place by the sidecar (issue 16), and why; optional: older sidecars never pause.
+    paused: bool = _f(bool, default=False)
+    pause_reason: str = _text(max_len=1024, default="")
 
 
 @_dc
@@ -393,15 +436,15 @@ class PreemptNotice(Body):
 
 BODY_TYPES: dict[str, type[Body]] = {
     cls.TYPE: cls for cls in (
-        Register, Registered, Report, Limits, Ack, Preempt, Heartbeat, Error, Bye,
+        Register, Registered, Report, Limits, Ack, Preempt, Pause, Paused, Resume, Resumed, Heartbeat, Error, Bye,
         JobRegister, JobRegisterReply, JobRetire, JobRetireReply, NodeState, NodeStateReply,
         NodeReport, NodeReportAck, JobClassUpdate, PreemptNotice,
     )
 }
 
 # Which types each receiver accepts; anything else is answered with `wrong_direction`.
-AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "heartbeat", "error", "bye"})
-SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "heartbeat", "error", "bye"})
+AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "paused", "resumed", "heartbeat", "error", "bye"})
+SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "pause", "resume", "heartbeat", "error", "bye"})
 CONTROL_REQUESTS = frozenset({"job_register", "job_retire", "node_state", "heartbeat"})
 CONTROL_REPLIES = frozenset({"job_register_reply", "job_retire_reply", "node_state_reply",
                              "heartbeat", "error"})
@@ -604,7 +647,7 @@ def error_message(code: ErrorCode, text: str, ref: Optional[str] = None) -> Mess
 
 
 def _to_wire(obj: Any) -> Any:
-    if type(obj) is list:
+    if type(obj) is list or type(obj) is tuple:
         return [_to_wire(x) for x in obj]
     spec = _SPECS.get(type(obj))
     if spec is not None:

@@ -86,7 +86,8 @@ def _live(job: Job, states: dict[str, Any]) -> dict[str, Any]:
             continue
         found.extend(js for js in st.jobs if js.job_id == str(job.job_id))
     if not found:
-        return {"mem_limit_bytes": None, "mem_used_bytes": None, "compute_share": None, "iteration_ms": None}
+        return {"mem_limit_bytes": None, "mem_used_bytes": None, "compute_share": None, "iteration_ms": None,
+                "paused": False}
     limits = [js.mem_limit_bytes for js in found]
     iters = [js.iteration_ms for js in found if js.iteration_ms is not None]
     return {
@@ -94,6 +95,7 @@ def _live(job: Job, states: dict[str, Any]) -> dict[str, Any]:
         "mem_used_bytes": sum(js.mem_used_bytes for js in found),
         "compute_share": min(js.compute_share for js in found),
         "iteration_ms": max(iters) if iters else None,
+        "paused": any(getattr(js, "paused", False) for js in found),
     }
 
 
@@ -108,6 +110,8 @@ def rows(jobs: list[Job], states: dict[str, Any]) -> list[dict[str, Any]]:
             "gpus_by_node": j.gpus_by_node if holding else None, "restarts": j.restarts,
         }
         row.update(_live(j, states) if holding else _live(j, {}))
+        if row["paused"] and j.state == "RUNNING":
+            row["state"] = "PAUSED"  # running in Slurm, its GPU state on the host (pause in place)
         out.append(row)
     return out
 

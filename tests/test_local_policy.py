@@ -296,3 +296,74 @@ def test_waiting_never_turns_placement_memory_into_a_ban():
     assert choose_gpus([only, other], 1, 2, 0.8, 10, 0.02, 0.25, avoid={0}, wait_without_room=True).gpus == [1]
     busy = GpuLoad(0, 80 << 30, 20 << 30, 0.9, 1, 0)  # avoided and over the threshold: still wait
     assert choose_gpus([busy], 1, 2, 0.8, 10, 0.02, 0.25, avoid={0}, wait_without_room=True).placement == "wait"
+
+
+def _pausable(job_id: str, t: float) -> JobInfo:
+    return JobInfo(job_id, "opportunistic", (0,), t, 2 * GiB, None, None, can_pause=True)
+
+
+PAUSE = PolicyParams(pause_max_s=120.0, resume_hold_s=10.0)
+
+
+def test_a_memory_burst_pauses_the_newest_pausable_job_instead_of_requeuing_it():
+    # 80 GiB GPU: the guaranteed job's burst to 78 GiB leaves under one job's minimum for two.
+    jobs = [guar(78), _pausable("201", 2.0), _pausable("202", 3.0)]
+    d = run(jobs, params=PAUSE)
+    assert not d.new_preemptions
+    assert [(r.job_id, r.gpu) for r in d.new_pauses] == [("202", 0)]
+    assert "guaranteed demand 79872 MiB" in d.new_pauses[0].reason
+    assert "202" in d.state.paused and "201" not in d.state.paused
+    # Without pause support, or with pausing off, the same burst requeues as before.
+    assert [r.job_id for r in run([guar(78), opp("201", 2.0), opp("202", 3.0)], params=PAUSE).new_preemptions] == ["202"]
+    assert [r.job_id for r in run(jobs).new_preemptions] == ["202"]
+
+
+def test_a_paused_job_resumes_after_the_burst_has_passed_for_the_hold_time():
+    jobs = [guar(78), _pausable("201", 2.0), _pausable("202", 3.0)]
+    d = run(jobs, params=PAUSE, now=1000.0)
+    calm = [guar(10), _pausable("201", 2.0), _pausable("202", 3.0)]
+    d = run(calm, d.state, params=PAUSE, now=1005.0)   # fits again: the hold starts
+    assert d.resumes == () and d.state.paused["202"].fits_since_unix == 1005.0
+    d = run(jobs, d.state, params=PAUSE, now=1008.0)   # a new burst inside the hold: it starts over
+    assert d.resumes == () and d.state.paused["202"].fits_since_unix is None and not d.new_pauses
+    d = run(calm, d.state, params=PAUSE, now=1010.0)
+    d = run(calm, d.state, params=PAUSE, now=1019.0)
+    assert d.resumes == ()
+    d = run(calm, d.state, params=PAUSE, now=1020.0)
+    assert d.resumes == ("202",) and "202" not in d.state.paused
+    assert d.limits["202"].mem_limit_bytes > P.min_opportunistic_bytes  # its share of the room again
+
+
+def test_a_pause_longer_than_pause_max_s_becomes_a_requeue():
+    jobs = [guar(78), _pausable("201", 2.0), _pausable("202", 3.0)]
+    d = run(jobs, params=PAUSE, now=1000.0)
+    d = run(jobs, d.state, params=PAUSE, now=1119.0)
+    assert not d.new_preemptions
+    d = run(jobs, d.state, params=PAUSE, now=1120.0)
+    assert [r.job_id for r in d.new_preemptions] == ["202"]
+    assert "paused for 120 s, the most sidecar.pause_max_s allows" in d.new_preemptions[0].reason
+    assert "202" not in d.state.paused and "202" in d.state.preempted
+
+
+def test_explain_tells_a_pause_in_place_and_its_end(tmp_path):
+    """What the coordinator writes when a sidecar reports a job paused, then not: explain's story, and
+    a restarted coordinator does not mistake it for a decision to replay."""
+    import json
+
+    from slurm_antman.coordinator import audit
+    from slurm_antman.coordinator.daemon import restore_state
+    from slurm_antman.coordinator.explain import explain
+
+    path = tmp_path / "audit.jsonl"
+    log = audit.AuditLog(path)
+    log.append({"ts": 1000.0, "kind": "paused", "job_id": "202", "node": "n1", "params": {},
+                "reason": "GPU 0: guaranteed demand 79872 MiB leaves 1536 MiB", "outcome": "ok"})
+    log.append({"ts": 1030.0, "kind": "resumed", "job_id": "202", "node": "n1", "params": {},
+                "reason": "its GPU had room for it again", "outcome": "ok"})
+    log.close()
+    text, rc = explain("202", str(path))
+    assert rc == 0 and "paused in place on n1 by its sidecar" in text and "resumed on n1" in text
+    assert "why: GPU 0: guaranteed demand 79872 MiB" in text
+    doc = json.loads(explain("202", str(path), as_json=True)[0])
+    assert [r["kind"] for r in doc["pauses"]] == ["paused", "resumed"] and doc["decisions"] == []
+    assert restore_state(str(path), 30.0)[1] == 0

@@ -74,7 +74,8 @@ class SimAgent:
     """An agent simulator: a DEALER that speaks the protocol."""
 
     def __init__(self, endpoint: str, job_id: str, job_class: str = "opportunistic", pid: int | None = None,
-                 rank: int = 0):
+                 rank: int = 0, features: tuple[str, ...] = ()):
+        self.features = list(features)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -104,7 +105,7 @@ class SimAgent:
     def register(self) -> p.Message:
         req = self.send(p.Register(job_id=self.job_id, pid=self.pid, rank=self.rank, local_rank=self.rank,
                                    world_size=1, hostname="n1", agent_version="sim", torch_version="none",
-                                   device="cuda", job_class=self.job_class))
+                                   device="cuda", job_class=self.job_class, features=self.features))
         reply = self.recv("registered")
         assert reply.ref == req.id
         return reply
@@ -114,6 +115,13 @@ class SimAgent:
         self.send(p.Report(iteration=self.iteration, iterations=1, iteration_ms=ms,
                            busy_ms=ms * 0.9 if busy_ms is None else busy_ms, mem_allocated_bytes=reserved,
                            mem_reserved_bytes=reserved, mem_peak_bytes=reserved, spilled_bytes=0, limits_seq=seq))
+
+    def drain_types(self) -> list[str]:
+        """Types of the messages waiting now, consumed."""
+        out = []
+        while self.sock.poll(0):
+            out.append(p.decode(self.sock.recv_multipart(), p.SIDECAR_TO_AGENT).type)
+        return out
 
     def close(self):
         self.sock.close(0)
@@ -363,6 +371,55 @@ def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_
         ga.close()
         if oa is not None:
             oa.close()
+
+
+def test_a_burst_pauses_a_pausable_job_in_place_and_it_resumes_once_the_burst_has_passed(sockdir):
+    """Issue 16's ladder on the real sidecar: the guaranteed job's burst leaves the opportunistic one less
+    than its minimum; its agent can pause, so it is paused (no preemption), shown paused, not held to
+    compliance, and resumed after the burst has been over for sidecar.resume_hold_s."""
+    from slurm_antman.metrics import sidecar_view
+
+    r = Running(sockdir, make_config(gpus=1, resume_hold_s=1.0, compliance_grace_s=0.5))
+    ga = oa = None
+    try:
+        ga = _guaranteed_reporting(sockdir)
+        o = client.register_job(sockdir, "200", uid=0, user="r", job_class="opportunistic", gpus=1)
+        oa = SimAgent(o.endpoint, "200", features=(p.FEATURE_PAUSE,))
+        oa.register()
+        oa.report(100.0, 2 * GiB)
+        ga.report(100.0, 15 * GiB)  # the burst: 16 GiB GPU, 512 MiB headroom, 1 GiB minimum
+        pause = oa.recv("pause").body
+        assert pause.seq == 1 and "guaranteed demand 15360 MiB" in pause.reason
+        oa.send(p.Paused(seq=1, bytes_freed=2 * GiB, bytes_moved=2 * GiB, pause_ms=3.0))
+        wait_for(lambda: job_of(client.node_state(sockdir), "200").paused, what="paused shown")
+        st = client.node_state(sockdir)
+        assert st.preemptions == []
+
+        def alive_for(seconds: float) -> None:  # heartbeats, as live agents send them
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                ga.send(p.Heartbeat())
+                oa.send(p.Heartbeat())
+                time.sleep(0.1)
+
+        alive_for(1.0)  # past compliance_grace_s with limits unacknowledged: a paused job is compliant
+        assert client.node_state(sockdir).preemptions == [] and r.sidecar.noncompliant_total == 0
+        ga.report(100.0, 2 * GiB)  # the burst is over
+        t0 = time.monotonic()
+        alive_for(0.8)
+        assert not any(m == "resume" for m in oa.drain_types())  # held for resume_hold_s first
+        alive_for(0.5)
+        resume = oa.recv("resume", timeout_s=5).body
+        assert resume.seq == 1 and time.monotonic() - t0 >= 0.9
+        oa.send(p.Resumed(seq=1, resume_ms=2.0))
+        wait_for(lambda: not job_of(client.node_state(sockdir), "200").paused, what="resumed shown")
+        v = sidecar_view(r.sidecar)
+        assert v.pauses == 1 and v.pause_bytes_moved == 2 * GiB and v.pause_seconds > 0.5
+    finally:
+        for a in (ga, oa):
+            if a is not None:
+                a.close()
+        r.stop()
 
 
 def test_observe_only_sidecar_measures_but_never_limits_or_preempts(sockdir):

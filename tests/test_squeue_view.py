@@ -142,3 +142,24 @@ def test_bad_config_is_a_clear_error(plain_cluster, tmp_path):
                        env=dict(plain_cluster.env, ANTMAN_CONFIG=str(bad), PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=60, cwd=REPO)
     assert r.returncode != 0 and "nodes" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_job_its_sidecar_paused_in_place_shows_paused():
+    """Issue 16: Slurm says RUNNING; the sidecar has moved its GPU state to the host: PAUSED."""
+    from slurm_antman import protocol as p
+    from slurm_antman.slurm.models import Job
+    from slurm_antman.squeue_view import rows
+
+    job = Job(7, "train", "alice", "research", "opportunistic", "RUNNING", "None", "node1", ["node1"], 0,
+              "antman:class=opportunistic", "", "opportunistic", {"node1": [0]}, "", None, None)
+
+    def state(paused: bool) -> p.NodeStateReply:
+        return p.NodeStateReply(node="node1", telemetry="emulated", sidecar_version="t", gpus=[], preemptions=[],
+                                jobs=[p.JobState(job_id="7", job_class="opportunistic", uid=1000, gpus=[0],
+                                                 mem_limit_bytes=1 << 30, mem_used_bytes=0, compute_share=0.05,
+                                                 iteration_ms=None, baseline_ms=None, last_report_unix=None,
+                                                 agents=1, limits_seq=2, acked_seq=1, paused=paused)])
+
+    assert rows([job], {"node1": state(True)})[0]["state"] == "PAUSED"
+    assert rows([job], {"node1": state(False)})[0]["state"] == "RUNNING"
+    assert rows([job], {})[0]["state"] == "RUNNING"  # no sidecar answering: Slurm's word

@@ -30,8 +30,10 @@ from typing import Callable, Optional
 from . import __version__
 from .client import LimitsUpdate, PreemptNotice, ProtocolClient, check_endpoint, default_register
 from .memory import MemoryController
+from .pause import Pauser
 from .steps import StepCounter
 from .throttle import Throttle, check_share
+from slurm_antman import protocol as P
 from slurm_antman.protocol import JOB_ID_RE
 
 log = logging.getLogger("torch_patch")
@@ -86,7 +88,8 @@ class Agent:
         self.memory = MemoryController(use_cuda=self.cuda, spill=(self.cuda and job_class == "opportunistic"))
         sync = torch.cuda.synchronize if self.cuda else None
         self.throttle = Throttle(mode=throttle_mode, synchronize=sync)
-        self.steps = StepCounter(self._boundary)
+        self.pauser = Pauser(torch, self.memory)
+        self.steps = StepCounter(self._boundary, on_optimizer=self.pauser.saw_optimizer)
         self.applied_seq = 0
         # (seq, iteration during which it arrived, applied_iteration, seconds it waited in the
         # agent for the boundary): for tests and the bench
@@ -98,6 +101,13 @@ class Agent:
         self._preempt: Optional[PreemptNotice] = None
         self._preempt_done = threading.Event()
         self._preempt_lock = threading.Lock()
+        # Pause in place (torch_patch.pause): requested by the protocol thread, done by the training
+        # thread at its next boundary, which then blocks until resume.
+        self._pause_req: Optional[tuple[int, str, float]] = None
+        self._resume_t: Optional[float] = None
+        self._resume_evt = threading.Event()
+        self.paused_seq: Optional[int] = None
+        self.pauses: list[tuple[int, int, int, float, float]] = []  # (seq, freed, moved, pause_ms, resume_ms)
         # Report accumulation (training thread only).
         self._acc_n = 0
         self._acc_ms = 0.0
@@ -116,6 +126,8 @@ class Agent:
                 on_preempt=self._preempt_arrived,
                 on_unmanaged=self._unmanaged,
                 missed_heartbeats=missed_heartbeats,
+                on_pause=self._pause_arrived,
+                on_resume=self._resume_arrived,
             )
         self.started = False
 
@@ -187,6 +199,50 @@ class Agent:
         with self._lock:
             self._pending = None
             self._fallback_due = True
+            # A pause nobody will end: resume (a restarted sidecar pauses the job again if it must).
+            self._pause_req = None
+            self._resume_t = time.perf_counter()
+        self._resume_evt.set()
+
+    def _pause_arrived(self, seq: int, reason: str, t: float) -> None:
+        with self._lock:
+            if self.paused_seq is not None:
+                return  # already paused: the sidecar's state is the one it sent first
+            self._pause_req = (seq, reason, t)
+            self._resume_evt.clear()
+
+    def _resume_arrived(self, seq: int, t: float) -> None:
+        with self._lock:
+            self._resume_t = t
+        self._resume_evt.set()
+
+    def _pause_here(self) -> None:
+        """Training thread, at a boundary: offload, ack, wait for resume, restore, ack."""
+        with self._lock:
+            req, self._pause_req = self._pause_req, None
+            if req is None or self._resume_evt.is_set():
+                return  # resumed before the boundary came: nothing to do
+            self.paused_seq = req[0]
+        seq, reason, arrived = req
+        freed, moved = self.pauser.pause()
+        pause_ms = (time.perf_counter() - arrived) * 1000.0
+        client = self.client
+        if client is not None:
+            client.send(P.Paused(seq=seq, bytes_freed=freed, bytes_moved=moved, pause_ms=pause_ms))
+        log.warning("slurm-antman: paused in place (%s): %d MiB moved to host memory", reason, moved >> 20)
+        # Wait in short slices: the main thread must still run signal handlers (SIGTERM's checkpoint).
+        while not self._resume_evt.wait(0.2):
+            pass
+        with self._lock:
+            resumed_at = self._resume_t or time.perf_counter()
+            self._resume_t = None
+            self.paused_seq = None
+        self.pauser.resume()
+        resume_ms = (time.perf_counter() - resumed_at) * 1000.0
+        if client is not None:
+            client.send(P.Resumed(seq=seq, resume_ms=resume_ms))
+        self.pauses.append((seq, freed, moved, pause_ms, resume_ms))
+        self.steps.restart_clock()
 
     def _unmanaged(self, why: str) -> None:
         with self._lock:
@@ -251,6 +307,8 @@ class Agent:
                 client.flush_queued(ended + 1)
         if self._preempt is not None and not self._preempt_done.is_set():
             self._run_preempt_hooks()
+        if self._pause_req is not None:
+            self._pause_here()
         if client is None:
             return
         self._acc_n += 1

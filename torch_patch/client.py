@@ -34,6 +34,7 @@ import os
 import socket
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -116,6 +117,8 @@ class ProtocolClient(threading.Thread):
         on_unmanaged: Callable[[str], None],
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         missed_heartbeats: int = MISSED_HEARTBEATS,
+        on_pause: Optional[Callable[[int, str, float], None]] = None,
+        on_resume: Optional[Callable[[int, float], None]] = None,
     ) -> None:
         super().__init__(name="antman-agent", daemon=True)
         self.endpoint = check_endpoint(endpoint)
@@ -124,6 +127,11 @@ class ProtocolClient(threading.Thread):
         self._on_lost = on_lost
         self._on_preempt = on_preempt
         self._on_unmanaged = on_unmanaged
+        self._on_pause = on_pause
+        self._on_resume = on_resume
+        if on_pause is not None and P.FEATURE_PAUSE not in register.features:
+            register = dataclasses.replace(register, features=(*register.features, P.FEATURE_PAUSE))
+            self._register_body = register
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
         self._outbox: collections.deque[P.Body | tuple[P.Body, Optional[str]]] = collections.deque()
@@ -343,6 +351,15 @@ class ProtocolClient(threading.Thread):
                                          received_t=time.perf_counter()))
         elif isinstance(body, P.Preempt):
             self._on_preempt(PreemptNotice(body.deadline_unix, body.grace_s, body.reason))
+        elif isinstance(body, (P.Pause, P.Resume)):
+            handler = self._on_pause if isinstance(body, P.Pause) else self._on_resume
+            if handler is None:  # never registered "pause": a sidecar that sends it anyway gets told
+                self._send(sock, P.Error(code=P.ErrorCode.unknown_type.value,
+                                         message=f"this agent does not support {body.TYPE!r}"), msg.id)
+            elif isinstance(body, P.Pause):
+                self._on_pause(body.seq, body.reason, time.perf_counter())
+            else:
+                self._on_resume(body.seq, time.perf_counter())
         elif isinstance(body, P.Heartbeat):
             pass
         elif isinstance(body, P.Error):

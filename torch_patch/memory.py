@@ -74,6 +74,7 @@ class MemoryController:
         self.limit_bytes: Optional[int] = None
         self._cpu_peak = 0
         self.emulated_bytes: Optional[int] = None  # set by emulate(): the footprint stats() reports
+        self.paused = False  # emulation only: the footprint is on the host (pause.Pauser)
         self.spill = None
         if self.cuda:
             self.device = torch.cuda.current_device()
@@ -113,6 +114,8 @@ class MemoryController:
 
     def stats(self) -> MemoryStats:
         if self.emulated_bytes is not None:
+            if self.paused:
+                return MemoryStats(0, 0, 0, 0, self.limit_bytes, None)
             want = self.emulated_bytes
             held = want if self.limit_bytes is None else min(want, self.limit_bytes)
             return MemoryStats(held, held, held, want - held, self.limit_bytes, None)

@@ -18,8 +18,10 @@ BoundaryCallback = Callable[[int, float], None]
 class StepCounter:
     """Counts iterations and calls ``on_boundary(iteration_that_ended, its_seconds)``."""
 
-    def __init__(self, on_boundary: BoundaryCallback, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, on_boundary: BoundaryCallback, clock: Callable[[], float] = time.perf_counter,
+                 on_optimizer: Optional[Callable[[Any], None]] = None) -> None:
         self._on_boundary = on_boundary
+        self._on_optimizer = on_optimizer  # every optimizer that steps (pause moves their state)
         self._clock = clock
         self.iteration = 0  # the iteration now running; the first one is 0
         self._started = clock()
@@ -39,8 +41,15 @@ class StepCounter:
             self._hook = None
 
     def _optimizer_stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._on_optimizer is not None:
+            self._on_optimizer(optimizer)
         if not self._explicit:
             self._boundary()
+
+    def restart_clock(self) -> None:
+        """The running iteration starts now (after a pause: its time is not the job's)."""
+        with self._lock:
+            self._started = self._clock()
 
     def step(self) -> None:
         self._explicit = True

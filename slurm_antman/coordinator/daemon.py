@@ -37,6 +37,10 @@ def params_from_config(cfg: cfgmod.AntmanConfig) -> PolicyParams:
     return PolicyParams.from_config(cfg)
 
 
+# Audit records of what the sidecars reported having done (not the coordinator's decisions).
+SIDECAR_RECORDS = frozenset({"placed", "paused", "resumed"})
+
+
 def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:
     """The state a killed coordinator had: its last ``state`` record plus the preemption decisions
     carried out after it. Returns (state, number of records replayed)."""
@@ -49,7 +53,7 @@ def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:
                 after = []
             except (ValueError, KeyError) as e:
                 log.warning("audit log %s: unreadable state record at %s: %s", path, rec.get("ts"), e)
-        elif rec.get("outcome") == "ok" and rec["kind"] != "placed":
+        elif rec.get("outcome") == "ok" and rec["kind"] not in SIDECAR_RECORDS:
             after.append(rec)
     pre = dict(state.preempting)
     req = dict(state.requeued)
@@ -111,6 +115,7 @@ class Coordinator:
         self.reports: dict[str, Any] = {}
         self._class_sent: dict[tuple[str, str], float] = {}
         self._placed: dict[str, tuple] = {}  # job -> the placement last written to the audit log
+        self._paused: dict[str, str] = {}  # job -> the reason of the pause last written to the audit log
         self._persisted: Optional[dict] = None
         self._quota_text: Optional[str] = None
         self._stop = threading.Event()
@@ -211,6 +216,7 @@ class Coordinator:
         snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now)
         # Before this cycle's decisions, which act on the jobs placed.
         self._record_placements({str(j.job_id): j.restarts for j in jobs if j.state == "RUNNING"})
+        self._record_pauses()
         try:
             decisions, new_state = decide(snap, self.state, self.params)
         except Exception:  # noqa: BLE001 - a policy bug must not end the daemon; the state is kept
@@ -278,6 +284,22 @@ class Coordinator:
                                "restarts": n},
                     "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""), "outcome": "ok"})
         self._placed = seen
+
+    def _record_pauses(self) -> None:
+        """Each pause in place a sidecar reports, once, and its end: for ``antman explain``."""
+        now_paused: dict[str, str] = {}
+        for node, rep in self.reports.items():
+            for rj in rep.jobs:
+                if getattr(rj, "paused", False):
+                    now_paused[rj.job_id] = rj.pause_reason
+                    if rj.job_id not in self._paused:
+                        self.audit.append({"ts": round(self.clock(), 3), "kind": "paused", "job_id": rj.job_id,
+                                           "node": node, "params": {}, "reason": rj.pause_reason, "outcome": "ok"})
+                elif rj.job_id in self._paused:
+                    self.audit.append({"ts": round(self.clock(), 3), "kind": "resumed", "job_id": rj.job_id,
+                                       "node": node, "params": {}, "reason": "its GPU had room for it again",
+                                       "outcome": "ok"})
+        self._paused = now_paused
 
     def _persist(self) -> None:
         data = self.state.to_json()

@@ -27,6 +27,8 @@ _VERBS = {
     "make_eligible": "made eligible again at once",
     "keep_off": "kept off node(s) {nodes_text}",
     "placed": "placed on {node} GPU(s) {gpus} by its sidecar ({placement})",
+    "paused": "paused in place on {node} by its sidecar (GPU state moved to host memory)",
+    "resumed": "resumed on {node} by its sidecar",
 }
 
 
@@ -73,9 +75,11 @@ def explain(job_id: str, audit_path: str, as_json: bool = False) -> tuple[str, i
     recs = records_for(job_id, audit.read(audit_path))
     if as_json:
         # Decisions are the coordinator's; placements are what the sidecars reported having done.
-        return json.dumps({"job_id": job_id, "audit_log": audit_path,
-                           "decisions": [r for r in recs if r["kind"] != "placed"],
-                           "placements": [r for r in recs if r["kind"] == "placed"]}, indent=2), 0 if recs else 1
+        doc = {"job_id": job_id, "audit_log": audit_path,
+               "decisions": [r for r in recs if r["kind"] not in ("placed", "paused", "resumed")],
+               "placements": [r for r in recs if r["kind"] == "placed"],
+               "pauses": [r for r in recs if r["kind"] in ("paused", "resumed")]}
+        return json.dumps(doc, indent=2), 0 if recs else 1
     if not recs:
         return (f"job {job_id}: no coordinator decision about this job in {audit_path} "
                 "(it kept the class it was submitted with)"), 1
