@@ -17,7 +17,6 @@ import torch
 from slurm_antman.bench import gpu, gpu_report, wheels
 from slurm_antman.bench.gpu import BY_NAME, PARTS, Part, Requirements, budgets, plan, run_all
 
-ISSUE_16 = "pause/resume not implemented (issue 16)"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is false)")
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour: every part skipped")
 
@@ -38,8 +37,9 @@ def test_plan_lists_every_part_in_the_issues_order_with_its_budget():
     for p in PARTS:
         row = next(ln for ln in lines if ln.split()[1:2] == [p.name])
         assert f"{p.budget_s:.0f} s" in row and p.what[:30] in row
-    # The pause part is not built: the plan says so, everywhere.
-    assert f"would skip here: {ISSUE_16}" in text
+    # Pause exists now (issue 16): nothing but the machine keeps its part from running.
+    from slurm_antman.bench.gpu_pause import missing
+    assert missing() is None and "not implemented" not in text
 
 
 def test_the_default_budget_fits_the_issues_eight_minutes():
@@ -89,12 +89,10 @@ def test_on_cpu_every_part_skips_with_its_reason_and_both_reports_are_complete(t
     for p in doc["parts"]:
         assert p["status"] == "skipped" and p["reason"] and "\n" not in p["reason"]
     by = {p["name"]: p for p in doc["parts"]}
-    assert by["pause"]["reason"] == ISSUE_16
-    assert "no CUDA device" in by["memory"]["reason"]
+    assert "no CUDA device" in by["memory"]["reason"] and "no CUDA device" in by["pause"]["reason"]
     md = (out / "gpu.md").read_text()
     for p in PARTS:
         assert f"| {p.name} | skipped |" in md and f"## " in md
-    assert ISSUE_16 in md
     assert "7 skipped" in capsys.readouterr().out
 
 
@@ -376,10 +374,9 @@ def test_gpu_nvml_process_memory_agrees_with_the_agents_reports(tmp_path_factory
 
 
 @pytest.mark.gpu
-def test_gpu_pause_and_resume_free_and_give_back_the_gpu():
-    from slurm_antman.bench.gpu_pause import missing
-
-    reason = missing()
-    if reason is not None:
-        pytest.skip(reason)  # "pause/resume not implemented (issue 16)"
-    pytest.fail("pause/resume exists now: write this test with part 7 (issue 16)")
+@needs_cuda
+def test_gpu_pause_and_resume_free_and_give_back_the_gpu(tmp_path_factory):
+    pause = _part("pause", tmp_path_factory)["pause"]
+    assert pause["bytes_freed"] >= 0.9 * pause["bytes_moved"] > 0
+    assert pause["pause_s"] <= 2 * pause["ideal_pause_s"] and pause["resume_s"] <= 2 * pause["ideal_resume_s"]
+    assert pause["losses_after"] == pause["twin_losses"]
