@@ -117,6 +117,7 @@ class Job:
     paused: bool = False
     pause_sent_mono: Optional[float] = None
     paused_unix: Optional[float] = None
+    resume_sent_mono: Optional[float] = None
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
@@ -159,6 +160,7 @@ class Sidecar:
         self.pause_seconds_total = 0.0
         self.pause_bytes_moved_total = 0
         self.pause_ack_ms: list[float] = []  # sidecar's pause sent -> agent's ack, the latest ones
+        self.resume_ack_ms: list[float] = []  # resume sent -> agent's resumed (training again)
         self.unhealthy = ""  # why no opportunistic job may start here now (health.node_problem); "" = healthy
         # Driver-level memory caps (MPS v3 memory partitioning), set in start() where the node has them.
         self.caps_support = driver_caps.Support("emulated telemetry: no NVIDIA driver")
@@ -399,6 +401,10 @@ class Sidecar:
                          job.job_id, b.bytes_moved >> 20, b.bytes_freed >> 20, b.pause_ms)
             self._dirty = True
         elif isinstance(b, p.Resumed):
+            if b.seq == job.pause_seq and job.resume_sent_mono is not None:
+                self.resume_ack_ms.append((time.monotonic() - job.resume_sent_mono) * 1000.0)
+                del self.resume_ack_ms[:-PAUSE_TIMES_KEPT]
+                job.resume_sent_mono = None
             log.info("job %s: resumed (%.1f ms in the agent)", job.job_id, b.resume_ms)
 
     def _register_agent(self, job: Job, identity: bytes, msg: p.Message, mono: float) -> None:
@@ -739,6 +745,7 @@ class Sidecar:
         if not job.paused:
             return
         job.paused = False
+        job.resume_sent_mono = time.monotonic()
         if job.paused_unix is not None:
             self.pause_seconds_total += time.time() - job.paused_unix
         log.warning("job %s: RESUME: its GPU has room again", job.job_id)

@@ -91,7 +91,7 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 
 _BENCHES = {"submit": "bench_submit", "control": "bench_control", "coordinator": "bench_coordinator",
             "simulate": "bench_simulate", "trace": "bench_trace", "models": "bench_models",
-            "gpu": "bench.gpu", "faults": "bench.faults"}
+            "gpu": "bench.gpu", "faults": "bench.faults", "pause": "bench.pause"}
 
 
 def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:

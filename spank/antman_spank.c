@@ -512,14 +512,13 @@ static void job_getenv(spank_t sp, const char *name, char *buf, size_t len)
  * before tasks exist) any node directory counts: a real node has only its own, and only a
  * development host running several slurmd can hold another node's file for the same job.
  */
+static bool env_file_in_any_node_dir(uint32_t job_id);
+
 static bool env_file_present(spank_t sp, uint32_t job_id)
 {
 	char node[NODENAME_MAX];
 	char path[PATH_MAX];
 	struct stat st;
-	struct dirent *de;
-	DIR *dir;
-	bool found = false;
 
 	job_getenv(sp, "SLURMD_NODENAME", node, sizeof(node));
 	if (node[0] && nodename_is_safe(node)) {
@@ -527,6 +526,18 @@ static bool env_file_present(spank_t sp, uint32_t job_id)
 			return true; /* cannot name it, so cannot write it either: do not run the hook */
 		return lstat(path, &st) == 0;
 	}
+	return env_file_in_any_node_dir(job_id);
+}
+
+/* Any node directory: what the Prolog wrote, wherever the step's (user-set) environment says it runs. */
+static bool env_file_in_any_node_dir(uint32_t job_id)
+{
+	char path[PATH_MAX];
+	struct stat st;
+	struct dirent *de;
+	DIR *dir;
+	bool found = false;
+
 	dir = opendir(antman.state_dir);
 	if (!dir)
 		return false;
@@ -751,7 +762,7 @@ static void init_post_opt_remote(spank_t sp)
 	 * its tasks fail; the Prolog has asked Slurm to requeue it. A guaranteed job runs on the GPUs
 	 * Slurm bound, as it would without slurm-antman.
 	 */
-	if (!env_file_present(sp, job_id) &&
+	if (!env_file_in_any_node_dir(job_id) &&
 	    (strcmp(job_class, "opportunistic") == 0 ||
 	     (antman.opp_partition[0] && strcmp(partition, antman.opp_partition) == 0)))
 		antman.no_env_file = true;

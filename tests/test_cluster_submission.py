@@ -192,8 +192,9 @@ srun -n1 bash -c 'echo "STEP CLASS=${{ANTMAN_CLASS:-}} CVD=${{CUDA_VISIBLE_DEVIC
 """
 
 
-def test_missing_env_file_with_unusable_prolog_is_logged_and_step_runs(clean_cluster, tmp_path):
-    """A later step that finds no env file runs the hook; when it cannot be executed, the step still starts."""
+def test_missing_env_file_with_unusable_prolog_fails_the_opportunistic_step_closed(clean_cluster, tmp_path):
+    """A later step that finds no env file runs the hook; when it cannot be executed, nothing could
+    place or limit the opportunistic job: its task does not start (issue 15: fail closed)."""
     c = clean_cluster
     plugstack = c.c.dir / "etc" / "plugstack.conf.d" / "antman.conf"
     original = plugstack.read_text()
@@ -207,11 +208,11 @@ def test_missing_env_file_with_unusable_prolog_is_logged_and_step_runs(clean_clu
         plugstack.write_text(re.sub(r"prolog=\S+", "prolog=/nonexistent/antman-prolog", original))
         env_file.unlink()
         flag.write_text("")
-        text = c.wait_output(jid, r"^STEP ", timeout=30)
+        text = c.wait_output(jid, r"not started on this node", timeout=30)
     finally:
         plugstack.write_text(original)
-    # The step's task started (its ANTMAN_CLASS is the batch script's, which srun passes on).
-    assert re.search(r"^STEP CLASS=", text, re.M), text
+    assert not re.search(r"^STEP CLASS=", text, re.M), text  # the task never ran
+    assert "it is opportunistic and the node could not write its env file" in text, text
     assert not env_file.exists()  # nothing wrote the file: the hook never ran
     log = (c.c.dir / "log" / "slurmd-node1.log").read_text()
     assert (f"antman: job {jid}: cannot execute prolog /nonexistent/antman-prolog: No such file or directory"

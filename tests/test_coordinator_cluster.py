@@ -143,7 +143,9 @@ def test_auto_resolves_by_quota_then_upgrades_without_restart(clean):
     r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(second), "--json"])
     assert r.returncode == 0, r.stderr
     told = json.loads(r.stdout)
-    assert [d["kind"] for d in told["decisions"]] == ["upgrade"]
+    # Kept off node1 for a while, maybe (the first job's GPU is not measured until its window has
+    # passed: no opportunistic job beside it before), then upgraded, once.
+    assert [d["kind"] for d in told["decisions"] if d["kind"] != "keep_off"] == ["upgrade"]
     # Where its node's sidecar put it, reported up and written to the audit log once.
     assert [(d["node"], d["params"]["gpus"]) for d in told["placements"]] == [("node1", [0])]
     r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(second)])
@@ -180,7 +182,7 @@ def _preemption(c: ClusterHandle, tmp_path: Path, kill_coordinator: bool, torn_a
     resumed = int(re.search(r"START step=(\d+) restarts=1", out).group(1))
     assert resumed >= 10, out  # from its checkpoint, not from step 0
     recs = _audit(c, opp)
-    assert [r["kind"] for r in recs if r["outcome"] == "ok" and r["kind"] != "placed"][:2] == [
+    assert [r["kind"] for r in recs if r["outcome"] == "ok" and r["kind"] in ("preempt_notice", "requeue")] == [
         "preempt_notice", "requeue"], recs
     # Its sidecar's placements, before the notice and again after the requeue: explain shows each
     # once (a restarted coordinator writes the running job's placement again).

@@ -210,6 +210,7 @@ class Agent:
                 return  # already paused: the sidecar's state is the one it sent first
             self._pause_req = (seq, reason, t)
             self._resume_evt.clear()
+        self.throttle.hurry()
 
     def _resume_arrived(self, seq: int, t: float) -> None:
         with self._lock:
@@ -221,6 +222,7 @@ class Agent:
         with self._lock:
             req, self._pause_req = self._pause_req, None
             if req is None or self._resume_evt.is_set():
+                self.throttle.restart_clock()
                 return  # resumed before the boundary came: nothing to do
             self.paused_seq = req[0]
         seq, reason, arrived = req
@@ -243,6 +245,7 @@ class Agent:
             client.send(P.Resumed(seq=seq, resume_ms=resume_ms))
         self.pauses.append((seq, freed, moved, pause_ms, resume_ms))
         self.steps.restart_clock()
+        self.throttle.restart_clock()
 
     def _unmanaged(self, why: str) -> None:
         with self._lock:
