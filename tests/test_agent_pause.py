@@ -180,3 +180,21 @@ def test_pause_moves_parameters_grads_buffers_and_optimizer_state_to_the_host_an
     assert all(p.device.type == "cpu" for p in m1.parameters())
     pauser.resume()
     assert [step(m1, o1) for _ in range(3)] == [step(m2, o2) for _ in range(3)]
+
+
+def test_bench_pause_runs_a_real_sidecar_and_training_process_through_every_round():
+    """`antman bench pause --no-requeue`: each round a burst pauses the job and its end resumes it,
+    acked by the job's real agent (the numbers themselves go to docs/benchmarks.md, not here)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.cli", "bench", "pause", "--no-requeue", "--rounds", "2",
+                        "--footprint-gib", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)["pause"]
+    assert doc["rounds"] == 2 and len(doc["pause_ack_ms"]) == len(doc["resume_ms"]) == 2
+    assert all(v >= 0 for v in doc["pause_ack_ms"] + doc["resume_ms"])
+    bad = subprocess.run([sys.executable, "-m", "slurm_antman.cli", "bench", "pause", "--footprint-gib", "20"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--footprint-gib must be in (0, 14]" in bad.stderr

@@ -9,9 +9,9 @@ the opportunistic job less than its minimum memory; the sidecar pauses it; the b
 again). On CPU the bytes do not cross a bus: the copy itself is ``antman bench gpu``'s part 7.
 
 Requeue, on the devcluster: the same training job, opportunistic, is requeued the way the coordinator
-does it (``scontrol requeue``, then ``StartTime=now+2``); measured from the requeue to its first step
-after the restart (Slurm's kill and restart, Python and torch starting, the checkpoint loaded), and
-from the requeue to the job gone from the GPU (the memory free).
+does it (``scontrol requeue``, a second later ``StartTime=now+2``: Slurm 22.05 refuses a credential
+made in the second its old one was revoked); measured from the requeue to its first step after the
+restart (Slurm's kill and restart, Python and torch starting, the checkpoint loaded).
 
 ``speedup_vs_requeue`` is the requeue's time from the decision to training again over the pause's
 (decision to ack, plus resume decision to training again); the issue's target: >= 20.
@@ -148,12 +148,10 @@ def measure_requeue(rounds: int, workdir: Path, port_base: int) -> dict:
         jid = jobs.sbatch("--antman=opportunistic", "--gres=gpu:1",
                           script=f"#!/bin/bash\nexec {sys.executable} {TRAIN} {ckpt} 1000000 0.01\n")
         jobs.wait_output(jid, r"^step 20 ", timeout=120)
-        gone, back = [], []
+        back = []
         for r in range(1, rounds + 1):
             t0 = time.monotonic()
             cluster.run(["scontrol", "requeue", str(jid)], check=True)
-            wait_for(lambda: jobs.show(jid).get("JobState") != "RUNNING", 60, "the job off its node", step=0.05)
-            gone.append(time.monotonic() - t0)
             time.sleep(1.0)
             cluster.run(["scontrol", "update", f"JobId={jid}", "StartTime=now+2"])
             pattern = re.compile(rf"^START .*restarts={r} ", re.M)
@@ -161,8 +159,7 @@ def measure_requeue(rounds: int, workdir: Path, port_base: int) -> dict:
             start_at = len(jobs.output(jid))
             wait_for(lambda: re.search(r"^step ", jobs.output(jid)[start_at:], re.M), 60, "its first step", step=0.05)
             back.append(time.monotonic() - t0)
-        return {"rounds": rounds, "gone_s": gone, "back_s": back, "gone_s_median": median(gone),
-                "back_s_median": median(back)}
+        return {"rounds": rounds, "back_s": back, "back_s_median": median(back)}
     finally:
         cluster.run(["scancel", "--user", "root"])
         dc.down(d)
@@ -204,7 +201,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"(median of {pz['rounds']}; {pz['footprint_bytes'] / GiB:.1f} GiB emulated)")
         if "requeue" in doc:
             rq = doc["requeue"]
-            print(f"requeue: off the GPU {rq['gone_s_median']:.2f} s, training again {rq['back_s_median']:.2f} s "
-                  f"(median of {rq['rounds']})")
+            print(f"requeue: training again {rq['back_s_median']:.2f} s after the requeue (median of {rq['rounds']})")
             print(f"speedup vs requeue: {doc['speedup_vs_requeue']:.0f}x")
     return 0
