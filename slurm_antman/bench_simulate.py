@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-preempt-s", type=_seconds_or_none, default=SimConfig.slow_preempt_s,
                    help="the sidecar's slow_preempt_s: seconds over the slowdown target at the minimum share "
                         "before an opportunistic neighbour is preempted; 'none': throttle only")
+    p.add_argument("--pause-max-s", type=_seconds_or_none, default=SimConfig.pause_max_s,
+                   help="antman: sidecar.pause_max_s, pause an opportunistic job in place (its state to host memory) "
+                        "for at most this long before it is requeued; 'none' (default here): requeue at once")
+    p.add_argument("--resume-hold-s", type=float, default=SimConfig.resume_hold_s,
+                   help="antman: sidecar.resume_hold_s, how long its GPU must fit a paused job again before it resumes")
     p.add_argument("--util-scale", type=float, default=SimConfig.util_scale,
                    help="production: multiply every job's drawn utilisation by this (capped at its benchmark's)")
     p.add_argument("--min-progress", type=float, default=SimConfig.min_progress,
@@ -96,7 +101,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
                           util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
-                          no_room=a.no_room, upgrade_running=a.upgrade_running)
+                          no_room=a.no_room, upgrade_running=a.upgrade_running, pause_max_s=a.pause_max_s,
+                          resume_hold_s=a.resume_hold_s)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -113,6 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
             "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
             "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
+            "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s,
             "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from importlib import resources
@@ -20,6 +21,7 @@ import zmq.auth
 from slurm_antman import devcluster as dc
 from slurm_antman import protocol as p
 from slurm_antman.coordinator import audit, keys
+from slurm_antman.devcluster_jobs import wait_for as _wait
 
 from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm
 
@@ -65,16 +67,6 @@ def clean(cc):
 def _audit(c: ClusterHandle, job_id: int | None = None) -> list[dict]:
     recs = list(audit.read(c.c.dir / "log" / "coordinator-audit.jsonl"))
     return recs if job_id is None else [r for r in recs if r.get("job_id") == str(job_id)]
-
-
-def _wait(pred, timeout: float, what: str, step: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def _squeue(c: ClusterHandle) -> dict[int, dict]:
@@ -323,3 +315,67 @@ def test_sidecar_killed_and_restarted_while_jobs_run_requeues_nothing(clean, tmp
     after = [r for r in _audit(c, opp) if r.get("ts", 0) >= killed and r["kind"] in ("preempt_notice", "requeue")]
     assert after == [], after
     assert "NON-COMPLIANT" not in side_log.read_text()[logged_before:]
+
+
+# A guaranteed job that trains with its agent, its (emulated) GPU footprint 256 MiB and 5 % busy; while
+# the file BURST exists its footprint is 1.9 GiB of the 2 GiB GPU (an evaluation pass, a larger batch).
+BURSTY = """
+import os, sys, time, torch, torch_patch
+agent = torch_patch.install()
+agent.emulate_device(256 << 20, 0.05)
+burst = sys.argv[1]
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(16, 8)
+step = 0
+while True:
+    big = os.path.exists(burst)
+    agent.memory.emulate((1900 if big else 256) << 20)
+    opt.zero_grad(); model(x).square().mean().backward(); opt.step()
+    step += 1
+    if step % 5 == 0:
+        print(f"step {step} burst={int(big)}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_a_burst_pauses_the_opportunistic_job_in_place_and_it_finishes_as_if_never_paused(clean, tmp_path):
+    """Issue 16 end to end: a guaranteed job's memory burst leaves its opportunistic neighbour less than
+    its minimum; the job is paused in place (PAUSED in antman squeue, explain says why), not requeued;
+    when the burst is over it resumes and finishes with the loss of a run that was never paused."""
+    from sidecar import client
+    from slurm_antman import config as cfgmod
+
+    c = clean
+    burst = tmp_path / "burst"
+    script = tmp_path / "bursty.py"
+    script.write_text(BURSTY)
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "research",
+                 script=f"#!/bin/bash\nexec {sys.executable} {script} {burst}\n")
+    c.wait_output(g, r"^step 5 ", timeout=60)
+    sockdir = cfgmod.load(c.c.config_path).node_socket_dir("node1")
+    _wait(lambda: all(x.util_measured for x in client.node_state(sockdir).gpus), 60, "the guaranteed job measured")
+    steps = 300
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research",
+                   script=f"#!/bin/bash\nexec {sys.executable} {TRAIN} {tmp_path / 'ckpt'} {steps} 0.02\n")
+    c.wait_output(opp, r"^step 20 ", timeout=120)
+    burst.write_text("")
+    _wait(lambda: _squeue(c).get(opp, {}).get("state") == "PAUSED", 60, "the job paused")
+    paused_at = len(re.findall(r"^step ", (c.workdir / f"{opp}.out").read_text(), re.M))
+    time.sleep(3)
+    assert len(re.findall(r"^step ", (c.workdir / f"{opp}.out").read_text(), re.M)) == paused_at  # not training
+    assert c.show(opp)["Restarts"] == "0" and c.show(g)["Restarts"] == "0"
+    burst.unlink()
+    out = c.wait_output(opp, rf"^DONE step={steps} ", timeout=240)
+    assert out.count("START ") == 1 and c.show(opp)["Restarts"] == "0", out
+    kinds = [r["kind"] for r in _audit(c, opp) if r["kind"] in ("paused", "resumed", "preempt_notice", "requeue")]
+    assert kinds[:2] == ["paused", "resumed"] and "requeue" not in kinds, kinds
+    r = c.run([sys.executable, "-m", "slurm_antman.coordinator.explain", str(opp)])
+    assert "paused in place on node1" in r.stdout and "guaranteed demand" in r.stdout, r.stdout
+    # The same training, never paused, outside Slurm: the same final loss.
+    ref = subprocess.run([sys.executable, str(TRAIN), str(tmp_path / "ref-ckpt"), str(steps), "0"],
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if not k.startswith(("ANTMAN_", "SLURM_"))})
+    want = re.search(r"^DONE step=\d+ loss=(\S+)", ref.stdout, re.M).group(1)
+    assert re.search(r"^DONE step=\d+ loss=(\S+)", out, re.M).group(1) == want
+    assert c.show(g)["JobState"] == "RUNNING" and c.show(g)["Restarts"] == "0"

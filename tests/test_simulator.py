@@ -414,3 +414,32 @@ def test_antman_places_no_opportunistic_job_before_a_new_guaranteed_job_shows_in
     assert (g["class"], o["class"]) == ("guaranteed", "opportunistic")
     assert window_s <= o["first_start_s"] <= window_s + 2.0  # once measured, at the next cycle
     assert o["first_start_s"] < g["end_s"]  # beside the guaranteed job, not after it
+
+
+def test_pause_in_place_replaces_a_requeue_for_a_short_guaranteed_burst(tmp_path):
+    """Issue 16 in the simulator: five opportunistic jobs share a 16 GiB GPU (slots_per_gpu 5) when a
+    big guaranteed job (gpt2_small, 11.4 GiB) lands there for 200 s and leaves room for four. Without
+    pause the newest is requeued; with pause_max_s it waits in place, resumes once the guaranteed job
+    is gone and the hold is over, pays the copy both ways, and is never restarted."""
+    seed = next(s for s in range(50_000) if assign("philly-8", s).name == "gpt2_small"
+                and assign("philly-2", s).mem_bytes <= 1 * GiB)
+    rows = [("2017-10-01 00:00:00", 100.0, 1, "a")]
+    rows += [(f"2017-10-01 00:00:1{k}", 1000.0, 1, "a") for k in range(5)]
+    rows += [("2017-10-01 00:05:00", 200.0, 1, "a")]
+    jobs = trace(tmp_path, rows)
+    cfg = dict(seed=seed, slots_per_gpu=5, no_room="fallback", utilisation="saturated", move_after_s=None,
+               gpu_mem_bytes=16 * GiB)
+    requeued = simulate(jobs, one_gpu("antman", **cfg))
+    paused = simulate(jobs, one_gpu("antman", pause_max_s=600.0, **cfg))
+    newest_r, newest_p = ({x["job_id"]: x for x in r.jobs}["philly-7"] for r in (requeued, paused))
+    assert newest_r["submitted_as"] == "opportunistic" and newest_r["preemptions"] >= 1
+    assert requeued.metrics["pauses"] == 0
+    assert newest_p["preemptions"] == 0 and newest_p["restarts"] == 0
+    m = paused.metrics
+    assert m["pauses"] == m["resumes"] == 1 and m["jobs_done"] == 7 and m["jobs_done_twice"] == 0
+    assert m["preemptions"] == 0
+    big = {x["job_id"]: x for x in paused.jobs}["philly-8"]
+    burst = big["end_s"] - big["first_start_s"]
+    assert burst <= m["paused_s"] <= burst + 10.0 + 30.0 + 1.0  # the burst, the hold, at most a cycle
+    mem = BY_NAME[newest_p["profile"]].mem_bytes
+    assert m["pause_cost_s"] == pytest.approx(2 * mem / SimConfig().pause_bandwidth_bytes_s)

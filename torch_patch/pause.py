@@ -31,6 +31,17 @@ class _Moved:
     hosts: list[Any] = field(default_factory=list)
 
 
+def _put(slot: tuple[str, Any, Any], tensor: Any) -> None:
+    """Swap ``tensor`` in where ``slot`` says: a parameter's data, its gradient, or a module's buffer."""
+    kind, owner, key = slot
+    if kind == "param":
+        owner.data = tensor
+    elif kind == "grad":
+        owner.grad = tensor
+    else:
+        owner._buffers[key] = tensor
+
+
 def _device_modules(torch: Any, device: Any) -> list[Any]:
     """The job's top-level modules with state on ``device`` (found through the garbage collector:
     the agent never sees the model being built), each once, children with their root."""
@@ -98,13 +109,8 @@ class DeviceState:
         torch.cuda.synchronize(self.device)
         # Only now, with every copy done, drop the device tensors.
         for moved in self._moved:
-            for (kind, owner, key), host in zip(moved.slots, moved.hosts):
-                if kind == "param":
-                    owner.data = host
-                elif kind == "grad":
-                    owner.grad = host
-                else:
-                    owner._buffers[key] = host
+            for slot, host in zip(moved.slots, moved.hosts):
+                _put(slot, host)
         for st, k, host in self._opt_moved:
             st[k] = host
         return self.bytes_moved
@@ -118,14 +124,8 @@ class DeviceState:
         last = None
         with torch.cuda.stream(side):
             for moved in self._moved:
-                for (kind, owner, key), host in zip(moved.slots, moved.hosts):
-                    dev = host.to(self.device, non_blocking=True)
-                    if kind == "param":
-                        owner.data = dev
-                    elif kind == "grad":
-                        owner.grad = dev
-                    else:
-                        owner._buffers[key] = dev
+                for slot, host in zip(moved.slots, moved.hosts):
+                    _put(slot, host.to(self.device, non_blocking=True))
                     self._keep.append(host)
                 ev = torch.cuda.Event()
                 ev.record(side)

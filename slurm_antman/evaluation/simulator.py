@@ -62,7 +62,7 @@ NO_ROOM = ("fallback", "wait")
 WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
 
 # Event kinds, in the order they are handled at one instant: finishes free GPUs before new jobs look.
-_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW, _REQUEUE, _MEASURED = 0, 1, 2, 3, 4, 5, 6
+_FINISH, _SUBMIT, _WAKE, _CYCLE, _SLOW, _REQUEUE, _MEASURED, _PAUSE_CHECK = 0, 1, 2, 3, 4, 5, 6, 7
 
 SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
 
@@ -95,6 +95,14 @@ class SimConfig:
     # opportunistic.utilization_window_s: the sidecar's utilisation average, and how long a new
     # guaranteed job must have iterated before its GPU counts as measured (sidecar.placement).
     util_window_s: float = 10.0
+    # antman: pause in place before requeue (sidecar.pause_max_s; None: requeue at once, as before
+    # issue 16), its resume hold (sidecar.resume_hold_s), and the cost of one pause and resume: the
+    # job's GPU memory over this bandwidth, each way, lost from its progress. 12e9 B/s: PCIe 3.0 x16
+    # (15.75 GB/s raw, the bus of PipeSwitch's testbed, OSDI'20 section 6) at the ~75 % pinned copies
+    # reach; `antman bench gpu` part 7 measures this on the lent GPU nodes.
+    pause_max_s: Optional[float] = None
+    resume_hold_s: float = 10.0
+    pause_bandwidth_bytes_s: float = 12e9
     grace_s: float = 30.0
     checkpoint_s: float = 1800.0  # opportunistic jobs checkpoint this often (estimate)
     oom_retry_s: float = 60.0
@@ -278,7 +286,8 @@ class Simulator:
         self.cp_params = replace(self.cp_params, min_progress=cfg.min_progress, move_after_s=cfg.move_after_s,
                                  move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running)
         self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
-                                         min_progress=cfg.min_progress)
+                                         min_progress=cfg.min_progress, pause_max_s=cfg.pause_max_s,
+                                         resume_hold_s=cfg.resume_hold_s)
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
         self.gpu_views: dict[int, tuple[cp.GpuView, ...]] = {}  # per node, while it is not dirty
@@ -306,7 +315,9 @@ class Simulator:
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
         self.usage: dict[str, int] = {}               # tenant -> GPUs running as guaranteed
         self.counts = {"oom_failures": 0, "preemptions": 0, "upgrades": 0, "cycles": 0,
-                       "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0}
+                       "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0, "pauses": 0, "resumes": 0}
+        self.paused_s = 0.0      # job-seconds spent paused in place (ended pauses)
+        self.pause_cost_s = 0.0  # progress lost moving state out and back
         # Jobs that are PENDING or RUNNING, in submission order: what a cycle looks at (not all jobs).
         self.active: dict[str, _Job] = {}
         # What job_submit.lua reads (antman_quota.lua): guaranteed GPUs each tenant holds or is about
@@ -376,6 +387,11 @@ class Simulator:
                         self.dirty_nodes.add(g.node)
                         self.unfit_nodes.discard(g.node)
                         self.sched_dirty = True
+                elif kind == _PAUSE_CHECK:  # a paused job's hold or pause budget may be over
+                    g = self.gpus[version]
+                    if g.lp_state.paused:
+                        self._refresh([version])
+                        self.changed = True
                 elif kind == _REQUEUE:  # scavenger: Slurm requeues a preempted job after its grace time
                     if j.state == "RUNNING" and version == j.restarts and j.notice_at is not None:
                         self._stop(j, "preempt")
@@ -813,7 +829,8 @@ class Simulator:
                 continue
             rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus)
             j.rate, j.version, j.view = rate, j.version + 1, None
-            self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, _FINISH, jid, j.version)
+            if rate > 0:  # 0: paused in place; its resume sets a rate again
+                self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, _FINISH, jid, j.version)
 
     def _model_gpu(self, g: _Gpu) -> None:
         jobs = self.jobs
@@ -843,7 +860,8 @@ class Simulator:
             useful += r * j.util  # the busy time it would need alone for the progress it makes
         g.share = shares
         new_util = min(1.0, total)
-        new_mem = min(g.mem_total, sum(j.profile.mem_bytes for j in guar + opp))
+        new_mem = min(g.mem_total, sum(j.profile.mem_bytes for j in guar + opp
+                                       if shares.get(j.job.job_id, 1.0) > 0 or j in guar))
         self.util_sum += new_util - g.util
         self.mem_sum += new_mem - g.mem_used
         self.useful_sum += useful - g.useful
@@ -855,10 +873,15 @@ class Simulator:
         """Memory limits and preemption needs from ``local_policy.decide`` on this GPU; compute
         shares from its AIMD loop's steady state for this mix of profiles."""
         info = lp.GpuInfo(0, g.mem_total)
+        can_pause = self.lp_params.pause_max_s is not None
         js = [lp.JobInfo(j.job.job_id, "guaranteed", (0,), j.start or 0.0, j.profile.mem_bytes) for j in guar]
-        js += [lp.JobInfo(j.job.job_id, "opportunistic", (0,), j.start or 0.0, j.profile.mem_bytes) for j in opp]
+        js += [lp.JobInfo(j.job.job_id, "opportunistic", (0,), j.start or 0.0, j.profile.mem_bytes,
+                          can_pause=can_pause) for j in opp]
+        before = g.lp_state.paused
         d = lp.decide(lp.Snapshot((info,), tuple(js)), g.lp_state, self.lp_params, self.now)
         g.lp_state = d.state
+        if before or d.state.paused:
+            self._pauses_changed(g, before, d)
         if d.new_preemptions and guar and g.need is None:
             g.need = cp.PreemptNeed(self.node_names[g.node], g.local, guar[0].job.job_id,
                                     d.new_preemptions[0].reason, self.now)
@@ -876,13 +899,41 @@ class Simulator:
         for j in opp:
             jid = j.job.job_id
             lim = d.limits[jid]
-            if jid in d.state.preempted or steady is None:
+            if jid in d.state.paused:
+                shares[jid] = 0.0  # its state on the host: no progress, no load, no GPU memory
+            elif jid in d.state.preempted or steady is None:
                 shares[jid] = min(lim.compute_share, 1.0)
             else:
                 shares[jid] = steady
             if lim.mem_limit_bytes is not None and lim.mem_limit_bytes < j.profile.mem_bytes:
                 spill.add(jid)
         return shares, spill
+
+    def _pauses_changed(self, g: _Gpu, before: Mapping[str, lp.PauseRecord], d: lp.Decision) -> None:
+        """Counts pauses and their time, charges each resume the copy both ways, and schedules the
+        next look at this GPU: when a hold or a pause budget can run out (nothing else would call)."""
+        for rec in d.new_pauses:
+            self.counts["pauses"] += 1
+        for jid in d.resumes:
+            rec = before.get(jid)
+            j = self.jobs[jid]
+            cost = 2.0 * j.profile.mem_bytes / self.cfg.pause_bandwidth_bytes_s
+            self._advance(j)
+            j.work_left += cost
+            self.pause_cost_s += cost
+            self.counts["resumes"] += 1
+            if rec is not None:
+                self.paused_s += self.now - rec.since_unix
+        for jid, rec in before.items():
+            if jid not in d.state.paused and jid not in d.resumes:  # requeued from the pause, or gone
+                self.paused_s += self.now - rec.since_unix
+        for rec in d.state.paused.values():
+            due = [rec.since_unix + self.lp_params.pause_max_s]
+            if rec.fits_since_unix is not None:
+                due.append(rec.fits_since_unix + self.lp_params.resume_hold_s)
+            t = min(x for x in due if x > self.now) if any(x > self.now for x in due) else None
+            if t is not None:
+                self._push(t, _PAUSE_CHECK, rec.job_id, g.index)
 
     def _track_slow(self, g: _Gpu, guar: list[_Job], slow: bool) -> None:
         """The local policy's preemption for speed: a GPU whose mix stays over target at the floor
@@ -1107,6 +1158,8 @@ class Simulator:
             queued_s=self.t_queued,
             jobs_done_twice=sum(1 for j in self.jobs.values() if j.finishes > 1),
             moves=self.counts["moves"], quota_over_alone=self.counts["quota_over_alone"],
+            pauses=self.counts["pauses"], resumes=self.counts["resumes"], paused_s=self.paused_s,
+            pause_cost_s=self.pause_cost_s,
             utilisation=self.cfg.utilisation, util_scale=self.cfg.util_scale,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],
