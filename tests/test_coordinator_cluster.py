@@ -29,6 +29,7 @@ pytestmark = pytest.mark.cluster
 
 GRACE_S = 5
 COMPLIANCE_GRACE_S = 10  # long enough for a real agent's start-up on this loaded machine
+PAUSE_MAX_S = 20
 TRAIN = resources.files("slurm_antman") / "data" / "demo_train.py"
 HOG = resources.files("slurm_antman") / "data" / "gpu_hog.py"
 # HOG: a guaranteed job whose memory (RSS on CPU, which the agent reports) leaves the opportunistic
@@ -42,7 +43,9 @@ def cc(tmp_path_factory):
     work = tmp_path_factory.mktemp("coord-jobs")
     c = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=TEST_PORT_BASE + 300, overrides={
         "grace_time_s": GRACE_S, "nodes": {"gpu_memory_mb": 2048},
-        "sidecar": {"compliance_grace_s": COMPLIANCE_GRACE_S},
+        # Pause in place before requeue, briefly: the preemption tests see the ladder's last step after
+        # PAUSE_MAX_S, the pause test resumes well inside it.
+        "sidecar": {"compliance_grace_s": COMPLIANCE_GRACE_S, "pause_max_s": PAUSE_MAX_S, "resume_hold_s": 1.0},
         "opportunistic": {"upgrade_running": True},  # test_auto_resolves_by_quota_then_upgrades_without_restart
         "tenants": [{"account": "research", "guaranteed_gpus": 1}]})
     try:
@@ -152,7 +155,9 @@ def _preemption(c: ClusterHandle, tmp_path: Path, kill_coordinator: bool, torn_a
     c.wait_state(g, {"RUNNING"}, timeout=60)
 
     notice = _wait(lambda: [r for r in _audit(c, opp) if r["kind"] == "preempt_notice" and r["outcome"] == "ok"],
-                   60, "the preemption notice")[0]
+                   PAUSE_MAX_S + 60, "the preemption notice")[0]
+    # The ladder: the job was paused in place first, and requeued only once the pause lasted too long.
+    assert f"the most sidecar.pause_max_s allows ({PAUSE_MAX_S} s)" in notice["reason"], notice
     if kill_coordinator:
         coord = next(pr for pr in c.c.procs if pr.name == "coordinator")
         os.kill(coord.pid, signal.SIGKILL)  # between notice and requeue: the riskiest moment
