@@ -199,12 +199,14 @@ def test_guaranteed_need_requeues_opportunistic_job_which_resumes(clean, tmp_pat
     _preemption(clean, tmp_path, kill_coordinator=False)
 
 
+@pytest.mark.slow  # half a minute each: `make test-slow`
 def test_coordinator_killed_mid_preemption_with_a_torn_audit_line_loses_and_doubles_nothing(clean, tmp_path):
     """Issue 15's fault: the coordinator restarted with a torn last line in its audit log (it keeps
     its state there): the torn record is skipped, the preemption completes exactly once."""
     _preemption(clean, tmp_path, kill_coordinator=True, torn_audit=True)
 
 
+@pytest.mark.slow  # half a minute each: `make test-slow`
 def test_coordinator_killed_mid_preemption_loses_and_doubles_nothing(clean, tmp_path):
     _preemption(clean, tmp_path, kill_coordinator=True)
     starts = [r for r in _audit(clean) if r["kind"] == "coordinator" and r.get("event") == "start"]
