@@ -17,7 +17,7 @@ import zmq
 
 from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
-from slurm_antman.coordinator import keys
+from slurm_antman import curve_keys as keys
 
 from .ratelimit import RateLimitedLog
 

@@ -115,7 +115,7 @@ def _cmd_explain(a: argparse.Namespace) -> int:
 _PASSTHROUGH = {
     "sidecar": ("sidecar.cli", "the per-node daemon"),
     "coordinator": ("slurm_antman.coordinator.daemon", "the cluster coordinator (beside slurmctld)"),
-    "keys": ("slurm_antman.coordinator.keys", "CURVE keys for the sidecar-coordinator link"),
+    "keys": ("slurm_antman.curve_keys", "CURVE keys for the sidecar-coordinator link"),
     "doctor": ("slurm_antman.doctor", "check a node or the controller and name what is missing or wrong"),
 }
 

@@ -311,7 +311,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
             cluster.procs.append(_spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
                                         d / "log" / f"slurmd-{h}.out"))
         if not plain and (sidecars or coordinator):
-            from .coordinator import keys as coord_keys
+            from . import curve_keys as coord_keys
 
             # `antman keys init` for this cluster: the coordinator admits exactly these sidecars
             coord_keys.init_keys(cfg.coordinator.key_dir, cluster.nodes)

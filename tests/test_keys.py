@@ -9,7 +9,7 @@ import pytest
 import yaml
 import zmq.auth
 
-from slurm_antman.coordinator import keys
+from slurm_antman import curve_keys as keys
 
 
 def _mode(path) -> int:

@@ -13,7 +13,7 @@ import zmq
 
 from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
-from slurm_antman.coordinator import keys
+from slurm_antman import curve_keys as keys
 from slurm_antman.coordinator.hub import HubError, SidecarHub
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")

@@ -26,7 +26,7 @@ from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
 from sidecar.ratelimit import RateLimitedLog
 
-from . import keys
+from .. import curve_keys as keys
 
 log = logging.getLogger("antman.coordinator.hub")
 
