@@ -89,8 +89,8 @@ def _cmd_demo(a: argparse.Namespace) -> int:
     return demo.main(a)
 
 
-_BENCHES = {"submit": "bench_submit", "control": "bench_control", "coordinator": "bench_coordinator",
-            "simulate": "bench_simulate", "trace": "bench_trace", "models": "bench_models",
+_BENCHES = {"submit": "bench.submit", "control": "bench.control", "coordinator": "bench.coordinator",
+            "simulate": "bench.simulate", "trace": "bench.trace", "models": "bench.models",
             "gpu": "bench.gpu", "faults": "bench.faults", "pause": "bench.pause"}
 
 

@@ -216,7 +216,7 @@ def test_the_carried_wheels_are_what_the_gpu_code_path_imports():
 
 def test_a_worker_takes_its_share_from_the_sidecar_over_the_protocol(tmp_path):
     from slurm_antman import protocol as P
-    from slurm_antman.bench_control import PeerSidecar
+    from slurm_antman.bench.control import PeerSidecar
     from slurm_antman.bench.gpu_worker import Worker, WorkerError, start, windows
 
     sock = os.path.join("/tmp", f"am-test-{os.getpid()}", "agent.sock")

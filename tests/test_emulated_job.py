@@ -1,6 +1,6 @@
 """The emulated trace job (slurm_antman/evaluation/emulated_job.py) and its GPU board, for real: the job
 runs as a subprocess under the real torch_patch agent, talking ZeroMQ IPC to
-``bench_control.PeerSidecar`` (the sidecar side of docs/protocol.md); the board is real files.
+``control.PeerSidecar`` (the sidecar side of docs/protocol.md); the board is real files.
 
 No assertion depends on how fast this machine is: timing-dependent numbers (the duty cycle) get wide
 bounds, everything else is exact.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman import protocol as P
-from slurm_antman.bench_control import PeerSidecar
+from slurm_antman.bench.control import PeerSidecar
 from slurm_antman.evaluation import emulated_job as ej
 from slurm_antman.evaluation.emulated_gpu import OK, OOM, WAIT, Board, BoardError, Entry, oom_decision, parse_entry
 from slurm_antman.evaluation.published import pair_slowdowns

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from slurm_antman import bench_coordinator
+from slurm_antman.bench import coordinator as bench_coordinator
 from slurm_antman.policy import CoordinatorState, decide
 from slurm_antman.policy.builders import PARAMS, synthetic_cluster
 

@@ -12,7 +12,7 @@ import csv
 import pytest
 
 from conftest import TEST_PORT_BASE, _require_slurm
-from slurm_antman import bench_trace
+from slurm_antman.bench import trace as bench_trace
 from slurm_antman.evaluation.workloads import BY_NAME, GiB, assign
 
 TRACE = """timestamp,duration,num_gpus,gpu_time,cluster

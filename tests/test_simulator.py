@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman import bench_simulate
+from slurm_antman.bench import simulate as bench_simulate
 from slurm_antman.evaluation import traces
 from slurm_antman.evaluation.simulator import POLICIES, SimConfig, simulate
 from slurm_antman.evaluation.workloads import BY_NAME, GiB, assign

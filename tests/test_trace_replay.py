@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import TEST_PORT_BASE, _require_slurm
-from slurm_antman import bench_trace
+from slurm_antman.bench import trace as bench_trace
 from slurm_antman.evaluation import replay as rp
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # four minutes of devcluster: `make test-slow`

@@ -87,7 +87,7 @@ PARTS: tuple[Part, ...] = (
          "resnet50 with the agent attached vs detached, A-B-B-A rounds beside an A/A control"),
     Part("zoo", "The zoo: antman bench models --device cuda --pairs-with resnet50,lstm_lm", 110.0,
          _B + "gpu_zoo:run", ("cuda", "nvml"),
-         "every zoo model alone and beside resnet50 and lstm_lm (bench_models, in chunks until the budget)"),
+         "every zoo model alone and beside resnet50 and lstm_lm (bench.models, in chunks until the budget)"),
     Part("pause", "Pause and resume in place", 30.0, _B + "gpu_pause:run", ("cuda",),
          "an 8 GiB model+Adam state moved to pinned host memory and back: time against the measured "
          "host-device bandwidth, memory freed, losses against an unpaused twin (issue 16)",

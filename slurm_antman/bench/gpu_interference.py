@@ -2,17 +2,17 @@
 
 **Sweep.** A guaranteed zoo ResNet-50 and an opportunistic one, each a process of its own with the real
 agent (``gpu_worker.py``); the opportunistic agent is connected over ZeroMQ IPC to a sidecar peer
-(``bench_control.PeerSidecar``) that sends its compute share through the protocol. At each share of
+(``control.PeerSidecar``) that sends its compute share through the protocol. At each share of
 ``SHARES`` both train for a window: the guaranteed job's mini-batch time over its time alone is its
 slowdown, the opportunistic job's time alone over its time is its progress. Share 0 is the
 opportunistic job holding its memory and launching nothing. The sweep runs at full guaranteed duty and
 again at ``REDUCED_DUTY``, the guaranteed job stalling between steps like a job waiting on its data
-loader (``bench_models.stall_ms``).
+loader (``models.stall_ms``).
 
 **Formula.** docs/workload_model.md, "The formula": ``slowdown = 1 + b_g b_o s (d - 1)``, calibrated
 here with this run's own full-duty pair at share 1 (``d``), the guaranteed duty ``b_g`` from NVML's
-utilisation (``bench_models.measured_duty``), the opportunistic job at full duty (``b_o = 1``, its
-share carries its idling). ``bench_models.predicted_slowdown`` computes it; each measured point is
+utilisation (``models.measured_duty``), the opportunistic job at full duty (``b_o = 1``, its
+share carries its idling). ``models.predicted_slowdown`` computes it; each measured point is
 compared with it.
 
 **Closed loop.** The real sidecar daemon (NVML telemetry, ``sidecar.local_policy``) with both jobs
@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from slurm_antman.bench_models import measured_duty, predicted_slowdown, stall_ms
+from slurm_antman.bench.models import measured_duty, predicted_slowdown, stall_ms
 
 from .gpu_part import PartContext
 
@@ -69,7 +69,7 @@ def sweep(workdir: str, window_s: float, shares: Sequence[float] = SHARES,
           duties: Sequence[float] = (1.0, REDUCED_DUTY), batch: Optional[int] = None, nvml: bool = True,
           device: str = "cuda") -> dict:
     from slurm_antman import protocol as P
-    from slurm_antman.bench_control import PeerSidecar
+    from slurm_antman.bench.control import PeerSidecar
 
     from .gpu_worker import Worker, start
 

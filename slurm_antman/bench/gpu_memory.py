@@ -5,7 +5,7 @@
   larger than the new limit fails with CUDA OOM, and after the limit goes up the same allocation
   succeeds.
 - ``limits_while_training``: zoo ResNet-50 trains under the real agent, connected over ZeroMQ IPC to a
-  sidecar peer (``bench_control.PeerSidecar``, the sidecar side of docs/protocol.md) that sends a
+  sidecar peer (``control.PeerSidecar``, the sidecar side of docs/protocol.md) that sends a
   schedule of limits, down and up, all above the model's footprint. Each must be applied at the
   boundary after the iteration it arrived in (the agent's ack says which), and after a shrink the
   memory torch holds must be under the limit.
@@ -63,7 +63,7 @@ def limits_while_training(ctx: Optional[PartContext], workdir: str, steps_betwee
     import torch
 
     from slurm_antman import protocol as P
-    from slurm_antman.bench_control import PeerSidecar
+    from slurm_antman.bench.control import PeerSidecar
     from slurm_antman.evaluation.model_zoo import build
     from torch_patch.agent import Agent
 

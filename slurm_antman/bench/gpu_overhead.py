@@ -1,8 +1,8 @@
 """Part 5: the agent's overhead on a real model, alone on the GPU.
 
 Zoo ResNet-50 under the real agent, reporting over ZeroMQ IPC to the bench sidecar of ``antman bench
-control`` (``bench_control.agent_with_peer``, in a process of its own as a sidecar is on a node). The
-measurement is ``bench_control.measure_overhead``: the same loop with the agent's hooks attached and
+control`` (``control.agent_with_peer``, in a process of its own as a sidecar is on a node). The
+measurement is ``control.measure_overhead``: the same loop with the agent's hooks attached and
 detached in A-B-B-A rounds (neither side always first), the ratio's median; the same rounds with both
 sides detached (A/A) give the ratio the machine's noise alone reports. Each iteration ends with a
 synchronize, so a mini-batch is timed to the end of its kernels.
@@ -22,7 +22,7 @@ MAX_OVERHEAD = 0.01
 def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
     import torch
 
-    from slurm_antman.bench_control import agent_with_peer, measure_overhead
+    from slurm_antman.bench.control import agent_with_peer, measure_overhead
     from slurm_antman.evaluation.model_zoo import build
 
     with agent_with_peer(os.path.join(workdir, "o", "agent.sock"), use_cuda=True) as (agent, _conn):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from slurm_antman.bench_models import stall_ms
+from slurm_antman.bench.models import stall_ms
 
 from .gpu_part import PartContext
 

@@ -6,7 +6,7 @@ The process builds and warms up, prints one JSON line ``{"ready": ...}``, then r
 stdin, one per line, and answers each with one JSON line on stdout:
 
 - ``{"cmd": "window", "seconds": S, "stall_ms": X}``: train for S seconds; before each step sleep a
-  random time from [0, 2X] with the GPU idle, the data-loader stall of ``bench_models`` (its
+  random time from [0, 2X] with the GPU idle, the data-loader stall of ``models`` (its
   ``stall_ms`` gives X for a duty); answer the steps, mean mini-batch and busy time, the agent's share
   and memory, and the losses;
 - ``{"cmd": "quit"}``.

@@ -1,6 +1,6 @@
 """Part 6: ``antman bench models --device cuda --pairs-with resnet50,lstm_lm``, within the budget.
 
-The command is run as it is (``bench_models.main``), in chunks of profiles, each chunk with its own
+The command is run as it is (``models.main``), in chunks of profiles, each chunk with its own
 ``--out`` file, so that what finished is kept when the budget runs out: first ResNet-50 and the LSTM
 among themselves, then the other profiles ``CHUNK`` at a time, while the time a chunk took so far says
 the next one fits. Short windows (``WINDOW_S``) keep all ten profiles near two minutes on an H100;
@@ -48,7 +48,7 @@ def merge(docs: list[dict]) -> dict:
 
 
 def run(ctx: PartContext) -> None:
-    from slurm_antman import bench_models
+    from slurm_antman.bench import models as bench_models
 
     docs, per_run_s, skipped = [], None, []
     for i, chunk in enumerate(chunks()):
@@ -69,9 +69,9 @@ def run(ctx: PartContext) -> None:
             ctx.check(f"chunk {','.join(chunk)}", False, f"exit {rc}", "antman bench models exits 0")
             continue
         docs.append(doc)
-        ctx.put("bench_models", merge(docs))
+        ctx.put("bench.models", merge(docs))
         ctx.put("command", "antman bench models " + " ".join(argv[:-2]))
-    merged = ctx.put("bench_models", merge(docs))
+    merged = ctx.put("bench.models", merge(docs))
     ctx.put("not_run_for_budget", skipped)
     timed = [n for n, r in merged["profiles"].items() if "solo" in r]
     # What the budget left out is reported, not failed: the command's own runs are what is checked.

@@ -47,7 +47,7 @@ import zmq
 
 from torch_patch.client import drain_wakeups
 
-from . import protocol as P
+from .. import protocol as P
 
 
 @dataclass

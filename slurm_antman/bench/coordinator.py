@@ -18,8 +18,8 @@ import time
 from collections import Counter
 from typing import Optional
 
-from .policy import CoordinatorState, decide
-from .policy.builders import PARAMS, synthetic_cluster
+from ..policy import CoordinatorState, decide
+from ..policy.builders import PARAMS, synthetic_cluster
 
 TARGET_MS = 50.0
 
@@ -66,7 +66,7 @@ def reclaim_on_devcluster(port_base: int = 19817, grace_s: int = 5, timeout_s: f
     from importlib import resources
     from pathlib import Path
 
-    from . import devcluster as dc
+    from .. import devcluster as dc
 
     data = resources.files("slurm_antman") / "data"
     with tempfile.TemporaryDirectory(prefix="antman-bench-reclaim-") as tmp:
@@ -102,7 +102,7 @@ def reclaim_on_devcluster(port_base: int = 19817, grace_s: int = 5, timeout_s: f
             need = wait(lambda: field(g, "JobState") == "RUNNING", "the guaranteed job to start")
             requeued = wait(lambda: field(opp, "Restarts") == "1", "the requeue")
             harmed = field(g, "JobState") != "RUNNING" or field(g, "Restarts") != "0"
-            from .coordinator import audit
+            from ..coordinator import audit
 
             notices = [r for r in audit.read(d / "log" / "coordinator-audit.jsonl")
                        if r.get("kind") == "preempt_notice" and r.get("job_id") == opp]

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import devcluster as dc
+from .. import devcluster as dc
 
 
 _EMPTY_LUA = """function slurm_job_submit(job_desc, part_list, submit_uid) return slurm.SUCCESS end

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Any, Optional, Sequence
 
-from .evaluation.workloads import BY_NAME, GiB, pair_slowdown
+from ..evaluation.workloads import BY_NAME, GiB, pair_slowdown
 
 # What a PyTorch process holds on a GPU before its first tensor: the CUDA context and the loaded
 # kernel images. pytorch/pytorch#34323 reports 781 MB in nvidia-smi for a process that only
@@ -140,7 +140,7 @@ def _finite(v: Any) -> bool:
 
 
 def parse_names(text: Optional[str], what: str) -> list[str]:
-    from .evaluation.model_zoo import NAMES
+    from ..evaluation.model_zoo import NAMES
 
     if text is None:
         return []
@@ -158,8 +158,8 @@ def parse_names(text: Optional[str], what: str) -> list[str]:
 
 def traced_memory(name: str, device: str = "meta", batch: Optional[int] = None) -> dict:
     """One profile's steady-state step memory from ``memory_trace`` (no GPU needed)."""
-    from .evaluation.memory_trace import trace_step
-    from .evaluation.model_zoo import build
+    from ..evaluation.memory_trace import trace_step
+    from ..evaluation.model_zoo import build
 
     loop = build(name, device=device, batch=batch)
     mem = trace_step(loop.model, loop.inputs, loop.step)
@@ -219,7 +219,7 @@ def worker(name: str, device: str, batch: Optional[int], warmup: int, threads: O
            mean_stall_ms: float = 0.0) -> dict:
     import torch
 
-    from .evaluation.model_zoo import build
+    from ..evaluation.model_zoo import build
 
     if threads:
         torch.set_num_threads(threads)
@@ -270,7 +270,7 @@ def worker(name: str, device: str, batch: Optional[int], warmup: int, threads: O
 
 
 def _worker_cmd(name: str, a: argparse.Namespace, stall: float = 0.0) -> list[str]:
-    cmd = [sys.executable, "-m", "slurm_antman.bench_models", "--worker", name, "--device", a.device,
+    cmd = [sys.executable, "-m", "slurm_antman.bench.models", "--worker", name, "--device", a.device,
            "--warmup", str(a.warmup)]
     if stall > 0:
         cmd += ["--stall-ms", repr(stall)]
@@ -285,7 +285,7 @@ def run_together(names: Sequence[str], a: argparse.Namespace,
                  stalls_ms: Optional[Sequence[float]] = None) -> list[dict]:
     """Runs one worker per name at the same time (each with its stall per step, none by default)
     and returns their results in order."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     stalls_ms = stalls_ms or [0.0] * len(names)
     procs = [subprocess.Popen(_worker_cmd(n, a, st), stdin=subprocess.PIPE, stdout=subprocess.PIPE,

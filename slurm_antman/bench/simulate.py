@@ -10,9 +10,9 @@ import sys
 import time
 from typing import Optional
 
-from .evaluation import report, traces, utilisation
-from .evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
-from .evaluation.workloads import GiB
+from ..evaluation import report, traces, utilisation
+from ..evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
+from ..evaluation.workloads import GiB
 
 
 def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: float) -> None:

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .bench_simulate import _policies, add_trace_args
-from .devcluster import DevclusterError
-from .evaluation import replay as rp
-from .evaluation import report, traces
-from .evaluation.simulator import SimConfig, simulate
-from .evaluation.workloads import GiB
+from .simulate import _policies, add_trace_args
+from ..devcluster import DevclusterError
+from ..evaluation import replay as rp
+from ..evaluation import report, traces
+from ..evaluation.simulator import SimConfig, simulate
+from ..evaluation.workloads import GiB
 
 KEYS = ("jobs_done", "sm_util", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s", "queue_delay_mean_s",
         "preemptions", "oom_failures", "wall_s")
