@@ -20,7 +20,8 @@ import zmq.auth
 
 from slurm_antman import devcluster as dc
 from slurm_antman import protocol as p
-from slurm_antman.coordinator import audit, keys
+from slurm_antman import curve_keys as keys
+from slurm_antman.coordinator import audit
 from slurm_antman.devcluster_jobs import wait_for as _wait
 
 from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm
