@@ -310,6 +310,7 @@ class Agent:
                 client.flush_queued(ended + 1)
         if self._preempt is not None and not self._preempt_done.is_set():
             self._run_preempt_hooks()
+        self.pauser.after_boundary()
         if self._pause_req is not None:
             self._pause_here()
         if client is None:

@@ -68,6 +68,7 @@ class DeviceState:
         self._hooks: list[Any] = []
         self._keep: list[Any] = []  # host tensors whose async copies may still run
         self._last: Any = None  # the event after the last copy back
+        self.stepped = False  # the first optimizer step after the restore has waited for the copies
         self.bytes_moved = 0
 
     def _to_host(self, t: Any) -> Any:
@@ -153,8 +154,11 @@ class DeviceState:
         return pre_hook
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.torch.cuda.current_stream(self.device).wait_event(self._last)
-        self.release()
+        # The hooks are removed later (release(), at the agent's next boundary): torch is iterating
+        # over them right now, and a dict must not change under its iteration.
+        if not self.stepped:
+            self.torch.cuda.current_stream(self.device).wait_event(self._last)
+            self.stepped = True
 
     def release(self) -> None:
         """Drop the hooks and, once the copies are done, the host copies."""
@@ -174,6 +178,7 @@ class Pauser:
         self.memory = memory
         self._optimizers: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._state: Optional[DeviceState] = None
+        self._restored: Optional[DeviceState] = None  # its hooks live until the first step after resume
         self._emulated: Optional[int] = None
 
     def saw_optimizer(self, opt: Any) -> None:
@@ -205,4 +210,10 @@ class Pauser:
             return
         if self._state is not None:
             self._state.restore()
-            self._state = None
+            self._restored, self._state = self._state, None
+
+    def after_boundary(self) -> None:
+        """At each iteration boundary: once the first step after a resume has run, drop its hooks."""
+        if self._restored is not None and self._restored.stepped:
+            self._restored.release()
+            self._restored = None
