@@ -72,8 +72,10 @@ def reclaim_on_devcluster(port_base: int = 19817, grace_s: int = 5, timeout_s: f
     with tempfile.TemporaryDirectory(prefix="antman-bench-reclaim-") as tmp:
         d, work = Path(tmp) / "cluster", Path(tmp) / "work"
         work.mkdir()
+        # The requeue path: without pause in place, which would free the memory in milliseconds
+        # and requeue only after sidecar.pause_max_s (that path is `antman bench pause`'s).
         c = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=port_base, overrides={
-            "grace_time_s": grace_s, "nodes": {"gpu_memory_mb": 2048}})
+            "grace_time_s": grace_s, "nodes": {"gpu_memory_mb": 2048}, "sidecar": {"pause_max_s": None}})
 
         def sbatch(name: str, flags: list[str], cmd: str) -> str:
             script = work / f"{name}.sh"
