@@ -72,13 +72,13 @@ def _cmd_node(a: argparse.Namespace) -> int:
 
 
 def _cmd_squeue(a: argparse.Namespace) -> int:
-    from . import squeue_view
+    from .views import squeue as squeue_view
 
     return squeue_view.main(a)
 
 
 def _cmd_nodes(a: argparse.Namespace) -> int:
-    from . import nodes_view
+    from .views import nodes as nodes_view
 
     return nodes_view.main(a)
 

@@ -112,7 +112,7 @@ def _has_nodes_cmd() -> bool:
 
 def _nodes_in_process(cluster) -> list:
     """Until `antman nodes` is wired into cli.py, run the view's main() in a child Python."""
-    code = ("import argparse, sys; from slurm_antman import nodes_view; "
+    code = ("import argparse, sys; from slurm_antman.views import nodes as nodes_view; "
             "sys.exit(nodes_view.main(argparse.Namespace(json=True)))")
     r = subprocess.run([sys.executable, "-c", code], env=dict(cluster.env, PYTHONPATH=str(REPO)),
                        capture_output=True, text=True, timeout=60, cwd=REPO)
@@ -148,7 +148,7 @@ def test_a_job_its_sidecar_paused_in_place_shows_paused():
     """Issue 16: Slurm says RUNNING; the sidecar has moved its GPU state to the host: PAUSED."""
     from slurm_antman import protocol as p
     from slurm_antman.slurm.models import Job
-    from slurm_antman.squeue_view import rows
+    from slurm_antman.views.squeue import rows
 
     job = Job(7, "train", "alice", "research", "opportunistic", "RUNNING", "None", "node1", ["node1"], 0,
               "antman:class=opportunistic", "", "opportunistic", {"node1": [0]}, "", None, None)

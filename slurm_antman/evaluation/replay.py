@@ -276,7 +276,7 @@ class Replay:
     # -- watching ----------------------------------------------------------------------------------
 
     def _poll(self) -> None:
-        from ..squeue_view import sidecar_states
+        from ..views.squeue import sidecar_states
 
         now = self._now()
         try:

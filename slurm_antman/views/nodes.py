@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .slurm import Job, Node, default_backend
-from .squeue_view import HOLDING_STATES, console, load_config, show, sidecar_states
+from ..slurm import Job, Node, default_backend
+from .squeue import HOLDING_STATES, console, load_config, show, sidecar_states
 
 
 def rows(nodes: list[Node], jobs: list[Job], states: dict[str, Any]) -> list[dict[str, Any]]:

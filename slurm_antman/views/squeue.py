@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from .slurm import Job, default_backend
-from .slurm.models import TERMINAL_STATES
+from ..slurm import Job, default_backend
+from ..slurm.models import TERMINAL_STATES
 
 # States in which a job holds its allocation, so its GPUs are meaningful.
 HOLDING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"})
@@ -34,7 +34,7 @@ def load_config(args: Optional[argparse.Namespace] = None) -> Any:
 
     A config that was named explicitly (``--config`` / ANTMAN_CONFIG) and is broken is an error.
     """
-    from . import config as cm
+    from .. import config as cm
 
     named = getattr(args, "config", None) or os.environ.get("ANTMAN_CONFIG")
     path = Path(named or DEFAULT_CONFIG)
