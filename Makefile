@@ -2,20 +2,26 @@
 SHELL := /bin/bash
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
-APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv python3-dev
+APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv python3-dev \
+                slurmdbd mariadb-server
 PYTEST_ARGS ?=
 
 .PHONY: deps demo test test-gpu spank clean gpu-proof gpu-wheels
 .DEFAULT_GOAL := test
 
-# System packages only when something is missing, so a warm machine does not touch apt.
-.deps-apt.stamp:
-	@missing=""; for b in slurmctld slurmd munged lua5.1 gcc; do \
+# System packages only when something is missing, so a warm machine does not touch apt. The
+# devcluster runs its own MariaDB and slurmdbd on loopback: a policy-rc.d (when the machine has none)
+# keeps the packages' own system services from starting during the install.
+.deps-apt.stamp: Makefile
+	@missing=""; for b in slurmctld slurmd munged lua5.1 gcc slurmdbd mariadbd mariadb-install-db; do \
 	  command -v $$b >/dev/null 2>&1 || [ -x /usr/sbin/$$b ] || missing=1; done; \
 	  [ -f /usr/include/slurm/spank.h ] || missing=1; \
 	  python3 -c 'import venv, ensurepip' 2>/dev/null || missing=1; \
 	if [ -n "$$missing" ]; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); \
+	  rcd=""; if [ ! -e /usr/sbin/policy-rc.d ]; then \
+	    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && rcd=1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(APT_PACKAGES); st=$$?; \
+	  if [ -n "$$rcd" ]; then rm -f /usr/sbin/policy-rc.d; fi; exit $$st; \
 	fi
 	@touch $@
 

@@ -21,7 +21,8 @@ def _cmd_devcluster(a: argparse.Namespace) -> int:
 
     d = Path(a.dir)
     if a.action == "up":
-        cluster = dc.up(d, nodes=a.nodes, gpus=a.gpus, cpus=a.cpus, port_base=a.port_base, plain=a.plain)
+        cluster = dc.up(d, nodes=a.nodes, gpus=a.gpus, cpus=a.cpus, port_base=a.port_base, plain=a.plain,
+                        accounting=not a.no_accounting)
         sys.stdout.write(dc.export_lines(cluster))
         print(f"# devcluster up in {cluster.dir}: nodes {','.join(cluster.nodes)}, {cluster.gpus} GPUs each",
               file=sys.stderr)
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--cpus", type=int, default=4, help="CPUs each node claims")
     dc.add_argument("--port-base", type=int, default=17817, help="slurmctld port; slurmd ports follow")
     dc.add_argument("--plain", action="store_true", help="plain Slurm, without the slurm-antman stack")
+    dc.add_argument("--no-accounting", action="store_true",
+                    help="no slurmdbd and MariaDB (sacct then fails; quotas come from antman.yaml)")
     dc.add_argument("--json", action="store_true")
     dc.set_defaults(func=_cmd_devcluster)
 

@@ -255,6 +255,13 @@ class Coordinator(_Strict):
     quota_file: Optional[str] = Field(
         default=None, description="antman_quota.lua next to job_submit.lua: tenant quota use, rewritten by "
                                   "the coordinator every cycle so job_submit.lua resolves auto at submission.")
+    quota_source: Literal["auto", "accounting", "antman_yaml"] = Field(
+        default="auto", description="Where tenant quotas come from. auto: Slurm accounting (each account's "
+        "GrpTRES=gres/gpu=N, read with sacctmgr) when slurmctld runs with AccountingStorageType="
+        "accounting_storage/slurmdbd, else antman.yaml tenants; accounting: Slurm accounting only (an error "
+        "while Slurm has none); antman_yaml: antman.yaml tenants even where accounting exists (an override).")
+    accounting_refresh_s: float = Field(default=60.0, gt=0, le=86400,
+                                        description="Seconds between reads of the quotas in Slurm accounting.")
     stale_report_s: float = Field(default=30.0, gt=0,
                                   description="A sidecar report older than this counts as no report.")
     metrics_port: int = Field(default=0, ge=0, le=65535,

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import config as cfgmod
+from . import tenants
+from .slurm.parsing import parse_scontrol_config
 
 # What the plugin and this code were built and tested against.
 SUPPORTED_SLURM = (22, 5)
@@ -76,11 +78,7 @@ def slurm_config() -> tuple[Optional[dict[str, str]], Check]:
     if r.returncode != 0:
         return None, fail("slurm", f"scontrol show config failed: {_first_error(r)}",
                           "start slurmctld, or set SLURM_CONF to the slurm.conf this host uses")
-    conf = {}
-    for line in r.stdout.splitlines():
-        m = re.match(r"^(\S+)\s+=\s?(.*)$", line)
-        if m:
-            conf[m.group(1)] = m.group(2).strip()
+    conf = parse_scontrol_config(r.stdout)
     return conf, ok("slurm", f"slurmctld answers (Slurm {conf.get('SLURM_VERSION', '?')}, "
                              f"slurm.conf {conf.get('SLURM_CONF', '?')})")
 
@@ -293,6 +291,48 @@ def check_enforcement(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]],
     return ok("enforcement", "; ".join(parts))
 
 
+def _read_associations(cluster: str) -> list:
+    from .slurm.cli_backend import CliBackend
+
+    return CliBackend(timeout=COMMAND_TIMEOUT_S).associations(cluster)
+
+
+def check_quotas(cfg: cfgmod.AntmanConfig, sconf: dict[str, str],
+                 read: Callable[[str], list] = _read_associations) -> Check:
+    """Which source the coordinator takes tenant quotas from, and where antman.yaml and accounting
+    disagree (the coordinator follows the source in force; a disagreement is an admin's to settle)."""
+    from .slurm.errors import SlurmError
+
+    source = cfg.coordinator.quota_source
+    storage = sconf.get("AccountingStorageType", "")
+    yaml_q = tenants.quotas_from_config(cfg)
+    yaml_text = f"antman.yaml tenants ({len(yaml_q)})"
+    if storage != tenants.SLURMDBD:
+        if source == "accounting":
+            return fail("quotas", f"quota_source is accounting but Slurm runs with AccountingStorageType="
+                                  f"{storage or '(unset)'}", f"set AccountingStorageType={tenants.SLURMDBD} in slurm.conf "
+                                  "(with slurmdbd), or coordinator.quota_source: auto")
+        return ok("quotas", f"{yaml_text}: Slurm has no accounting storage ({storage or 'unset'})")
+    try:
+        reading = tenants.quotas_from_associations(read(cfg.cluster_name), cfg.cluster_name, cfg.slurm.gpu_gres)
+    except SlurmError as e:
+        in_force = yaml_text if source == "antman_yaml" else "the last quotas the coordinator read from accounting"
+        return warn("quotas", f"{in_force}; cannot read accounting: {e}",
+                    "start slurmdbd (and its database); sacctmgr show associations must answer")
+    in_force = (f"{yaml_text} (quota_source: antman_yaml overrides accounting)" if source == "antman_yaml" else
+                "Slurm accounting (GrpTRES=gres/%s on %d account(s)%s)" % (
+                    cfg.slurm.gpu_gres, len(reading.quotas),
+                    ": " + ", ".join(f"{a}={n}" for a, n in sorted(reading.quotas.items())) if reading.quotas else ""))
+    issues = [*reading.problems, *(tenants.disagreements(yaml_q, reading, cfg.cluster_name, cfg.slurm.gpu_gres)
+                                   if yaml_q or source == "antman_yaml" else [])]
+    if issues:
+        more = f" (+{len(issues) - 1} more, in the hint)" if len(issues) > 1 else ""
+        return Check("quotas", "warn", f"{in_force}; {issues[0]}{more}",
+                     "make antman.yaml tenants and sacctmgr agree (or drop the tenants from antman.yaml); all: "
+                     + " | ".join(issues))
+    return ok("quotas", in_force)
+
+
 def controller_time() -> tuple[Optional[float], str]:
     """slurmctld's own clock: ``sdiag`` prints the time slurmctld answered at, as a Unix time."""
     r = _run(["sdiag"])
@@ -366,6 +406,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
     checks.append(check_nvml())
     checks.append(check_enforcement(cfg, sconf) if cfg else skip("enforcement", need_cfg))
+    checks.append(check_quotas(cfg, sconf) if cfg and sconf else skip("quotas", need_cfg if not cfg else need_slurm))
     checks.append(check_clock() if sconf else skip("clock_skew", need_slurm))
     checks.append(check_socket_dir(cfg) if cfg else skip("socket_dir", need_cfg))
     return checks

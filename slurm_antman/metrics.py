@@ -169,6 +169,8 @@ class CoordinatorView:
     quota_used: tuple[tuple[str, int], ...] = ()   # (account, guaranteed GPUs held)
     quota: tuple[tuple[str, int], ...] = ()        # (account, guaranteed GPUs allowed)
     jobs_by_class: tuple[tuple[str, str, int], ...] = ()  # (class, Slurm state, count)
+    quota_source: str = ""                         # "accounting" or "antman.yaml"
+    quota_error: bool = False                      # the last read of the quota source failed
 
 
 class CoordinatorMetrics(Collector):
@@ -200,13 +202,14 @@ class CoordinatorMetrics(Collector):
         elif kind == "upgrade":
             self.upgrades.inc()
 
-    def publish(self, jobs: Iterable[Any], quotas: dict[str, int], used: dict[str, int]) -> None:
+    def publish(self, jobs: Iterable[Any], quotas: dict[str, int], used: dict[str, int], quota_source: str = "",
+                quota_error: bool = False) -> None:
         by: dict[tuple[str, str], int] = {}
         for j in jobs:
             key = (j.job_class, j.state)
             by[key] = by.get(key, 0) + 1
         self.view = CoordinatorView(tuple(sorted(used.items())), tuple(sorted(quotas.items())),
-                                    tuple((c, s, n) for (c, s), n in sorted(by.items())))
+                                    tuple((c, s, n) for (c, s), n in sorted(by.items())), quota_source, quota_error)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         v = self.view
@@ -218,7 +221,8 @@ class CoordinatorMetrics(Collector):
         for a in accounts:
             if a not in dict(v.quota_used):
                 used.add_metric([a], 0)
-        quota = GaugeMetricFamily(f"{PREFIX}_tenant_quota_gpus", "Guaranteed GPUs a tenant may hold (antman.yaml).",
+        quota = GaugeMetricFamily(f"{PREFIX}_tenant_quota_gpus", "Guaranteed GPUs a tenant may hold (from the "
+                                  "quota source in force: Slurm accounting's GrpTRES, or antman.yaml).",
                                   labels=["account"])
         for a, n in v.quota:
             quota.add_metric([a], n)
@@ -226,7 +230,12 @@ class CoordinatorMetrics(Collector):
                                  labels=["class", "state"])
         for c, s, n in v.jobs_by_class:
             jobs.add_metric([c, s], n)
-        yield from (used, quota, jobs)
+        source = GaugeMetricFamily(f"{PREFIX}_tenant_quota_source", "1 for the source of the tenant quotas in force; "
+                                   "error is 1 when its last read failed (the quotas read before are kept).",
+                                   labels=["source", "error"])
+        if v.quota_source:
+            source.add_metric([v.quota_source, "1" if v.quota_error else "0"], 1)
+        yield from (used, quota, jobs, source)
 
 
 # --- serving ---------------------------------------------------------------------------------

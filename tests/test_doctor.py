@@ -141,3 +141,51 @@ def test_enforcement_says_what_is_in_force_and_what_is_not():
     assert "no driver memory caps (no NVML (x))" in c.reason
     observe = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "sidecar": {"enforce": False}})
     assert check_enforcement(observe, {}).status == "warn"
+
+
+def _assoc_reader(rows=None, error=None):
+    from slurm_antman.slurm.errors import SlurmUnavailable
+    from slurm_antman.slurm.parsing import associations_from_sacctmgr
+
+    def read(cluster):
+        if error:
+            raise SlurmUnavailable(error)
+        return associations_from_sacctmgr(rows)
+    return read
+
+
+DBD = {"AccountingStorageType": "accounting_storage/slurmdbd"}
+
+
+def test_quotas_name_the_source_in_force_and_where_accounting_disagrees():
+    base = {"cluster_name": "c1", "nodes": [{"name": "n1", "gpus": 1}]}
+    cfg = cfgmod.parse({**base, "tenants": [{"account": "vision", "guaranteed_gpus": 2},
+                                            {"account": "nlp", "guaranteed_gpus": 1}]})
+    rows = "c1|vision||root|gres/gpu=2\nc1|nlp||root|gres/gpu=3\n"
+    c = doctor.check_quotas(cfg, DBD, _assoc_reader(rows))
+    assert c.status == "warn"
+    assert c.reason.startswith("Slurm accounting (GrpTRES=gres/gpu on 2 account(s): nlp=3, vision=2)")
+    assert "tenant nlp: antman.yaml says 1 GPUs, accounting GrpTRES gres/gpu=3" in c.reason
+    # agreeing sources, no antman.yaml tenants at all: plain ok
+    c = doctor.check_quotas(cfgmod.parse(base), DBD, _assoc_reader(rows))
+    assert c.status == "ok" and "nlp=3, vision=2" in c.reason
+    # the override is named as such
+    over = cfgmod.parse({**base, "tenants": [{"account": "vision", "guaranteed_gpus": 2}],
+                         "coordinator": {"quota_source": "antman_yaml"}})
+    c = doctor.check_quotas(over, DBD, _assoc_reader("c1|vision||root|gres/gpu=2\n"))
+    assert c.status == "ok" and "quota_source: antman_yaml overrides accounting" in c.reason
+    # a typed GPU limit is not a count: named with its account
+    c = doctor.check_quotas(cfgmod.parse(base), DBD, _assoc_reader("c1|cv||root|gres/gpu:a100=4\n"))
+    assert c.status == "warn" and "account cv: GrpTRES gres/gpu:a100=4 is a typed GPU limit" in c.reason
+
+
+def test_quotas_without_accounting_or_when_it_does_not_answer():
+    base = {"cluster_name": "c1", "nodes": [{"name": "n1", "gpus": 1}]}
+    none = {"AccountingStorageType": "accounting_storage/none"}
+    c = doctor.check_quotas(cfgmod.parse(base), none, _assoc_reader(error="unused"))
+    assert c.status == "ok" and c.reason.startswith("antman.yaml tenants (0): Slurm has no accounting storage")
+    demanded = cfgmod.parse({**base, "coordinator": {"quota_source": "accounting"}})
+    c = doctor.check_quotas(demanded, none, _assoc_reader(error="unused"))
+    assert c.status == "fail" and "AccountingStorageType=accounting_storage/slurmdbd" in c.hint
+    c = doctor.check_quotas(cfgmod.parse(base), DBD, _assoc_reader(error="Connection refused"))
+    assert c.status == "warn" and "cannot read accounting: Connection refused" in c.reason

@@ -25,6 +25,7 @@ from slurm_antman import protocol as p
 from slurm_antman.policy import (HOLDING_STATES, CoordinatorState, PolicyParams, Preemption, Requeued,
                                  decide)
 from slurm_antman.slurm import CliBackend, SlurmError
+from slurm_antman.tenants import TenantQuotas
 
 from ..service import serve_until_stopped
 from . import audit, snapshot_builder
@@ -111,6 +112,7 @@ class Coordinator:
         self.params = params_from_config(cfg)
         self.audit = audit.AuditLog(cfg.coordinator.audit_log)
         self.executor = Executor(self.backend, cfg, hub, clock)
+        self.tenants = TenantQuotas(cfg, self.backend, clock)
         self.state = CoordinatorState.empty()
         self.reports: dict[str, Any] = {}
         self._class_sent: dict[tuple[str, str], float] = {}
@@ -163,6 +165,7 @@ class Coordinator:
         self.cfg = new
         self.params = params_from_config(new)
         self.executor.cfg = new
+        self.tenants = TenantQuotas(new, self.backend, self.clock)  # quota_source may have changed
         log.info("configuration reloaded; kept %d preemption(s) in progress and %d requeued job(s)",
                  len(self.state.preempting), len(self.state.requeued))
         return True
@@ -213,7 +216,7 @@ class Coordinator:
         except SlurmError as e:
             log.warning("cycle skipped: cannot read Slurm: %s", e)
             return []
-        snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now)
+        snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now, self.tenants.current())
         # Before this cycle's decisions, which act on the jobs placed.
         self._record_placements({str(j.job_id): j.restarts for j in jobs if j.state == "RUNNING"})
         self._record_pauses()
@@ -242,7 +245,8 @@ class Coordinator:
         self._write_quota(snap)
         self._sync_classes(jobs)
         if self.metrics is not None:
-            self.metrics.publish(snap.jobs, dict(snap.quotas), quota_use(snap))
+            self.metrics.publish(snap.jobs, dict(snap.quotas), quota_use(snap), self.tenants.source,
+                                 self.tenants.error is not None)
         return done
 
     def _write_quota(self, snap: Any) -> None:

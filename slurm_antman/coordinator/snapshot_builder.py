@@ -65,8 +65,9 @@ def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, A
 
 
 def build(cfg: AntmanConfig, jobs: Iterable[Job], nodes: Iterable[Node], reports: Mapping[str, Any],
-          now: float) -> Snapshot:
-    """``reports``: node -> the latest hub NodeReport of that node."""
+          now: float, quotas: Optional[Mapping[str, int]] = None) -> Snapshot:
+    """``reports``: node -> the latest hub NodeReport of that node; ``quotas``: account -> GPUs, from
+    the tenant quota source in force (antman.yaml's tenants when not given)."""
     fresh = {n: r for n, r in reports.items() if now - r.received_unix <= cfg.coordinator.stale_report_s}
     checkpoints: dict[str, float] = {}
     for rep in fresh.values():
@@ -78,7 +79,7 @@ def build(cfg: AntmanConfig, jobs: Iterable[Job], nodes: Iterable[Node], reports
     slurm_class = {v.job_id: v.job_class for v in views}
     needs = tuple(_needs(fresh, slurm_class))
     return Snapshot(now=now, jobs=views, nodes=node_views(cfg, nodes, reports, slurm_class, now),
-                    quotas=quotas_from_config(cfg), needs=needs)
+                    quotas=quotas if quotas is not None else quotas_from_config(cfg), needs=needs)
 
 
 def _needs(fresh: Mapping[str, Any], slurm_class: Mapping[str, str]) -> Iterable[PreemptNeed]:

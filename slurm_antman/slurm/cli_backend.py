@@ -13,8 +13,9 @@ from typing import Iterable, Mapping, Optional, Union
 from .backend import Options, SlurmBackend
 from .errors import (CommandFailed, JobNotFound, SlurmError, SlurmOutputError, SlurmUnavailable,
                      SubmissionRejected)
-from .models import Job, Node
-from .parsing import filter_jobs, job_from_scontrol, jobs_from_squeue_json, nodes_from_sinfo_json
+from .models import Association, Job, Node
+from .parsing import (ASSOC_FORMAT, associations_from_sacctmgr, filter_jobs, job_from_scontrol,
+                      jobs_from_squeue_json, nodes_from_sinfo_json, parse_scontrol_config)
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -201,6 +202,21 @@ class CliBackend(SlurmBackend):
         if isinstance(doc, dict) and doc.get("errors"):
             self._json_errors(argv, doc["errors"])
         return nodes_from_sinfo_json(doc)
+
+    def config(self) -> dict[str, str]:
+        """``scontrol show config`` as key -> value (what slurmctld runs with, not what a file says)."""
+        return parse_scontrol_config(self._run(["scontrol", "show", "config"]).stdout)
+
+    def associations(self, cluster: Optional[str] = None) -> list[Association]:
+        """Slurm accounting's associations (``sacctmgr``; needs slurmdbd), of ``cluster`` if given."""
+        argv = ["sacctmgr", "-n", "-P", "show", "associations", f"format={','.join(ASSOC_FORMAT)}"]
+        if cluster:
+            argv.append(f"cluster={cluster}")
+        r = self._run(argv)
+        try:
+            return associations_from_sacctmgr(r.stdout)
+        except SlurmOutputError as e:
+            raise SlurmOutputError(e.message, argv, r.stderr) from None
 
 
 def default_backend(env: Optional[Mapping[str, str]] = None, gres_name: str = "gpu",

@@ -101,3 +101,14 @@ class Node:
             "gres_used": self.gres_used, "partitions": self.partitions, "cpus": self.cpus,
             "alloc_cpus": self.alloc_cpus, "real_memory_mb": self.real_memory_mb, "reason": self.reason,
         }
+
+
+@dataclass(frozen=True)
+class Association:
+    """One row of ``sacctmgr show associations``: an account's own limits when ``user`` is empty."""
+
+    cluster: str
+    account: str
+    user: str
+    parent: str
+    grp_tres: dict[str, str]  # "gres/gpu" -> "4", as Slurm printed it (a value is parsed by its reader)

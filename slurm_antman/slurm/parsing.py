@@ -17,7 +17,7 @@ from typing import Any, Iterable, Optional
 
 from .. import hostlist
 from .errors import SlurmOutputError
-from .models import AntmanTag, Job, Node
+from .models import AntmanTag, Association, Job, Node
 
 # Order of `scontrol show job` keys in Slurm 22.05 (src/api/job_info.c); optional ones included.
 JOB_KEY_ORDER: tuple[str, ...] = (
@@ -345,3 +345,49 @@ def filter_jobs(jobs: Iterable[Job], states: Optional[Iterable[str]] = None,
     ids = {int(i) for i in job_ids} if job_ids is not None else None
     return [j for j in jobs if (st is None or j.state in st) and (us is None or j.user in us)
             and (ids is None or j.job_id in ids)]
+
+
+# `sacctmgr -n -P show associations format=...`: one row per association, fields joined by "|" (no
+# Slurm name may contain "|", so the split cannot be forged by an account or user name).
+ASSOC_FORMAT = ("Cluster", "Account", "User", "ParentName", "GrpTRES")
+
+
+def parse_tres(text: str) -> dict[str, str]:
+    """``cpu=10,gres/gpu=4`` -> ``{"cpu": "10", "gres/gpu": "4"}``; an empty text is no limit."""
+    out: dict[str, str] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SlurmOutputError(f"TRES item {item!r} is not NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def associations_from_sacctmgr(text: str) -> list[Association]:
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if fields and fields[-1] == "" and len(fields) == len(ASSOC_FORMAT) + 1:
+            fields.pop()  # some versions end each parsable row with a "|"
+        if len(fields) != len(ASSOC_FORMAT):
+            raise SlurmOutputError(f"sacctmgr association row {n} has {len(fields)} fields, expected "
+                                   f"{len(ASSOC_FORMAT)} ({', '.join(ASSOC_FORMAT)}): {line[:120]!r}")
+        cluster, account, user, parent, tres = (f.strip() for f in fields)
+        try:
+            grp = parse_tres(tres)
+        except SlurmOutputError as e:
+            raise SlurmOutputError(f"sacctmgr association row {n} (account {account!r}): GrpTRES {e}") from None
+        rows.append(Association(cluster, account, user, parent, grp))
+    return rows
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: ``Name   = value`` lines; a header or an empty value is skipped/kept as ''."""
+    conf = {}
+    for line in text.splitlines():
+        m = re.match(r"^(\S+)\s+=\s?(.*)$", line)
+        if m:
+            conf[m.group(1)] = m.group(2).strip()
+    return conf
