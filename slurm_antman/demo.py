@@ -1,8 +1,12 @@
-"""``antman demo``: the whole submission path on a local cluster, narrated.
+"""``antman demo``: the AntMan loop on a local Slurm cluster, narrated.
 
-Guaranteed and opportunistic PyTorch jobs share node1's GPUs; then a guaranteed job needs the CPUs
-an opportunistic job holds, Slurm preempts it by requeue, and it resumes from its checkpoint.
-Everything here is real Slurm; the demo only submits, watches and explains.
+One emulated GPU, two jobs on it: a guaranteed job and an opportunistic one. The guaranteed job's
+memory grows and the opportunistic job's limit shrinks and its compute share drops, live; a burst
+needs more than shrinking frees, so the opportunistic job is paused in place and resumed when the
+burst passes; a burst that lasts past ``sidecar.pause_max_s`` ends the pause with the coordinator's
+notice, grace and requeue, and the job resumes from its checkpoint. ``antman explain`` tells the story.
+CPU only: GPU memory and utilisation are emulated by the jobs' agents; Slurm (with slurmdbd), the
+SPANK plugin, job_submit.lua, the sidecar, the coordinator and the agents inside the jobs are real.
 """
 
 from __future__ import annotations
@@ -19,27 +23,26 @@ from rich.panel import Panel
 from rich.table import Table
 
 from . import devcluster as dc
-from .slurm.models import REQUEUED_START_TIME
 
 # A log or CI capture is not a terminal; rich would fold the tables at 80 columns there.
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _data(name: str) -> Path:
+    return Path(str(resources.files("slurm_antman") / "data" / name))
 
 
 class Demo:
     def __init__(self, cluster: dc.Cluster, work: Path):
         self.c = cluster
         self.work = work
-        self.train = work / "demo_train.py"
-        shutil.copy(resources.files("slurm_antman") / "data" / "demo_train.py", self.train)
 
-    def submit(self, name: str, flags: list[str], steps: int) -> int:
-        script = self.work / f"{name}.sh"
-        script.write_text(
-            "#!/bin/bash\n"
-            f"exec {sys.executable} {self.train} {self.work / (name + '.ckpt')} {steps}\n"
-        )
+    def submit(self, name: str, flags: list[str], script: str) -> int:
+        """``script``: a Python file and its arguments, run by this interpreter as the job's step."""
+        path = self.work / f"{name}.sh"
+        path.write_text(f"#!/bin/bash\nexec {sys.executable} {script}\n")
         r = self.c.run(["sbatch", "--parsable", "-J", name, "-D", str(self.work),
-                        "-o", str(self.work / f"{name}.out"), "--open-mode=append", *flags, str(script)])
+                        "-o", str(self.work / f"{name}.out"), "--open-mode=append", *flags, str(path)])
         if r.returncode:
             raise RuntimeError(f"sbatch for {name} failed: {r.stderr.strip()}")
         jid = int(r.stdout.strip().split(";")[0])
@@ -73,62 +76,131 @@ class Demo:
     def state(self, jid: int) -> str:
         return self.jobs().get(jid, {}).get("state", "GONE")
 
+    def gpu_measured(self) -> bool:
+        """The sidecar lets an opportunistic job beside a guaranteed one only once it has measured how
+        busy the guaranteed job keeps the GPU."""
+        from sidecar import client
+
+        from . import config as cfgmod
+
+        sockdir = cfgmod.load(self.c.config_path).node_socket_dir(self.c.nodes[0])
+        try:
+            return all(g.util_measured for g in client.node_state(sockdir).gpus)
+        except (client.SidecarUnreachable, client.SidecarError):
+            return False
+
 
 def _last(text: str, prefix: str) -> str:
     lines = [l for l in text.splitlines() if l.startswith(prefix)]
     return lines[-1] if lines else ""
 
 
+def _steps(text: str) -> int:
+    return sum(1 for l in text.splitlines() if l.startswith("step "))
+
+
+def _limit(j: dict) -> str:
+    v = j.get("mem_limit_bytes")
+    return "unlimited" if v is None else f"{v / 2**30:.1f} GiB"
+
+
+# The demo's cluster: one node, one emulated 4 GiB GPU; a pause lasts at most 12 s before the requeue,
+# and the coordinator's grace time is 5 s, so the whole loop fits in about two minutes.
+PAUSE_MAX_S = 12
+GRACE_S = 5
+OVERRIDES = {
+    "grace_time_s": GRACE_S, "nodes": {"gpu_memory_mb": 4096},
+    "sidecar": {"pause_max_s": PAUSE_MAX_S, "resume_hold_s": 2.0},
+    "tenants": [{"account": "research", "guaranteed_gpus": 1}],
+}
+
+
 def main(args) -> int:
     d = Path(args.dir)
-    console.rule("[bold]slurm-antman demo")
-    console.print("Bringing up a local Slurm cluster: slurmctld, 2 x slurmd, 4 fake GPUs and 4 CPUs per node,"
-                  " the SPANK plugin, job_submit.lua, and a sidecar per node.")
-    cluster = dc.up(d, nodes=2, gpus=4, cpus=4, port_base=args.port_base)
+    console.rule("[bold]slurm-antman demo: the AntMan loop on one GPU")
+    console.print("Bringing up a local Slurm cluster: slurmctld, slurmdbd on MariaDB, one slurmd with one GPU, the "
+                  "SPANK plugin, job_submit.lua, the node's sidecar and the coordinator.")
+    console.print("[bold]CPU only: the GPU is emulated[/] (4 GiB; each job's agent reports the memory and "
+                  "utilisation a GPU job would have). Slurm, the daemons and the agents inside the jobs are real.")
+    cluster = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=args.port_base, overrides=OVERRIDES)
     console.print(f"  cluster up in {d}  (eval: {' '.join(f'{k}={v}' for k, v in cluster.exports().items())})")
     work = d / "work"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     demo = Demo(cluster, work)
+    phase = work / "guaranteed.phase"
+    phase.write_text("base")
     ok = False
     try:
-        console.rule("1. A guaranteed job and two opportunistic jobs share node1")
-        g1 = demo.submit("resnet-guaranteed", ["--antman=guaranteed", "--gres=gpu:1", "-c", "1", "-w", "node1"], 240)
-        o1 = demo.submit("bert-opportunistic", ["--antman=opportunistic", "--gres=gpu:1", "-c", "1", "-w", "node1"], 400)
-        o2 = demo.submit("gpt-opportunistic", ["--antman=opportunistic", "--gres=gpu:1", "-c", "1", "-w", "node1"], 400)
-        names = {g1: "resnet-guaranteed", o1: "bert-opportunistic", o2: "gpt-opportunistic"}
-        demo.wait("all three jobs to train", lambda: all("step 5 " in demo.output(n) for n in names.values()))
-        demo.show_queue("three jobs training on node1")
-        for jid, name in names.items():
-            console.print(f"  {name:<20} {_last(demo.output(name), 'START')}  ->  {_last(demo.output(name), 'step')}")
-        console.print("The opportunistic jobs asked for --gres=gpu:1; job_submit.lua moved them to the count-only "
-                      "antman_opp GRES and the opportunistic partition, and the node's sidecar picked the physical "
-                      "GPU each one sees in CUDA_VISIBLE_DEVICES.")
+        console.rule("1. A guaranteed and an opportunistic job share GPU 0")
+        g = demo.submit("resnet-guaranteed", ["--antman=guaranteed", "--gres=gpu:1", "-A", "research"],
+                        script=f"{_data('demo_guaranteed.py')} {phase}")
+        demo.wait("the guaranteed job to train", lambda: "step " in demo.output("resnet-guaranteed"))
+        demo.wait("the sidecar to measure the guaranteed job's GPU use", demo.gpu_measured, 90)
+        o = demo.submit("bert-opportunistic", ["--antman=opportunistic", "--gres=gpu:1", "-A", "research"],
+                        script=f"{_data('demo_train.py')} {work / 'bert.ckpt'} 100000 0.05")
+        names = {g: "resnet-guaranteed", o: "bert-opportunistic"}
+        demo.wait("the opportunistic job to train", lambda: _steps(demo.output("bert-opportunistic")) >= 2, 90)
+        demo.wait("its limits", lambda: demo.jobs()[o].get("compute_share") is not None, 30)
+        demo.show_queue("two jobs on GPU 0")
+        before = demo.jobs()[o]
+        console.print("The opportunistic job asked for --gres=gpu:1; job_submit.lua moved it to the count-only "
+                      "antman_opp GRES and the opportunistic partition, and the sidecar put it beside the guaranteed "
+                      f"job on GPU 0: memory limit {_limit(before)}, compute share {before['compute_share']:.2f} "
+                      "(the guaranteed job is never limited).")
 
-        console.rule("2. A guaranteed job needs CPUs an opportunistic job holds")
-        g2 = demo.submit("llama-guaranteed", ["--antman=guaranteed", "--gres=gpu:1", "-c", "2", "-w", "node1"], 40)
-        names[g2] = "llama-guaranteed"
-        demo.wait("the guaranteed job to start", lambda: demo.state(g2) == "RUNNING")
-        jobs = demo.jobs()
-        victims = [j for j in (o1, o2) if jobs[j]["restarts"] >= 1]
-        if not victims:
-            raise RuntimeError("Slurm started the guaranteed job without preempting an opportunistic one")
-        victim = victims[0]
-        demo.wait("the victim's checkpoint on SIGTERM", lambda: "PREEMPTED" in demo.output(names[victim]), 30)
-        demo.show_queue("Slurm preempted an opportunistic job by requeue")
-        console.print(f"  {names[victim]}: {_last(demo.output(names[victim]), 'PREEMPTED')}")
-        console.print("Slurm keeps a requeued job out for ~2 minutes (BeginTime). The coordinator clears that wait "
-                      "for the jobs it requeues itself (GPU memory or compute); this one Slurm preempted on its own "
-                      f"for CPUs, so the demo clears it: scontrol update StartTime={REQUEUED_START_TIME}.")
-        cluster.run(["scontrol", "update", f"JobId={victim}", f"StartTime={REQUEUED_START_TIME}"])
+        console.rule("2. The guaranteed job's memory grows: the opportunistic job shrinks, live")
+        phase.write_text("grow")
+        console.print("  the guaranteed job enters a heavier phase: 0.5 GiB -> 1.5 GiB of GPU memory")
+        demo.wait("the opportunistic job's limit to shrink",
+                  lambda: (demo.jobs()[o].get("mem_limit_bytes") or 1 << 62) < (before["mem_limit_bytes"] or 1 << 62), 30)
+        after = demo.jobs()[o]
+        demo.show_queue("the opportunistic job shrunk and throttled")
+        console.print(f"  bert-opportunistic: memory limit {_limit(before)} -> {_limit(after)}, compute share "
+                      f"{before['compute_share']:.2f} -> {after['compute_share']:.2f}; it keeps training "
+                      "(its agent spills what does not fit to host memory and spaces out its kernel launches).")
 
-        console.rule("3. The requeued job resumes from its checkpoint when room returns")
-        demo.wait("the requeued job to resume", lambda: "restarts=1" in demo.output(names[victim]), 180)
-        console.print(f"  {names[victim]}: {_last(demo.output(names[victim]), 'START')}")
-        demo.wait("the requeued job to train again", lambda: demo.output(names[victim]).count("step ") >
-                  demo.output(names[victim]).split("restarts=1")[0].count("step ") + 1, 60)
+        console.rule("3. A burst needs more than shrinking frees: pause in place")
+        phase.write_text("burst")
+        console.print("  the guaranteed job bursts to 3.3 GiB: what is left is under the opportunistic job's 1 GiB "
+                      "minimum")
+        demo.wait("the opportunistic job to pause", lambda: demo.state(o) == "PAUSED", 30)
+        demo.show_queue("paused in place: its GPU state on the host, its GPU memory freed")
+        at = _steps(demo.output("bert-opportunistic"))
+        time.sleep(3)
+        if _steps(demo.output("bert-opportunistic")) > at:
+            raise RuntimeError("the paused job kept training")
+        phase.write_text("grow")
+        console.print("  the burst passes after a few seconds ...")
+        demo.wait("the opportunistic job to resume", lambda: demo.state(o) == "RUNNING"
+                  and _steps(demo.output("bert-opportunistic")) > at, 30)
+        console.print(f"  ... and bert-opportunistic resumed in place: same process, no restart (restarts="
+                      f"{demo.jobs()[o]['restarts']}), training again: {_last(demo.output('bert-opportunistic'), 'step')}.")
+
+        console.rule(f"4. A burst that lasts: pause runs out after {PAUSE_MAX_S} s, requeue, resume from checkpoint")
+        phase.write_text("burst")
+        demo.wait("the opportunistic job to pause again", lambda: demo.state(o) == "PAUSED", 30)
+        console.print(f"  paused again; the burst goes on past sidecar.pause_max_s ({PAUSE_MAX_S} s): the sidecar asks "
+                      f"the coordinator, which sends a notice, waits the grace time ({GRACE_S} s) and requeues the job")
+        demo.wait("the requeue", lambda: demo.jobs()[o]["restarts"] >= 1, PAUSE_MAX_S + GRACE_S + 60)
+        demo.show_queue("requeued through Slurm")
+        console.print(f"  bert-opportunistic: {_last(demo.output('bert-opportunistic'), 'PREEMPTED') or 'requeued'}")
+        phase.write_text("base")
+        console.print("  the burst ends; the requeued job may run again (the coordinator clears Slurm's BeginTime "
+                      "wait for the jobs it requeues)")
+        demo.wait("the requeued job to resume from its checkpoint",
+                  lambda: "restarts=1" in demo.output("bert-opportunistic"), 120)
+        resumed = _last(demo.output("bert-opportunistic"), "START step=")
+        demo.wait("the requeued job to train again", lambda: _steps(demo.output("bert-opportunistic").split(
+            "restarts=1", 1)[1]) >= 1, 60)
+        console.print(f"  bert-opportunistic: {resumed}")
         demo.show_queue("after the resume")
+
+        console.rule("5. antman explain tells the story")
+        for jid in (o,):
+            r = cluster.run([sys.executable, "-m", "slurm_antman.cli", "explain", str(jid)])
+            console.print(Panel(r.stdout.rstrip() or r.stderr.strip(), title=f"antman explain {jid}", expand=False))
 
         console.rule("Summary")
         jobs = demo.jobs()
@@ -137,12 +209,13 @@ def main(args) -> int:
             j = jobs.get(jid, {})
             gpus = j.get("gpus")
             t.add_row(str(jid), name, j.get("class", "?"), ",".join(map(str, gpus)) if gpus else "-",
-                      str(j.get("restarts", "?")), j.get("state", "?"),
-                      _last(demo.output(name), "DONE") or _last(demo.output(name), "step"))
+                      str(j.get("restarts", "?")), j.get("state", "?"), _last(demo.output(name), "step"))
         console.print(t)
-        resumed = _last(demo.output(names[victim]), "START step=")
-        console.print(f"Guaranteed jobs ran without interruption; {names[victim]} was preempted by requeue and "
-                      f"came back with SLURM_RESTART_COUNT=1 ({resumed}).")
+        if jobs[g]["restarts"] != 0:
+            raise RuntimeError("the guaranteed job was restarted")
+        console.print("The guaranteed job ran throughout, never limited and never restarted. The opportunistic job "
+                      "shrank, slowed, paused in place once (no restart) and was requeued once, resuming from its "
+                      "checkpoint.")
         ok = True
     finally:
         if args.keep:
