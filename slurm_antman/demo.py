@@ -63,12 +63,14 @@ class Demo:
         path = self.work / f"{name}.out"
         return path.read_text() if path.exists() else ""
 
-    def wait(self, what: str, pred, timeout: float = 120) -> None:
+    def wait(self, what: str, pred, timeout: float = 120):
+        """``pred``'s first true value, polled with back-off; RuntimeError after ``timeout``."""
         deadline = time.monotonic() + timeout
         delay = 0.3
         while time.monotonic() < deadline:
-            if pred():
-                return
+            value = pred()
+            if value:
+                return value
             time.sleep(delay)
             delay = min(delay * 1.4, 2.0)
         raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
@@ -143,23 +145,29 @@ def main(args) -> int:
         names = {g: "resnet-guaranteed", o: "bert-opportunistic"}
         demo.wait("the opportunistic job to train", lambda: _steps(demo.output("bert-opportunistic")) >= 2, 90)
         demo.wait("its limits", lambda: demo.jobs()[o].get("compute_share") is not None, 30)
-        demo.show_queue("two jobs on GPU 0")
         before = demo.jobs()[o]
+        demo.show_queue("two jobs on GPU 0")
         console.print("The opportunistic job asked for --gres=gpu:1; job_submit.lua moved it to the count-only "
                       "antman_opp GRES and the opportunistic partition, and the sidecar put it beside the guaranteed "
                       f"job on GPU 0: memory limit {_limit(before)}, compute share {before['compute_share']:.2f} "
-                      "(the guaranteed job is never limited).")
+                      "(the guaranteed job is never limited; the share follows the guaranteed job's speed, report "
+                      "by report).")
 
         console.rule("2. The guaranteed job's memory grows: the opportunistic job shrinks, live")
         phase.write_text("grow")
         console.print("  the guaranteed job enters a heavier phase: 0.5 GiB -> 1.5 GiB of GPU memory")
-        demo.wait("the opportunistic job's limit to shrink",
-                  lambda: (demo.jobs()[o].get("mem_limit_bytes") or 1 << 62) < (before["mem_limit_bytes"] or 1 << 62), 30)
-        after = demo.jobs()[o]
+
+        def shrunk():
+            j = demo.jobs()[o]
+            smaller = (j.get("mem_limit_bytes") or 1 << 62) < (before["mem_limit_bytes"] or 1 << 62)
+            return j if smaller and (j.get("compute_share") or 1.0) < before["compute_share"] else None
+        after = demo.wait("the opportunistic job's limit and share to drop", shrunk, 30)
         demo.show_queue("the opportunistic job shrunk and throttled")
         console.print(f"  bert-opportunistic: memory limit {_limit(before)} -> {_limit(after)}, compute share "
-                      f"{before['compute_share']:.2f} -> {after['compute_share']:.2f}; it keeps training "
-                      "(its agent spills what does not fit to host memory and spaces out its kernel launches).")
+                      f"{before['compute_share']:.2f} -> {after['compute_share']:.2f} at the jump (a rise in guaranteed "
+                      "demand halves the budget at once; it climbs back while the guaranteed job keeps its speed). "
+                      "It keeps training: its agent spills what does not fit to host memory and spaces out its "
+                      "kernel launches.")
 
         console.rule("3. A burst needs more than shrinking frees: pause in place")
         phase.write_text("burst")
@@ -217,6 +225,8 @@ def main(args) -> int:
                       "shrank, slowed, paused in place once (no restart) and was requeued once, resuming from its "
                       "checkpoint.")
         ok = True
+    except RuntimeError as e:  # what the demo waited for did not happen: say what, keep the logs
+        console.print(f"[red]demo failed: {e}[/]; the cluster's logs are in {d}/log, the jobs' output in {work}")
     finally:
         if args.keep:
             console.print(f"Cluster left running (--keep). Stop it with: antman devcluster down --dir {d}")

@@ -286,7 +286,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
                                   "(make deps), or start without accounting (--no-accounting)")
     # A fresh cluster every time: job ids from 1, no sidecar job records or env files of jobs that
     # ran on an earlier cluster in this directory.
-    for sub in ("state", "run", "antman-state"):
+    # The logs go too: the coordinator's audit log is keyed by job id, and an earlier cluster's records
+    # would be told as this cluster's jobs' story.
+    for sub in ("state", "run", "antman-state", "log"):
         shutil.rmtree(d / sub, ignore_errors=True)
     for sub in ("etc", "dev", "state/ctld", "log", "run", "lib", "antman-state"):
         (d / sub).mkdir(parents=True, exist_ok=True)

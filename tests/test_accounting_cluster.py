@@ -80,5 +80,7 @@ def test_submitit_polls_sacct_without_an_error(clean_cluster, tmp_path, monkeypa
     with caplog.at_level(logging.WARNING):
         job = ex.submit(operator.add, 2, 3)
         assert job.result() == 5
-        assert job.state == "COMPLETED"  # read from sacct, the only place submitit looks
+        # submitit reads a job's state from sacct only (and caches it): asked afresh, sacct has it done
+        wait_for(lambda: job.get_info(mode="force").get("State") == "COMPLETED" or None, 30,
+                 "sacct, through submitit, to report the job COMPLETED")
     assert not [r for r in caplog.records if re.search(r"sacct", r.getMessage(), re.I)], caplog.text

@@ -113,9 +113,11 @@ class MemoryController:
         self.emulated_bytes = footprint_bytes
 
     def stats(self) -> MemoryStats:
+        if self.paused and not self.cuda:
+            # On CPU the footprint (emulated, or the RSS standing in for it) is what a GPU job would hold
+            # on its device; paused, that state is on the host: the device holds none of it.
+            return MemoryStats(0, 0, 0, 0, self.limit_bytes, None)
         if self.emulated_bytes is not None:
-            if self.paused:
-                return MemoryStats(0, 0, 0, 0, self.limit_bytes, None)
             want = self.emulated_bytes
             held = want if self.limit_bytes is None else min(want, self.limit_bytes)
             return MemoryStats(held, held, held, want - held, self.limit_bytes, None)
