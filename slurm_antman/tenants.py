@@ -140,14 +140,17 @@ class TenantQuotas:
             return
         if self.source != "accounting":
             log.info("tenant quotas from Slurm accounting (%d account(s) with a GPU limit)", len(reading.quotas))
-        if reading.problems != self._problems_logged:
-            for p in reading.problems:
+        yaml_q = quotas_from_config(self.cfg)
+        differ = disagreements(yaml_q, reading, self.cfg.cluster_name, self.cfg.slurm.gpu_gres) if yaml_q else []
+        problems = (*reading.problems,
+                    *(f"{d} (accounting is in force; antman.yaml's tenants are not used)" for d in differ))
+        if problems != self._problems_logged:  # once per change, not once per refresh
+            for p in problems:
                 log.warning("accounting: %s", p)
-            self._problems_logged = reading.problems
+            self._problems_logged = problems
         self.source, self.quotas, self.reading, self.error, self.read_unix = (
             "accounting", reading.quotas, reading, None, now)
         self._next_try = now + self.cfg.coordinator.accounting_refresh_s
-
 
     def _fail(self, message: str, level: int) -> None:
         if self.error != message:  # once per cause, not once per cycle

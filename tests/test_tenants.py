@@ -188,3 +188,15 @@ def test_coordinator_quota_source_is_validated():
     with pytest.raises(cfgmod.ConfigError, match="quota_source") as e:
         cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "coordinator": {"quota_source": "ldap"}})
     assert "antman_yaml" in str(e.value)  # the allowed values are named
+
+
+def test_the_coordinator_logs_each_disagreement_with_antman_yaml_once(caplog):
+    clock, slurm = FakeClock(), ScriptedSlurm(rows=[assoc("research", "gres/gpu=2")])
+    tq = TenantQuotas(cfg(refresh=1), slurm, clock)
+    with caplog.at_level(logging.WARNING, "antman.tenants"):
+        for _ in range(3):
+            tq.current()
+            clock.t += 2
+    assert slurm.calls == 3
+    assert caplog.text.count("tenant research: antman.yaml says 4 GPUs, accounting GrpTRES gres/gpu=2 "
+                             "(accounting is in force") == 1
