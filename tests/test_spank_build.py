@@ -68,6 +68,24 @@ def test_warnings_are_errors(plugin: Path) -> None:
     assert "-Werror" in res.stdout and "-Wall" in res.stdout and "-Wextra" in res.stdout
 
 
+def test_a_header_change_rebuilds_the_files_that_include_it(plugin: Path) -> None:
+    # The plugin is split by SPANK context into several objects; the compiler's dependency files
+    # (-MMD) make an edited header rebuild exactly the objects that include it.
+    def rebuilt(header: str) -> set[str]:
+        res = _run(
+            ["make", "-C", str(SPANK_DIR), "-n", f"BUILDDIR={plugin.parent}", "-W", str(SPANK_DIR / header)]
+        )
+        assert res.returncode == 0, res.stderr
+        words = res.stdout.split()
+        return {Path(words[i + 1]).name for i, w in enumerate(words[:-1]) if w == "-o"}
+
+    assert _run(["make", "-C", str(SPANK_DIR), "-q", f"BUILDDIR={plugin.parent}"]).returncode == 0
+    objects = {p.stem + ".o" for p in SPANK_DIR.glob("*.c")}
+    assert rebuilt("common.h") >= objects | {"antman_spank.so"}
+    assert "prolog.o" in rebuilt("prolog.h") and "submit.o" not in rebuilt("prolog.h")
+    assert "submit.o" in rebuilt("args.h") and "prolog.o" not in rebuilt("args.h")
+
+
 def test_only_plugin_symbols_are_exported(plugin: Path) -> None:
     res = _run(["nm", "-D", "--defined-only", str(plugin)])
     assert res.returncode == 0, res.stderr
