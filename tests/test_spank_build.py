@@ -176,6 +176,22 @@ def slurm_conf(tmp_path: Path, plugin: Path):
     return write
 
 
+@pytest.fixture(scope="module")
+def munged():
+    """sbatch signs its request with munge before it sends it: a munged must answer. Started here
+    when none does (this file alone, on a fresh machine), and stopped again by its PID."""
+    import signal
+
+    from slurm_antman import devcluster as dc
+
+    started: list = []
+    dc._ensure_munged(started)
+    yield
+    for p in started:
+        if p.alive():
+            os.kill(p.pid, signal.SIGTERM)
+
+
 def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -218,7 +234,7 @@ def test_control_character_in_value_is_escaped(slurm_conf) -> None:
 
 @needs_slurm_clients
 @pytest.mark.parametrize("value", ["guaranteed", "opportunistic", "auto"])
-def test_valid_class_reaches_the_submit_request(slurm_conf, value: str) -> None:
+def test_valid_class_reaches_the_submit_request(slurm_conf, munged, value: str) -> None:
     ctld = FakeController()
     try:
         env = slurm_conf(ctld.port)
@@ -232,7 +248,7 @@ def test_valid_class_reaches_the_submit_request(slurm_conf, value: str) -> None:
 
 
 @needs_slurm_clients
-def test_no_option_sets_no_class(slurm_conf) -> None:
+def test_no_option_sets_no_class(slurm_conf, munged) -> None:
     ctld = FakeController()
     try:
         env = slurm_conf(ctld.port)
