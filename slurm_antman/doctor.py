@@ -313,6 +313,13 @@ def check_quotas(cfg: cfgmod.AntmanConfig, sconf: dict[str, str],
                                   f"{storage or '(unset)'}", f"set AccountingStorageType={tenants.SLURMDBD} in slurm.conf "
                                   "(with slurmdbd), or coordinator.quota_source: auto")
         return ok("quotas", f"{yaml_text}: Slurm has no accounting storage ({storage or 'unset'})")
+    tres = f"gres/{cfg.slurm.gpu_gres}"
+    tracked = [t.strip() for t in sconf.get("AccountingStorageTRES", "").split(",")]
+    if source != "antman_yaml" and tres not in tracked:
+        return warn("quotas", f"Slurm accounting does not track {tres} (AccountingStorageTRES="
+                              f"{sconf.get('AccountingStorageTRES', '') or '(unset)'}): no account can have a GPU quota "
+                              "there, so every tenant is unlimited", f"add {tres} to AccountingStorageTRES in slurm.conf "
+                              "and restart slurmctld; then sacctmgr ... set GrpTRES=" + tres + "=N")
     try:
         reading = tenants.quotas_from_associations(read(cfg.cluster_name), cfg.cluster_name, cfg.slurm.gpu_gres)
     except SlurmError as e:

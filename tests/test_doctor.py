@@ -154,7 +154,8 @@ def _assoc_reader(rows=None, error=None):
     return read
 
 
-DBD = {"AccountingStorageType": "accounting_storage/slurmdbd"}
+DBD = {"AccountingStorageType": "accounting_storage/slurmdbd",
+       "AccountingStorageTRES": "cpu,mem,energy,node,billing,fs/disk,vmem,pages,gres/gpu,gres/antman_opp"}
 
 
 def test_quotas_name_the_source_in_force_and_where_accounting_disagrees():
@@ -189,3 +190,10 @@ def test_quotas_without_accounting_or_when_it_does_not_answer():
     assert c.status == "fail" and "AccountingStorageType=accounting_storage/slurmdbd" in c.hint
     c = doctor.check_quotas(cfgmod.parse(base), DBD, _assoc_reader(error="Connection refused"))
     assert c.status == "warn" and "cannot read accounting: Connection refused" in c.reason
+
+
+def test_quotas_warn_when_accounting_does_not_track_the_gpu_tres():
+    cfg = cfgmod.parse({"cluster_name": "c1", "nodes": [{"name": "n1", "gpus": 1}]})
+    untracked = {**DBD, "AccountingStorageTRES": "cpu,mem,energy,node,billing,fs/disk,vmem,pages"}
+    c = doctor.check_quotas(cfg, untracked, _assoc_reader("c1|vision||root|\n"))
+    assert c.status == "warn" and "does not track gres/gpu" in c.reason and "AccountingStorageTRES" in c.hint
