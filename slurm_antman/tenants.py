@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -97,10 +98,16 @@ class TenantQuotas:
     runs with slurmdbd and antman.yaml otherwise; ``accounting`` insists on it (an error, logged and in
     :attr:`error`, while Slurm has no accounting storage). Until accounting first answers, antman.yaml's tenants are
     used (a coordinator starting beside a slurmdbd that is not up yet must not hold every job); after
-    that, a failed read keeps the last quotas read, so a slurmdbd restart changes nothing."""
+    that, a failed read keeps the last quotas read, so a slurmdbd restart changes nothing.
 
-    def __init__(self, cfg: Any, backend: Any, clock: Callable[[], float]):
+    ``background``: read in a thread of its own, so that a slow slurmdbd (sacctmgr waits up to the
+    backend's timeout) never holds up the coordinator's decision cycle; :meth:`current` always answers
+    at once with the quotas read last. The daemon uses it; the rules above are tested in the foreground."""
+
+    def __init__(self, cfg: Any, backend: Any, clock: Callable[[], float], background: bool = False):
         self.cfg = cfg
+        self.background = background
+        self._reader: Optional[threading.Thread] = None
         self.backend = backend
         self.clock = clock
         self.mode: str = cfg.coordinator.quota_source
@@ -115,8 +122,20 @@ class TenantQuotas:
 
     def current(self) -> Mapping[str, int]:
         if self.mode != "antman_yaml" and self.clock() >= self._next_try:
+            if not self.background:
+                self._refresh()
+            elif self._reader is None or not self._reader.is_alive():
+                self._next_try = float("inf")  # the reader sets the next time when it is done
+                self._reader = threading.Thread(target=self._refresh_guarded, name="tenant-quotas", daemon=True)
+                self._reader.start()
+        return self.quotas  # one reference, replaced whole by the reader: never half a reading
+
+    def _refresh_guarded(self) -> None:
+        try:
             self._refresh()
-        return self.quotas
+        except Exception:  # noqa: BLE001 - a bug here must leave the quotas as they were, not end the reader for good
+            log.exception("reading tenant quotas from Slurm accounting failed")
+            self._next_try = self.clock() + RETRY_S
 
     def _refresh(self) -> None:
         now = self.clock()

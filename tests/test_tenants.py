@@ -200,3 +200,45 @@ def test_the_coordinator_logs_each_disagreement_with_antman_yaml_once(caplog):
     assert slurm.calls == 3
     assert caplog.text.count("tenant research: antman.yaml says 4 GPUs, accounting GrpTRES gres/gpu=2 "
                              "(accounting is in force") == 1
+
+
+def test_in_the_background_a_slow_accounting_never_holds_up_the_caller():
+    import threading
+
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowSlurm(ScriptedSlurm):
+        def associations(self, cluster=None):
+            entered.set()
+            gate.wait(10)  # slurmdbd taking its time
+            return super().associations(cluster)
+
+    clock, slurm = FakeClock(), SlowSlurm(rows=[assoc("research", "gres/gpu=2")])
+    tq = TenantQuotas(cfg(refresh=60), slurm, clock, background=True)
+    assert dict(tq.current()) == {"research": 4}  # answered at once, from antman.yaml
+    assert entered.wait(5)
+    reader = tq._reader
+    clock.t += 100
+    assert dict(tq.current()) == {"research": 4} and tq._reader is reader  # one reader at a time
+    gate.set()
+    tq._reader.join(5)
+    assert dict(tq.current()) == {"research": 2} and tq.source == "accounting"
+    tq._reader.join(5)  # that reading was taken at t=1000, due again at 1060 < now: a second one
+    assert slurm.calls == 2
+
+
+def test_in_the_background_a_bug_in_the_reader_keeps_the_quotas(caplog):
+    class Broken(ScriptedSlurm):
+        def config(self):
+            raise KeyError("surprise")
+
+    clock = FakeClock()
+    tq = TenantQuotas(cfg(), Broken(), clock, background=True)
+    with caplog.at_level(logging.ERROR, "antman.tenants"):
+        tq.current()
+        tq._reader.join(5)
+    assert dict(tq.current()) == {"research": 4} and "surprise" in caplog.text
+    clock.t += 11
+    tq.current()
+    tq._reader.join(5)  # retried after RETRY_S, not given up
+    assert caplog.text.count("surprise") >= 2

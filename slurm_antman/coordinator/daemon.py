@@ -112,7 +112,7 @@ class Coordinator:
         self.params = params_from_config(cfg)
         self.audit = audit.AuditLog(cfg.coordinator.audit_log)
         self.executor = Executor(self.backend, cfg, hub, clock)
-        self.tenants = TenantQuotas(cfg, self.backend, clock)
+        self.tenants = TenantQuotas(cfg, self.backend, clock, background=True)
         self.state = CoordinatorState.empty()
         self.reports: dict[str, Any] = {}
         self._class_sent: dict[tuple[str, str], float] = {}
@@ -165,7 +165,7 @@ class Coordinator:
         self.cfg = new
         self.params = params_from_config(new)
         self.executor.cfg = new
-        self.tenants = TenantQuotas(new, self.backend, self.clock)  # quota_source may have changed
+        self.tenants = TenantQuotas(new, self.backend, self.clock, background=True)  # quota_source may have changed
         log.info("configuration reloaded; kept %d preemption(s) in progress and %d requeued job(s)",
                  len(self.state.preempting), len(self.state.requeued))
         return True
