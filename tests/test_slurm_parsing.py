@@ -280,3 +280,16 @@ def test_executor_reads_and_writes_tres_in_either_form():
     assert gres_count("gres/gpu:a100:2,gres/nic:1", ("gpu",)) == gres_count("gres:gpu:a100:2", ("gpu",)) == 2
     assert retarget_tres("gres/gpu:2,gres/nic:1", ("gpu",), "antman_opp") == "gres/nic:1,gres/antman_opp:2"
     assert retarget_tres("gres:gpu:2", ("gpu",), "antman_opp") == "gres:antman_opp:2"
+
+
+def test_scontrol_config_of_both_versions():
+    from slurm_antman.slurm.parsing import parse_scontrol_config
+
+    v22 = "Configuration data as of 2026-11-25T06:02:27\nProlog                  = /etc/antman-prolog\nPrologFlags             = Alloc\n"
+    v24 = ("Configuration data as of 2026-11-25T06:02:27\nProlog[1]               = /etc/second\n"
+           "Prolog[0]               = /etc/antman-prolog\nPrologFlags             = Alloc\nEpilog[0]               = /e\n"
+           "ResvProlog              = (null)\n")
+    assert parse_scontrol_config(v22)["Prolog"] == "/etc/antman-prolog"
+    conf = parse_scontrol_config(v24)
+    assert conf["Prolog"] == "/etc/antman-prolog,/etc/second" and conf["Epilog"] == "/e"
+    assert conf["PrologFlags"] == "Alloc" and conf["ResvProlog"] == "(null)"

@@ -408,10 +408,21 @@ def associations_from_sacctmgr(text: str) -> list[Association]:
 
 
 def parse_scontrol_config(text: str) -> dict[str, str]:
-    """``scontrol show config``: ``Name   = value`` lines; a header or an empty value is skipped/kept as ''."""
-    conf = {}
+    """``scontrol show config``: ``Name   = value`` lines; a header or an empty value is skipped/kept as ''.
+    24.11 prints the settings that may be lists once per item (``Prolog[0] = /a``, ``Prolog[1] = /b``);
+    they are read as one ``Prolog`` = ``/a,/b``, the way 22.05 prints its single value."""
+    conf: dict[str, str] = {}
+    items: dict[str, list[tuple[int, str]]] = {}
     for line in text.splitlines():
         m = re.match(r"^(\S+)\s+=\s?(.*)$", line)
-        if m:
-            conf[m.group(1)] = m.group(2).strip()
+        if not m:
+            continue
+        key, value = m.group(1), m.group(2).strip()
+        indexed = re.match(r"^(\w+)\[(\d+)\]$", key)
+        if indexed:
+            items.setdefault(indexed.group(1), []).append((int(indexed.group(2)), value))
+        else:
+            conf[key] = value
+    for key, values in items.items():
+        conf.setdefault(key, ",".join(v for _, v in sorted(values)))
     return conf
