@@ -63,9 +63,9 @@ test-gpu: deps
 SLURM24_PYTEST ?= -m "cluster and not slow"
 test-slurm24: $(VENV)/.installed
 	.ci/slurm24 build
-	.ci/slurm24 run '$(PY) -m pytest -ra $(SLURM24_PYTEST) $(PYTEST_ARGS) && \
+	.ci/slurm24 run 'rc=0; $(PY) -m pytest -ra $(SLURM24_PYTEST) $(PYTEST_ARGS) || rc=1; \
 	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
-	    tests/test_job_submit_lua.py -m "not cluster" $(PYTEST_ARGS)'
+	    tests/test_job_submit_lua.py -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
 # --- GPU proof (issue 13, docs/gpu_proof.md) ------------------------------------------------------
 # The GPU node is offline and has torch, nvidia-ml-py and pytest but not pyzmq, PyYAML or pydantic:
