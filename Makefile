@@ -6,7 +6,7 @@ APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv
                 slurmdbd mariadb-server
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-gpu spank clean gpu-proof gpu-wheels
+.PHONY: deps demo test test-gpu test-slurm24 spank clean gpu-proof gpu-wheels
 .DEFAULT_GOAL := test
 
 # System packages only when something is missing, so a warm machine does not touch apt. The
@@ -54,6 +54,18 @@ test-slow: deps
 
 test-gpu: deps
 	$(PY) -m pytest -ra -m gpu $(PYTEST_ARGS)
+
+# The cluster tests (and the tests that build or run against the installed Slurm) once more against
+# Slurm 24.11, in a Debian trixie chroot built by .ci/slurm24 with mmdebstrap from Debian's mirror and
+# cached in /var/cache/slurm-antman (SLURM24_ROOT); the venv is this checkout's, bind-mounted. The
+# slow tests stay with `make test-slow` (22.05). Not two clusters at once: the chroot shares the
+# host's loopback ports with `make test`'s clusters.
+SLURM24_PYTEST ?= -m "cluster and not slow"
+test-slurm24: $(VENV)/.installed
+	.ci/slurm24 build
+	.ci/slurm24 run 'rc=0; $(PY) -m pytest -ra $(SLURM24_PYTEST) $(PYTEST_ARGS) || rc=1; \
+	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
+	    tests/test_job_submit_lua.py -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
 # --- GPU proof (issue 13, docs/gpu_proof.md) ------------------------------------------------------
 # The GPU node is offline and has torch, nvidia-ml-py and pytest but not pyzmq, PyYAML or pydantic:

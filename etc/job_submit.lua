@@ -132,7 +132,9 @@ local function load_settings()
 end
 
 ---------------------------------------------------------------------------------------------
--- TRES strings: "gres:gpu:2,gres:gpu:a100:1,gres:nic:1"; scontrol update may omit "gres:".
+-- TRES strings: "gres:gpu:2,gres:gpu:a100:1,gres:nic:1" in Slurm 22.05, "gres/gpu:2,gres/nic:1"
+-- in 24.11; scontrol update may omit the prefix. What this script writes back uses the prefix the
+-- job came with (gres_prefix), so one code path serves both versions.
 
 local function split(s, sep)
   local out = {}
@@ -142,10 +144,10 @@ end
 
 -- One entry -> {name=, type=, count=} (count nil when it is not a plain number).
 local function parse_entry(entry)
-  local body = entry
-  if body:sub(1, 5) == "gres:" then body = body:sub(6) end
+  local body, prefix = entry, nil
+  if body:sub(1, 5) == "gres:" or body:sub(1, 5) == "gres/" then body, prefix = body:sub(6), body:sub(1, 5) end
   local parts = split(body, ":")
-  local e = { raw = entry, name = parts[1], count = 1 }
+  local e = { raw = entry, name = parts[1], count = 1, prefix = prefix }
   if #parts >= 2 then
     local last = parts[#parts]
     if last:match("^%d+$") then
@@ -170,6 +172,16 @@ local function parse_tres(value, field)
     if raw ~= "" then entries[#entries + 1] = parse_entry(raw) end
   end
   return entries
+end
+
+-- The GRES prefix this job's TRES fields use ("gres:" from 22.05, "gres/" from 24.11).
+local function gres_prefix(job_desc)
+  for _, field in ipairs(TRES_FIELDS) do
+    for _, e in ipairs(parse_tres(job_desc[field], field)) do
+      if e.prefix then return e.prefix end
+    end
+  end
+  return "gres:"
 end
 
 local function gpu_count(entry, field)
@@ -251,14 +263,14 @@ local function per_node_equivalent(job_desc, field, count)
 end
 
 -- Replaces the GPU name in a per-GPU option (--cpus-per-gpu, --mem-per-gpu) by the opp GRES.
-local function retarget_per_gpu(value, s)
+local function retarget_per_gpu(value, s, prefix)
   if type(value) ~= "string" or value == "" then return value end
   local out = {}
   for _, raw in ipairs(split(value, ",")) do
     local e = parse_entry(raw)
     if e.name == s.gpu_gres then
-      local rest = raw:gsub("^gres:", ""):sub(#s.gpu_gres + 1)
-      raw = "gres:" .. s.opp_gres .. rest
+      local rest = raw:sub(e.prefix and 6 or 1):sub(#s.gpu_gres + 1)
+      raw = (e.prefix or prefix) .. s.opp_gres .. rest
     end
     out[#out + 1] = raw
   end
@@ -275,6 +287,7 @@ local function make_opportunistic(job_desc, s)
       requested[#requested + 1] = field .. "=" .. tostring(job_desc[field])
     end
   end
+  local prefix = gres_prefix(job_desc)
   local opp_total, kept, dropped_types = 0, {}, {}
   local node_gpu, other_gpu_field = false, nil
   for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
@@ -320,11 +333,11 @@ local function make_opportunistic(job_desc, s)
     info("%s: GPU type %s dropped: opportunistic slots are not typed", job_label(job_desc),
       table.concat(dropped_types, ","))
   end
-  kept[#kept + 1] = string.format("gres:%s:%d", s.opp_gres, opp_total)
+  kept[#kept + 1] = string.format("%s%s:%d", prefix, s.opp_gres, opp_total)
   job_desc.tres_per_node = table.concat(kept, ",")
   for _, field in ipairs({ "cpus_per_tres", "mem_per_tres" }) do
     local v = job_desc[field]
-    local nv = retarget_per_gpu(v, s)
+    local nv = retarget_per_gpu(v, s, prefix)
     if nv ~= v then job_desc[field] = nv end
   end
   local from_part = job_desc.partition

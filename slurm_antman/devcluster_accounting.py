@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .devcluster import Cluster, DevclusterError, Proc, _spawn
+from .devcluster import Cluster, DevclusterError, Proc, _reap, _spawn
 
 MARIADB_PORT_OFFSET = 91
 SLURMDBD_PORT_OFFSET = 92
@@ -119,21 +119,44 @@ def _sql(d: Path, statement: str, check: bool = True) -> subprocess.CompletedPro
     return r
 
 
+# Slurm 24.11 on Debian trixie (MariaDB 11.8's client library): the first slurmdbd to connect to a
+# freshly started server may die on its first query with this client error; started again, it works.
+FIRST_QUERY_FLAKE = "5027 Number of columns in result"
+SLURMDBD_STARTS = 3
+
+
 def start_slurmdbd(cluster: Cluster, env: dict, timeout: float = 60) -> Proc:
-    """slurmdbd reads slurmdbd.conf from SLURM_CONF's directory; ready when sacctmgr gets an answer."""
-    proc = _spawn("slurmdbd", [_bin("slurmdbd"), "-D"], env, cluster.dir / "log" / "slurmdbd.out")
+    """slurmdbd reads slurmdbd.conf from SLURM_CONF's directory; ready when sacctmgr gets an answer.
+    A slurmdbd that died of ``FIRST_QUERY_FLAKE`` is started again (at most SLURMDBD_STARTS times)."""
+    log = cluster.dir / "log" / "slurmdbd.log"
+    starts = 0
+    proc = None
     deadline = time.monotonic() + timeout
     while True:
+        if proc is None or (not proc.alive() and starts < SLURMDBD_STARTS and _died_of_flake(log)):
+            if proc is not None:
+                _reap(proc.pid)
+                log.replace(log.with_name(f"slurmdbd.log.{starts}"))  # kept, for whoever wonders
+            proc = _spawn("slurmdbd", [_bin("slurmdbd"), "-D"], env, cluster.dir / "log" / "slurmdbd.out")
+            starts += 1
         r = sacctmgr(cluster, "-n", "-P", "show", "cluster", check=False)
         if r.returncode == 0:
             break
-        if not proc.alive() or time.monotonic() > deadline:
+        if (not proc.alive() and not (starts < SLURMDBD_STARTS and _died_of_flake(log))) \
+                or time.monotonic() > deadline:
             raise DevclusterError(f"slurmdbd did not answer (see {cluster.dir}/log/slurmdbd.log): "
                                   f"{r.stderr.strip()[-300:]}")
         time.sleep(0.2)
     if cluster_name(cluster) not in {line.split("|", 1)[0] for line in r.stdout.splitlines()}:
         sacctmgr(cluster, "-i", "add", "cluster", cluster_name(cluster))
     return proc
+
+
+def _died_of_flake(log: Path) -> bool:
+    try:
+        return FIRST_QUERY_FLAKE in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def cluster_name(cluster: Cluster) -> str:

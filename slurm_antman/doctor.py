@@ -25,10 +25,9 @@ from typing import Callable, Optional, Sequence
 
 from . import config as cfgmod
 from . import tenants
+from .slurm import version as slurm_version
 from .slurm.parsing import parse_scontrol_config
 
-# What the plugin and this code were built and tested against.
-SUPPORTED_SLURM = (22, 5)
 SKEW_WARN_S = 2.0
 SKEW_FAIL_S = 60.0  # munge credentials carry a timestamp; large skew makes slurmd reject them
 COMMAND_TIMEOUT_S = 20.0
@@ -167,6 +166,10 @@ def check_versions(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
         return warn("slurm_version", f"cannot read Slurm's version ({running!r})", "run scontrol show config")
     have = tuple(int(x) for x in m.groups())
     try:
+        slurm_version.check_supported(have)
+    except slurm_version.UnsupportedSlurm as e:
+        return fail("slurm_version", e.message, "run slurm-antman on a supported Slurm")
+    try:
         built = plugin_slurm_version(cfg.plugin_path)
     except OSError as e:
         return fail("slurm_version", f"cannot load {cfg.plugin_path}: {e}",
@@ -178,9 +181,10 @@ def check_versions(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
     if built[:2] != have[:2]:
         return fail("slurm_version", f"plugin built for Slurm {built_s}, Slurm here is {running}",
                     "rebuild the plugin against this Slurm's headers: make -C spank clean install")
-    if have[:2] != SUPPORTED_SLURM:
-        return warn("slurm_version", f"Slurm {running}; slurm-antman is tested on "
-                    f"{SUPPORTED_SLURM[0]}.{SUPPORTED_SLURM[1]:02d}", "run the test suite against this version")
+    if not slurm_version.is_tested(have):
+        return warn("slurm_version", f"Slurm {running} is supported but untested; slurm-antman is tested on "
+                    + " and ".join(slurm_version.fmt(v) for v in slurm_version.TESTED),
+                    "run the test suite against this version")
     return ok("slurm_version", f"plugin built for {built_s}, Slurm {running}")
 
 

@@ -30,7 +30,7 @@ from .jobtag import JobTag, parse_tag
 
 log = logging.getLogger("antman.node")
 
-_TRES_OPP = r"gres:{name}(?::[^,:]+)?:(\d+)"
+_TRES_OPP = r"gres[:/]{name}(?::[^,:]+)?:(\d+)"  # 22.05 gres:NAME:N, 24.11 gres/NAME:N
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import pytest
 
 from slurm_antman.jobtag import parse_tag
 from slurm_antman.slurm.models import REQUEUED_START_TIME
+from slurm_antman.slurm.parsing import tres_body
 
 pytestmark = pytest.mark.cluster
 
@@ -28,7 +29,7 @@ def test_guaranteed_keeps_physical_gpus(clean_cluster):
     info = c.wait_state(jid, {"RUNNING"})
     seen = _seen(c.wait_output(jid, r"^CLASS="))
     assert info["Partition"] == "gpu"
-    assert info["TresPerNode"] == "gres:gpu:2"
+    assert tres_body(info["TresPerNode"]) == "gpu:2"  # gres:gpu:2 (22.05) or gres/gpu:2 (24.11)
     assert seen["CLASS"] == "guaranteed" and seen["SPANK"] == "guaranteed"
     # Slurm bound two of the fake devices; the job sees exactly those.
     cvd = [int(x) for x in seen["CVD"].split(",")]
@@ -45,7 +46,7 @@ def test_opportunistic_rewritten_and_sees_one_gpu(clean_cluster):
     info = c.wait_state(jid, {"RUNNING"})
     seen = _seen(c.wait_output(jid, r"^CLASS="))
     assert info["Partition"] == "opportunistic"
-    assert info["TresPerNode"] == "gres:antman_opp:1"
+    assert tres_body(info["TresPerNode"]) == "antman_opp:1"
     assert info["Requeue"] == "1"
     assert seen["CLASS"] == "opportunistic"
     assert re.fullmatch(r"[0-3]", seen["CVD"]), seen  # exactly one physical GPU
@@ -78,7 +79,7 @@ def test_no_flag_is_plain_slurm(clean_cluster):
     info = c.wait_state(jid, {"RUNNING"})
     seen = _seen(c.wait_output(jid, r"^CLASS="))
     assert info["Partition"] == "gpu"
-    assert info["TresPerNode"] == "gres:gpu:1"
+    assert tres_body(info["TresPerNode"]) == "gpu:1"
     assert info.get("AdminComment", "") in ("", "(null)")
     assert seen["CLASS"] == "" and seen["SPANK"] == ""
     assert re.fullmatch(r"[0-3]", seen["CVD"])  # Slurm's own binding, untouched

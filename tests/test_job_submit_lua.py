@@ -153,6 +153,26 @@ def test_per_gpu_options_follow_the_rewrite(tmp_path: Path) -> None:
     assert jd["mem_per_tres"] == "gres:antman_opp:1000"
 
 
+# ---- Slurm 24.11 writes TRES as "gres/gpu:2" (22.05: "gres:gpu:2") ---------------------------
+
+def test_slurm24_tres_form_is_read_and_written_back_in_the_same_form(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres/gpu:2,gres/nic:1",
+                                     cpus_per_tres="gres/gpu:4", mem_per_tres="gres/gpu:1000")))
+    assert sorted(jd["tres_per_node"].split(",")) == ["gres/antman_opp:2", "gres/nic:1"]
+    assert jd["cpus_per_tres"] == "gres/antman_opp:4"
+    assert jd["mem_per_tres"] == "gres/antman_opp:1000"
+
+
+def test_slurm24_gpus_per_job_becomes_per_node_in_its_form(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_job="gres/gpu:3")))
+    assert jd["tres_per_node"] == "gres/antman_opp:3"
+
+
+def test_slurm24_guaranteed_may_not_take_opp_gres(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc("guaranteed", tres_per_node="gres/antman_opp:1")))
+    assert "antman_opp" in msg and "opportunistic" in msg
+
+
 # ---- --gpus / --gpus-per-task / --gpus-per-socket -----------------------------------------
 
 def test_gpus_per_job_single_node_becomes_per_node(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Parsers of Slurm 22.05 output, on text captured from the devcluster (slurm-wlm 22.05.8)."""
+"""Parsers of Slurm output, on text captured from the devcluster (slurm-wlm 22.05.8, and 24.11.5 below)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 from slurm_antman.slurm.errors import SlurmOutputError
 from slurm_antman.slurm.parsing import (gres_counts, gres_indices, job_from_scontrol, job_from_squeue_json,
                                         jobs_from_squeue_json, node_from_sinfo_json, normalise_state,
-                                        parse_admin_comment, parse_scontrol_line, filter_jobs)
+                                        parse_admin_comment, parse_scontrol_line, filter_jobs, gres_prefix,
+                                        tres_body)
 
 # `sbatch -J 'nasty name' --comment 'a b WorkDir=/x Command=y' --gres=gpu:2 --wrap 'sleep 120'`
 NASTY = (
@@ -203,3 +204,92 @@ def test_admin_comment_tag(text, cls, gpus, problem):
 ])
 def test_normalise_state(raw, want):
     assert normalise_state(raw) == want
+
+
+# ---- Slurm 24.11 (Debian trixie's 24.11.5, captured in `make test-slurm24`'s chroot) --------------
+# `sbatch -J 'my job' --comment 'hi there' --gres=gpu:1 --wrap 'sleep 30'`: ReqTRES=/AllocTRES= where
+# 22.05 prints TRES=, and TresPerNode in the gres/ form.
+SLURM24_JOB = (
+    "JobId=1 JobName=my job UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=1 Nice=0 Account=(null) "
+    "QOS=(null) JobState=RUNNING Reason=None Dependency=(null) Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 "
+    "ExitCode=0:0 DerivedExitCode=0:0 RunTime=00:00:00 TimeLimit=UNLIMITED TimeMin=N/A "
+    "SubmitTime=2026-11-25T06:02:27 EligibleTime=2026-11-25T06:02:27 AccrueTime=2026-11-25T06:02:27 "
+    "StartTime=2026-11-25T06:02:30 EndTime=Unknown Deadline=N/A SuspendTime=None SecsPreSuspend=0 "
+    "LastSchedEval=2026-11-25T06:02:30 Scheduler=Main Partition=gpu AllocNode:Sid=0.0.0.0:0 ReqNodeList=(null) "
+    "ExcNodeList=(null) NodeList=node1 BatchHost=node1 NumNodes=1 NumCPUs=1 NumTasks=1 CPUs/Task=1 "
+    "ReqB:S:C:T=0:0:*:* ReqTRES=cpu=1,mem=4000M,node=1,billing=1 AllocTRES=cpu=1,node=1,billing=1 Socks/Node=* "
+    "NtasksPerN:B:S:C=0:0:*:* CoreSpec=* JOB_GRES=gpu:1   Nodes=node1 CPU_IDs=0 Mem=0 GRES=gpu:1(IDX:0) "
+    "MinCPUsNode=1 MinMemoryNode=0 MinTmpDiskNode=0 Features=(null) DelayBoot=00:00:00 OverSubscribe=OK "
+    "Contiguous=0 Licenses=(null) Network=(null) Command=(null) WorkDir=/tmp/wt-s24 Comment=hi there  "
+    "StdErr=/tmp/wt-s24/slurm-1.out StdIn=/dev/null StdOut=/tmp/wt-s24/slurm-1.out TresPerNode=gres/gpu:1 "
+)
+SLURM24_SQUEUE_JOB = json.loads(
+    '{"job_id": 2, "name": "wrap", "user_name": "root", "user_id": 0, "account": "", "partition": "gpu", '
+    '"job_state": ["RUNNING"], "state_reason": "None", "nodes": "node2", "restart_cnt": 0, '
+    '"admin_comment": "antman:class=guaranteed;gpus=node2:0+1", "comment": "", "tres_per_node": "gres/gpu:2", '
+    '"submit_time": {"set": true, "infinite": false, "number": 1795586547}, '
+    '"start_time": {"set": true, "infinite": false, "number": 1795586550}, "excluded_nodes": "", '
+    '"gres_detail": ["gpu:2(IDX:0-1)"], "job_resources": {"nodes": {"count": 1, "list": "node2", '
+    '"allocation": [{"index": 0, "name": "node2", "cpus": {"count": 1, "used": 0}}]}}}')
+# One entry of `scontrol show nodes --json` (24.11's `sinfo --json` groups nodes instead).
+SLURM24_NODE = json.loads(
+    '{"name": "node1", "state": ["MIXED"], "gres": "gpu:2,antman_opp:4", "gres_used": "gpu:1,antman_opp:0", '
+    '"partitions": ["gpu", "opportunistic"], "cpus": 4, "alloc_cpus": 1, "real_memory": 4000, "reason": ""}')
+
+
+def test_slurm24_scontrol_job_line():
+    job = job_from_scontrol(SLURM24_JOB)
+    assert (job.job_id, job.name, job.comment, job.state) == (1, "my job", "hi there", "RUNNING")
+    assert job.tres_per_node == "gres/gpu:1" and job.gpus_by_node == {"node1": [0]}
+    assert job.raw["AllocTRES"] == "cpu=1,node=1,billing=1" and job.raw["WorkDir"] == "/tmp/wt-s24"
+
+
+def test_slurm24_squeue_json_job():
+    job = job_from_squeue_json(SLURM24_SQUEUE_JOB)
+    assert (job.job_id, job.state, job.antman_class, job.gpus_by_node) == (2, "RUNNING", "guaranteed", {"node2": [0, 1]})
+    assert job.submit_time is not None and job.submit_time.timestamp() == 1795586547
+
+
+def test_slurm24_squeue_json_gres_follows_allocation_order():
+    # The allocation's order (node2 first), not the sorted node list, says which GRES is whose.
+    j = dict(SLURM24_SQUEUE_JOB, nodes="node[1-2]", admin_comment="", gres_detail=["gpu:1(IDX:3)", "gpu:2(IDX:0-1)"],
+             job_resources={"nodes": {"allocation": [{"name": "node2"}, {"name": "node1"}]}})
+    assert job_from_squeue_json(j).gpus_by_node == {"node2": [3], "node1": [0, 1]}
+
+
+def test_slurm24_scontrol_nodes_json_node():
+    n = node_from_sinfo_json(SLURM24_NODE)
+    assert (n.name, n.state, n.gres, n.gres_used) == ("node1", "MIXED", {"gpu": 2, "antman_opp": 4},
+                                                      {"gpu": 1, "antman_opp": 0})
+    assert (n.cpus, n.alloc_cpus, n.partitions) == (4, 1, ["gpu", "opportunistic"])
+
+
+@pytest.mark.parametrize("tres,body,prefix", [
+    ("gres:gpu:2,gres:nic:1", "gpu:2,nic:1", "gres:"),
+    ("gres/gpu:2,gres/nic:1", "gpu:2,nic:1", "gres/"),
+    ("gpu:2", "gpu:2", "gres:"),
+    ("", "", "gres:"),
+])
+def test_tres_forms_of_both_versions(tres, body, prefix):
+    assert tres_body(tres) == body and gres_prefix(tres) == prefix
+
+
+def test_executor_reads_and_writes_tres_in_either_form():
+    from slurm_antman.coordinator.executor import gres_count, retarget_tres
+
+    assert gres_count("gres/gpu:a100:2,gres/nic:1", ("gpu",)) == gres_count("gres:gpu:a100:2", ("gpu",)) == 2
+    assert retarget_tres("gres/gpu:2,gres/nic:1", ("gpu",), "antman_opp") == "gres/nic:1,gres/antman_opp:2"
+    assert retarget_tres("gres:gpu:2", ("gpu",), "antman_opp") == "gres:antman_opp:2"
+
+
+def test_scontrol_config_of_both_versions():
+    from slurm_antman.slurm.parsing import parse_scontrol_config
+
+    v22 = "Configuration data as of 2026-11-25T06:02:27\nProlog                  = /etc/antman-prolog\nPrologFlags             = Alloc\n"
+    v24 = ("Configuration data as of 2026-11-25T06:02:27\nProlog[1]               = /etc/second\n"
+           "Prolog[0]               = /etc/antman-prolog\nPrologFlags             = Alloc\nEpilog[0]               = /e\n"
+           "ResvProlog              = (null)\n")
+    assert parse_scontrol_config(v22)["Prolog"] == "/etc/antman-prolog"
+    conf = parse_scontrol_config(v24)
+    assert conf["Prolog"] == "/etc/antman-prolog,/etc/second" and conf["Epilog"] == "/e"
+    assert conf["PrologFlags"] == "Alloc" and conf["ResvProlog"] == "(null)"

@@ -20,6 +20,7 @@ from slurm_antman.policy import (CoordinatorState, HoldForQuota, KeepOff, MakeEl
                                  Requeue, SetClass, SetOppSlots, Upgrade)
 from slurm_antman.slurm import CliBackend, SlurmError
 from slurm_antman.slurm.models import REQUEUED_START_TIME, Job
+from slurm_antman.slurm.parsing import gres_prefix, tres_body
 
 log = logging.getLogger("antman.coordinator.executor")
 
@@ -58,10 +59,11 @@ def failed(error: str) -> Outcome:
 
 
 def gres_count(tres: str, names: tuple[str, ...]) -> int:
-    """GPUs per node in a TresPerNode string (``gres:gpu:2`` / ``gres:gpu:a100:2`` / ``gpu:2``)."""
+    """GPUs per node in a TresPerNode string (``gres:gpu:2`` / ``gres:gpu:a100:2`` / ``gpu:2``; 24.11
+    writes ``gres/gpu:2``)."""
     total = 0
-    for entry in filter(None, (tres or "").split(",")):
-        parts = entry.removeprefix("gres:").split(":")
+    for entry in filter(None, tres_body(tres).split(",")):
+        parts = entry.split(":")
         if parts[0] in names:
             total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
     return total
@@ -69,10 +71,10 @@ def gres_count(tres: str, names: tuple[str, ...]) -> int:
 
 def retarget_tres(tres: str, from_names: tuple[str, ...], to_name: str) -> str:
     """TresPerNode with every GPU-like entry folded into one ``gres:TO:N`` (a GPU type is dropped:
-    opportunistic slots are untyped)."""
+    opportunistic slots are untyped), in the prefix form the string came in (``gres/`` in 24.11)."""
     count = gres_count(tres, from_names)
-    kept = [e for e in filter(None, (tres or "").split(",")) if e.removeprefix("gres:").split(":")[0] not in from_names]
-    return ",".join([*kept, f"gres:{to_name}:{max(count, 1)}"])
+    kept = [e for e in filter(None, (tres or "").split(",")) if tres_body(e).split(":")[0] not in from_names]
+    return ",".join([*kept, f"{gres_prefix(tres)}{to_name}:{max(count, 1)}"])
 
 
 def job_signal(script: str) -> Optional[tuple[str, bool]]:

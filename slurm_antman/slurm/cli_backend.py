@@ -1,4 +1,7 @@
-"""SlurmBackend over the Slurm commands (sbatch, squeue --json, scontrol, scancel, sinfo --json)."""
+"""SlurmBackend over the Slurm commands (sbatch, squeue --json, scontrol, scancel, sinfo --json).
+
+One code path for every supported Slurm; where a command differs by version, ``version.py`` says
+which to run (the installed version is read once per backend)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from .backend import Options, SlurmBackend
 from .errors import (CommandFailed, JobNotFound, SlurmError, SlurmOutputError, SlurmUnavailable,
                      SubmissionRejected)
 from .models import Association, Job, Node
+from . import version as slurm_version
 from .parsing import (ASSOC_FORMAT, associations_from_sacctmgr, filter_jobs, job_from_scontrol,
                       jobs_from_squeue_json, nodes_from_sinfo_json, parse_scontrol_config)
 
@@ -65,6 +69,14 @@ class CliBackend(SlurmBackend):
         self.env = dict(env) if env is not None else None
         self.timeout = timeout
         self.gres_name = gres_name
+        self._version: Optional[slurm_version.Version] = None
+
+    def version(self) -> "slurm_version.Version":
+        """The installed Slurm's version; UnsupportedSlurm (one line) outside the supported range."""
+        if self._version is None:
+            self._version = slurm_version.check_supported(
+                slurm_version.installed_version(self.env, timeout=self.timeout))
+        return self._version
 
     # -- running commands ------------------------------------------------------------------
     def _run(self, argv: list[str], job_id: Optional[int] = None, input: Optional[str] = None,
@@ -193,12 +205,12 @@ class CliBackend(SlurmBackend):
         self._run(argv, job_id=job_id)
 
     def nodes(self) -> list[Node]:
-        argv = ["sinfo", "--json"]
+        argv = slurm_version.nodes_argv(self.version())
         r = self._run(argv)
         try:
             doc = json.loads(r.stdout)
         except json.JSONDecodeError as e:
-            raise SlurmOutputError(f"sinfo --json printed invalid JSON ({e})", argv, r.stderr) from None
+            raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
         if isinstance(doc, dict) and doc.get("errors"):
             self._json_errors(argv, doc["errors"])
         return nodes_from_sinfo_json(doc)

@@ -1,4 +1,4 @@
-"""Parsers for the text and JSON that Slurm 22.05's commands print. Pure functions, no I/O.
+"""Parsers for the text and JSON that Slurm's commands print (22.05 and 24.11). Pure functions, no I/O.
 
 ``scontrol show job -o`` prints ``Key=Value`` pairs joined by spaces, and several values are free
 text that may themselves contain spaces and ``Other=`` (a job name, ``--comment``, the command line,
@@ -20,6 +20,7 @@ from .errors import SlurmOutputError
 from .models import AntmanTag, Association, Job, Node
 
 # Order of `scontrol show job` keys in Slurm 22.05 (src/api/job_info.c); optional ones included.
+# 24.11 prints ReqTRES= and AllocTRES= where 22.05 prints TRES=.
 JOB_KEY_ORDER: tuple[str, ...] = (
     "JobId", "ArrayJobId", "ArrayTaskId", "ArrayTaskThrottle", "HetJobId", "HetJobOffset", "HetJobIdSet",
     "JobName", "UserId", "GroupId", "MCS_label", "Priority", "Nice", "Account", "QOS", "WCKey",
@@ -28,7 +29,7 @@ JOB_KEY_ORDER: tuple[str, ...] = (
     "AccrueTime", "StartTime", "EndTime", "Deadline", "PreemptEligibleTime", "PreemptTime",
     "SuspendTime", "SecsPreSuspend", "LastSchedEval", "Scheduler", "ResizeTime", "Partition",
     "AllocNode:Sid", "ReqNodeList", "ExcNodeList", "NodeList", "SchedNodeList", "BatchHost",
-    "NumNodes", "NumCPUs", "NumTasks", "CPUs/Task", "ReqB:S:C:T", "TRES", "Socks/Node",
+    "NumNodes", "NumCPUs", "NumTasks", "CPUs/Task", "ReqB:S:C:T", "TRES", "ReqTRES", "AllocTRES", "Socks/Node",
     "NtasksPerN:B:S:C", "CoreSpec", "ThreadSpec", "JOB_GRES", "Nodes", "CPU_IDs", "Mem", "GRES",
     "MinCPUsNode", "MinMemoryNode", "MinMemoryCPU", "MinTmpDiskNode", "Features", "ClusterFeatures",
     "Prefer", "BatchFeatures", "Reservation", "DelayBoot", "OverSubscribe", "Contiguous", "Licenses",
@@ -115,6 +116,24 @@ def _null(v: Optional[str]) -> str:
 
 
 _IDX_RE = re.compile(r"\(IDX:([^)]*)\)")
+
+
+_GRES_PREFIX = re.compile(r"^gres[:/]")
+
+
+def gres_prefix(tres: str) -> str:
+    """The GRES prefix a TRES string uses: ``gres:`` (22.05: ``gres:gpu:2``) or ``gres/`` (24.11:
+    ``gres/gpu:2``); ``gres:`` when it names none. Write back in the form read."""
+    for entry in (tres or "").split(","):
+        m = _GRES_PREFIX.match(entry.strip())
+        if m:
+            return m.group(0)
+    return "gres:"
+
+
+def tres_body(tres: str) -> str:
+    """``gres/gpu:2,gres/nic:1`` or ``gres:gpu:2,gres:nic:1`` -> ``gpu:2,nic:1``: one form to compare."""
+    return ",".join(_GRES_PREFIX.sub("", e.strip()) for e in (tres or "").split(",") if e.strip())
 
 
 def split_gres(spec: str) -> list[str]:
@@ -281,13 +300,18 @@ def job_from_scontrol(line: str, gres_name: str = "gpu") -> Job:
 
 
 def job_from_squeue_json(j: dict, gres_name: str = "gpu") -> Job:
-    """One element of ``squeue --json``'s ``jobs`` (data_parser v0.0.38 in 22.05)."""
+    """One element of ``squeue --json``'s ``jobs`` (data_parser v0.0.38 in 22.05, v0.0.42 in 24.11)."""
     if not isinstance(j, dict) or not isinstance(j.get("job_id"), int):
         raise SlurmOutputError(f"squeue --json job entry without an integer job_id: {str(j)[:200]}")
     nodes = _expand_nodes(j.get("nodes") or "")
-    # gres_detail lists one entry per allocated node, in job_resources.allocated_nodes order.
-    alloc = (j.get("job_resources") or {}).get("allocated_nodes") or []
-    alloc_names = [a.get("nodename") for a in alloc if isinstance(a, dict)] or nodes
+    # gres_detail lists one entry per allocated node, in the order of job_resources' allocated nodes:
+    # 22.05 `allocated_nodes[].nodename`, 24.11 `nodes.allocation[].name`.
+    res = j.get("job_resources") or {}
+    alloc = res.get("allocated_nodes") or []
+    alloc_names = [a.get("nodename") for a in alloc if isinstance(a, dict)]
+    if not alloc_names and isinstance(res.get("nodes"), dict):
+        alloc_names = [a.get("name") for a in res["nodes"].get("allocation") or [] if isinstance(a, dict)]
+    alloc_names = alloc_names or nodes
     details = j.get("gres_detail") or []
     gres_by_node = {node: gres_indices(d, gres_name) for node, d in zip(alloc_names, details)}
     tag = parse_admin_comment(j.get("admin_comment"))
@@ -329,7 +353,7 @@ def node_from_sinfo_json(n: dict) -> Node:
 
 def nodes_from_sinfo_json(doc: dict) -> list[Node]:
     if not isinstance(doc, dict) or not isinstance(doc.get("nodes"), list):
-        raise SlurmOutputError("sinfo --json output has no 'nodes' list")
+        raise SlurmOutputError("sinfo/scontrol --json output has no 'nodes' list")
     seen: dict[str, Node] = {}
     for n in doc["nodes"]:
         node = node_from_sinfo_json(n)
@@ -339,7 +363,7 @@ def nodes_from_sinfo_json(doc: dict) -> list[Node]:
 
 def filter_jobs(jobs: Iterable[Job], states: Optional[Iterable[str]] = None,
                 users: Optional[Iterable[str]] = None, job_ids: Optional[Iterable[int]] = None) -> list[Job]:
-    """Client-side filtering: ``squeue --json`` in 22.05 ignores -t/-u/-j."""
+    """Client-side filtering: ``squeue --json`` in 22.05 ignores -t/-u/-j (one path for every version)."""
     st = {normalise_state(s) for s in states} if states is not None else None
     us = set(users) if users is not None else None
     ids = {int(i) for i in job_ids} if job_ids is not None else None
@@ -384,10 +408,21 @@ def associations_from_sacctmgr(text: str) -> list[Association]:
 
 
 def parse_scontrol_config(text: str) -> dict[str, str]:
-    """``scontrol show config``: ``Name   = value`` lines; a header or an empty value is skipped/kept as ''."""
-    conf = {}
+    """``scontrol show config``: ``Name   = value`` lines; a header or an empty value is skipped/kept as ''.
+    24.11 prints the settings that may be lists once per item (``Prolog[0] = /a``, ``Prolog[1] = /b``);
+    they are read as one ``Prolog`` = ``/a,/b``, the way 22.05 prints its single value."""
+    conf: dict[str, str] = {}
+    items: dict[str, list[tuple[int, str]]] = {}
     for line in text.splitlines():
         m = re.match(r"^(\S+)\s+=\s?(.*)$", line)
-        if m:
-            conf[m.group(1)] = m.group(2).strip()
+        if not m:
+            continue
+        key, value = m.group(1), m.group(2).strip()
+        indexed = re.match(r"^(\w+)\[(\d+)\]$", key)
+        if indexed:
+            items.setdefault(indexed.group(1), []).append((int(indexed.group(2)), value))
+        else:
+            conf[key] = value
+    for key, values in items.items():
+        conf.setdefault(key, ",".join(v for _, v in sorted(values)))
     return conf
