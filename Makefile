@@ -59,11 +59,14 @@ test-gpu: deps
 # Slurm 24.11, in a Debian trixie chroot built by .ci/slurm24 with mmdebstrap from Debian's mirror and
 # cached in /var/cache/slurm-antman (SLURM24_ROOT); the venv is this checkout's, bind-mounted. The
 # slow tests stay with `make test-slow` (22.05). Not two clusters at once: the chroot shares the
-# host's loopback ports with `make test`'s clusters.
+# host's loopback ports with `make test`'s clusters. The second run's sbatch signs with munge: the
+# chroot's own munged serves it (the PID namespace ends it with the run).
 SLURM24_PYTEST ?= -m "cluster and not slow"
 test-slurm24: $(VENV)/.installed
 	.ci/slurm24 build
 	.ci/slurm24 run 'rc=0; $(PY) -m pytest -ra $(SLURM24_PYTEST) $(PYTEST_ARGS) || rc=1; \
+	  mkdir -p /run/munge && chown munge: /run/munge && \
+	  { munge -n >/dev/null 2>&1 || runuser -u munge -- /usr/sbin/munged; } && \
 	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
 	    tests/test_job_submit_lua.py -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
