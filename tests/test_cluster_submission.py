@@ -313,6 +313,8 @@ echo BATCH
 while [ ! -f {flag} ]; do sleep 0.2; done
 SLURMD_NODENAME=node2 SLURM_JOB_GPUS=0,1,2,3 SLURM_JOB_PARTITION=gpu SLURM_SPANK_ANTMAN_CLASS=guaranteed \\
   srun -n1 bash -c 'echo "STEP CLASS=${{ANTMAN_CLASS:-}} CVD=${{CUDA_VISIBLE_DEVICES:-}} EP=${{ANTMAN_SIDECAR_ENDPOINT:-}}"'
+# Stay until the test has looked at the env file: the job's Epilog removes it when the job ends.
+for i in $(seq 300); do [ -f {flag}.done ] && break; sleep 0.2; done
 """
 
 
@@ -338,3 +340,4 @@ def test_the_prolog_the_plugin_runs_ignores_what_the_job_sets_in_its_environment
     log = (state / "hooks.log").read_text()
     assert f"job {jid} on node1: env file missing at step start; Prolog run by the SPANK plugin" in log
     assert f"job {jid} on node2" not in log
+    (tmp_path / "go.done").write_text("")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 
@@ -50,10 +51,15 @@ def test_hold_release_update_requeue_cancel(backend):
 
 
 def test_signal_reaches_the_batch_script(backend, plain_cluster, tmp_path):
-    out = tmp_path / "sig.out"
-    script = f"#!/bin/bash\ntrap 'echo got-usr1 > {out}; exit 0' USR1\nwhile true; do sleep 1; done\n"
+    out, ready = tmp_path / "sig.out", tmp_path / "trap-set"
+    script = (f"#!/bin/bash\ntrap 'echo got-usr1 > {out}; exit 0' USR1\ntouch {ready}\n"
+              "while true; do sleep 1; done\n")
     jid = backend.submit(script_text=script, options=[f"--output={tmp_path}/job.out"])
     backend.wait_for(jid, ["RUNNING"], timeout=30)
+    # RUNNING is Slurm's word; the script may not have set its trap yet (USR1 would then kill it).
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     backend.cancel(jid, signal="USR1")
     backend.wait_for(jid, ["COMPLETED"], timeout=30)
     assert out.read_text().strip() == "got-usr1"
