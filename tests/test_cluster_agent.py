@@ -23,7 +23,9 @@ def _squeue(c) -> dict[int, dict]:
 
 def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
     c = clean_cluster
-    script = f"#!/bin/bash\nexec {sys.executable} {TRAIN} {tmp_path / 'ckpt'} 400 0.05\n"
+    # Long enough to outlive the wait below on a loaded machine: with 400 steps (about 25 s) the
+    # opportunistic job sometimes ended before the guaranteed one had reported (seen on 22.05 and 24.11).
+    script = f"#!/bin/bash\nexec {sys.executable} {TRAIN} {tmp_path / 'ckpt'} 4000 0.05\n"
     opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=script)
     g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node2", script=script)
     deadline = time.monotonic() + 90
