@@ -78,18 +78,48 @@ class Demo:
     def state(self, jid: int) -> str:
         return self.jobs().get(jid, {}).get("state", "GONE")
 
-    def gpu_measured(self) -> bool:
-        """The sidecar lets an opportunistic job beside a guaranteed one only once it has measured how
-        busy the guaranteed job keeps the GPU."""
+    def _node_state(self):
+        """The node's sidecar's own view (None while it does not answer): a local socket, answered in
+        milliseconds, where ``antman squeue`` takes a process start and a trip through the coordinator."""
         from sidecar import client
 
         from . import config as cfgmod
 
         sockdir = cfgmod.load(self.c.config_path).node_socket_dir(self.c.nodes[0])
         try:
-            return all(g.util_measured for g in client.node_state(sockdir).gpus)
+            return client.node_state(sockdir)
         except (client.SidecarUnreachable, client.SidecarError):
-            return False
+            return None
+
+    def gpu_measured(self) -> bool:
+        """The sidecar lets an opportunistic job beside a guaranteed one only once it has measured how
+        busy the guaranteed job keeps the GPU."""
+        st = self._node_state()
+        return st is not None and all(g.util_measured for g in st.gpus)
+
+    def sidecar_job(self, jid: int):
+        st = self._node_state()
+        return next((j for j in st.jobs if j.job_id == str(jid)), None) if st is not None else None
+
+    def watch_cut(self, jid: int, before, timeout: float):
+        """The opportunistic job's memory limit and compute share after a rise in guaranteed demand:
+        ``(limit, lowest share)``. The share is halved in the same policy step that lowers the limit,
+        then climbs back by one step per guaranteed report (20 a second here), so it is low for well
+        under a second: sampled every 50 ms from the sidecar, not polled through ``antman squeue``."""
+        deadline = time.monotonic() + timeout
+        limit, low = None, None
+        while time.monotonic() < deadline:
+            j = self.sidecar_job(jid)
+            if j is not None and j.mem_limit_bytes is not None and j.mem_limit_bytes < before.mem_limit_bytes:
+                limit = j.mem_limit_bytes
+                low = j.compute_share if low is None else min(low, j.compute_share)
+                if low < before.compute_share:
+                    return limit, low
+            time.sleep(0.05)
+        if limit is None:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for the opportunistic job's limit to drop")
+        raise RuntimeError(f"the opportunistic job's limit dropped but its share stayed at or above "
+                           f"{before.compute_share:.2f} (lowest seen {low:.2f})")
 
 
 def _last(text: str, prefix: str) -> str:
@@ -145,26 +175,25 @@ def main(args) -> int:
         names = {g: "resnet-guaranteed", o: "bert-opportunistic"}
         demo.wait("the opportunistic job to train", lambda: _steps(demo.output("bert-opportunistic")) >= 2, 90)
         demo.wait("its limits", lambda: demo.jobs()[o].get("compute_share") is not None, 30)
-        before = demo.jobs()[o]
         demo.show_queue("two jobs on GPU 0")
+        shown = demo.jobs()[o]
         console.print("The opportunistic job asked for --gres=gpu:1; job_submit.lua moved it to the count-only "
                       "antman_opp GRES and the opportunistic partition, and the sidecar put it beside the guaranteed "
-                      f"job on GPU 0: memory limit {_limit(before)}, compute share {before['compute_share']:.2f} "
+                      f"job on GPU 0: memory limit {_limit(shown)}, compute share {shown['compute_share']:.2f} "
                       "(the guaranteed job is never limited; the share follows the guaranteed job's speed, report "
                       "by report).")
 
         console.rule("2. The guaranteed job's memory grows: the opportunistic job shrinks, live")
+        before = demo.sidecar_job(o)
+        if before is None or before.mem_limit_bytes is None:
+            raise RuntimeError("the sidecar shows no memory limit for the opportunistic job")
         phase.write_text("grow")
         console.print("  the guaranteed job enters a heavier phase: 0.5 GiB -> 1.5 GiB of GPU memory")
-
-        def shrunk():
-            j = demo.jobs()[o]
-            smaller = (j.get("mem_limit_bytes") or 1 << 62) < (before["mem_limit_bytes"] or 1 << 62)
-            return j if smaller and (j.get("compute_share") or 1.0) < before["compute_share"] else None
-        after = demo.wait("the opportunistic job's limit and share to drop", shrunk, 30)
+        limit, low = demo.watch_cut(o, before, 30)
         demo.show_queue("the opportunistic job shrunk and throttled")
-        console.print(f"  bert-opportunistic: memory limit {_limit(before)} -> {_limit(after)}, compute share "
-                      f"{before['compute_share']:.2f} -> {after['compute_share']:.2f} at the jump (a rise in guaranteed "
+        console.print(f"  bert-opportunistic: memory limit {before.mem_limit_bytes / 2**30:.1f} GiB -> "
+                      f"{limit / 2**30:.1f} GiB, compute share "
+                      f"{before.compute_share:.2f} -> {low:.2f} at the jump (a rise in guaranteed "
                       "demand halves the budget at once; it climbs back while the guaranteed job keeps its speed). "
                       "It keeps training: its agent spills what does not fit to host memory and spaces out its "
                       "kernel launches.")
