@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from sidecar.local_policy import PolicyParams
+
 from . import devcluster as dc
 
 # A log or CI capture is not a terminal; rich would fold the tables at 80 columns there.
@@ -113,7 +115,9 @@ class Demo:
             if j is not None and j.mem_limit_bytes is not None and j.mem_limit_bytes < before.mem_limit_bytes:
                 limit = j.mem_limit_bytes
                 low = j.compute_share if low is None else min(low, j.compute_share)
-                if low < before.compute_share:
+                # At its floor already (the guaranteed job ran over its target on a loaded machine), the
+                # share cannot drop further: the limit is what shows the rise.
+                if low < before.compute_share or before.compute_share <= PolicyParams().min_share:
                     return limit, low
             time.sleep(0.05)
         if limit is None:

@@ -30,7 +30,8 @@ def test_the_demo_shows_shrink_pause_resume_requeue_and_explains_them(tmp_path):
         tuple(float(x.split()[0]) for x in part.split("->"))
         for part in (line.split("memory limit")[1].split(", compute share")[0],
                      line.split("compute share")[1].split(";")[0])]
-    assert lim1 < lim0 and sh1 < sh0, line
+    # (a share already at its floor, 0.05, cannot drop: the demo says so and shows the limit)
+    assert lim1 < lim0 and (sh1 < sh0 or sh0 == sh1 == 0.05), line
     # step 3: PAUSED in antman squeue, then resumed without a restart
     assert "PAUSED" in out and "resumed in place: same process, no restart (restarts=0)" in out
     # step 4: requeued once, resumed from its checkpoint
