@@ -21,6 +21,21 @@ def _squeue(c) -> dict[int, dict]:
     return {j["job_id"]: j for j in json.loads(r.stdout)}
 
 
+def _why(c, missing: list[int], jobs: dict) -> str:
+    """What Slurm, the job and the node's sidecar say about jobs that never showed an iteration time."""
+    parts = [f"no iteration_ms for {missing} within 90 s; antman squeue: {jobs}"]
+    for j in missing:
+        parts.append(c.run(["scontrol", "show", "job", str(j)]).stdout.strip())
+        parts.append(c.run(["sacct", "-j", str(j), "-D", "-o", "JobID,State,ExitCode,Reason%40", "-P"]).stdout)
+        parts.append(f"output:\n{c.output(j)[-1500:]}")
+    log = c.c.dir / "log"
+    for name in sorted(p.name for p in log.glob("*")) if log.is_dir() else []:
+        if "sidecar" in name or "slurmd" in name or "coordinator" in name:
+            lines = (log / name).read_text(errors="replace").splitlines()
+            parts.append(f"--- {name} (last 25 lines)\n" + "\n".join(lines[-25:]))
+    return "\n".join(parts)
+
+
 def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
     c = clean_cluster
     # Long enough to outlive the wait below on a loaded machine: with 400 steps (about 25 s) the
@@ -35,6 +50,8 @@ def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
         if all(jobs.get(j, {}).get("iteration_ms") is not None for j in (opp, g)):
             break
         time.sleep(1)
+    missing = [j for j in (opp, g) if jobs.get(j, {}).get("iteration_ms") is None]
+    assert not missing, _why(c, missing, jobs)
     o, gj = jobs[opp], jobs[g]
     assert o["class"] == "opportunistic" and gj["class"] == "guaranteed"
     # The loop sleeps 50 ms a step: the agent measured real mini-batches, not a placeholder (no upper
