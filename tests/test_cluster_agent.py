@@ -38,11 +38,13 @@ def _why(c, missing: list[int], jobs: dict) -> str:
 
 def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
     c = clean_cluster
-    # Long enough to outlive the wait below on a loaded machine: with 400 steps (about 25 s) the
-    # opportunistic job sometimes ended before the guaranteed one had reported (seen on 22.05 and 24.11).
-    script = f"#!/bin/bash\nexec {sys.executable} {TRAIN} {tmp_path / 'ckpt'} 4000 0.05\n"
-    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=script)
-    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node2", script=script)
+    # Long enough to outlive the wait below on a loaded machine (4000 steps of at least 50 ms).
+    # One checkpoint per job: with a shared one, two saves that interleave make one job's os.replace find
+    # the other's temporary file gone, and that job dies (the failure seen under 24.11 and 22.05).
+    def script(name: str) -> str:
+        return f"#!/bin/bash\nexec {sys.executable} {TRAIN} {tmp_path / name} 4000 0.05\n"
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=script("opp.ckpt"))
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node2", script=script("guaranteed.ckpt"))
     deadline = time.monotonic() + 90
     jobs: dict[int, dict] = {}
     while time.monotonic() < deadline:

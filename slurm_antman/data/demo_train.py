@@ -25,7 +25,9 @@ step = 0
 
 
 def save() -> None:
-    tmp = ckpt + ".tmp"
+    # A temporary file of this process's own: were two runs of the job ever alive at once (a requeue
+    # racing the old run's last save), one's rename must not take the other's half-written file.
+    tmp = f"{ckpt}.{os.getpid()}.tmp"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
     os.replace(tmp, ckpt)
 
