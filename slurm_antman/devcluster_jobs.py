@@ -100,7 +100,10 @@ class ClusterJobs:
             if re.search(pattern, text, re.M):
                 return text
             time.sleep(0.3)
-        raise JobsError(f"job {job_id} output never matched {pattern!r}:\n{text[-2000:]}")
+        # Where the job stands in Slurm says why it never printed it (pending for BeginTime, held, ...).
+        r = self.c.run(["scontrol", "show", "job", "-o", str(job_id)])
+        raise JobsError(f"job {job_id} output never matched {pattern!r} in {timeout:g} s; Slurm: "
+                        f"{(r.stdout or r.stderr).strip()[:1500]}\n{text[-2000:]}")
 
     def cancel_all(self) -> None:
         self.c.run(["scancel", "--user", "root"])

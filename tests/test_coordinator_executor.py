@@ -10,7 +10,7 @@ import pytest
 from slurm_antman import config
 from slurm_antman.coordinator.executor import Executor
 from slurm_antman.jobtag import parse_tag
-from slurm_antman.policy.decisions import KeepOff, SetClass
+from slurm_antman.policy.decisions import KeepOff, MakeEligible, SetClass
 from slurm_antman.slurm import CliBackend
 
 pytestmark = pytest.mark.cluster
@@ -52,3 +52,21 @@ def test_keep_off_sets_and_clears_a_pending_jobs_exclusions_and_it_waits_meanwhi
     assert info["NodeList"] == "node2"
     out = ex.execute(KeepOff(str(jid), ()))
     assert out.outcome == "skipped" and "RUNNING" in out.detail, out
+
+
+def test_make_eligible_on_a_job_slurm_shows_not_pending_yet_is_retried_and_never_on_a_running_one(clean_cluster):
+    """The policy emits MakeEligible from a snapshot that showed the requeued job PENDING; if scontrol does
+    not show it PENDING yet, the outcome asks for a retry (else the job sat out Slurm's ~121 s BeginTime
+    wait). A suspended job stands in for a requeue still in flight: neither pending nor running."""
+    c = clean_cluster
+    cfg = config.load(c.c.config_path)
+    ex = Executor(CliBackend(env=c.env), cfg)
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", wrap="sleep 60")
+    c.wait_state(jid, {"RUNNING"}, timeout=30)
+    running = ex.execute(MakeEligible(str(jid), reason="test"))
+    assert running.outcome == "skipped" and not running.retry, running
+    c.run(["scontrol", "suspend", str(jid)], check=True)
+    c.wait_state(jid, {"SUSPENDED"}, timeout=15)
+    suspended = ex.execute(MakeEligible(str(jid), reason="test"))
+    assert suspended.outcome == "skipped" and suspended.retry and "SUSPENDED" in suspended.detail, suspended
+    c.run(["scontrol", "resume", str(jid)], check=True)

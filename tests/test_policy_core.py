@@ -335,6 +335,20 @@ def test_make_eligible_once_after_requeue():
     assert dict(st.requeued) == {} and dict(st.preempting) == {}
 
 
+def test_make_eligible_the_daemon_forgot_is_made_again_next_cycle():
+    """The daemon forgets a MakeEligible its executor could not carry out yet (Slurm behind the snapshot):
+    the next cycle emits it again, once."""
+    jobs, st = _requeued_state()
+    pending = job("o1", state="PENDING", requested="opportunistic", restarts=1, submit=0)
+    n = node("n1", (gpu(0, g=("g1",)),), configured=2, in_slurm=2)
+    ds, st = run(snap([jobs[0], pending], [n], now=NOW + 31), st)
+    st = st.forget(next(d for d in ds if d.kind == "make_eligible"))
+    ds, st = run(snap([jobs[0], pending], [n], now=NOW + 32), st)
+    assert [d for d in ds if d.kind == "make_eligible"] == [MakeEligible("o1")]
+    ds, st = run(snap([jobs[0], pending], [n], now=NOW + 33), st)
+    assert not any(d.kind == "make_eligible" for d in ds)
+
+
 def test_pending_without_our_requeue_gets_no_make_eligible():
     ds, _ = run(snap([job("o1", state="PENDING", requested="opportunistic", restarts=3)]))
     assert ds == []

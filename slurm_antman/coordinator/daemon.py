@@ -235,7 +235,7 @@ class Coordinator:
             level = logging.WARNING if outcome.failed else logging.INFO
             log.log(level, "%s %s: %s [%s%s]", d.kind, getattr(d, "job_id", getattr(d, "node", "")), d.reason,
                     outcome.outcome, f": {outcome.error}" if outcome.error else "")
-            if outcome.failed:
+            if outcome.failed or outcome.retry:
                 new_state = new_state.forget(d)
             if self.metrics is not None:
                 self.metrics.count(d.kind, outcome.outcome)

@@ -40,6 +40,9 @@ class Outcome:
     detail: str = ""
     error: Optional[str] = None
     restarts: Optional[int] = None  # the job's Slurm restart count when the decision was carried out
+    # Skipped only because Slurm had not caught up with the snapshot the decision came from: the
+    # daemon forgets the decision, so the next cycle makes it again.
+    retry: bool = False
 
     @property
     def failed(self) -> bool:
@@ -302,7 +305,10 @@ class Executor:
     def _make_eligible(self, d: MakeEligible, state: Any) -> Outcome:
         job = self._job(d.job_id)
         if job.state != "PENDING":
-            return skipped(f"job is {job.state}", job.restarts)
+            # squeue said PENDING, scontrol not yet (a requeue still COMPLETING or REQUEUED): try again next
+            # cycle, or the job would sit out Slurm's whole BeginTime wait. Running or ended: nothing to do.
+            waiting = job.state not in ("RUNNING", "CONFIGURING") and not job.finished
+            return Outcome("skipped", f"job is {job.state}", None, job.restarts, retry=waiting)
         # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME).
         self.backend.update(job.job_id, StartTime=REQUEUED_START_TIME)
         return ok(f"StartTime={REQUEUED_START_TIME}", job.restarts)
