@@ -38,6 +38,7 @@ class Demo:
     def __init__(self, cluster: dc.Cluster, work: Path):
         self.c = cluster
         self.work = work
+        self._sockdir: str | None = None
 
     def submit(self, name: str, flags: list[str], script: str) -> int:
         """``script``: a Python file and its arguments, run by this interpreter as the job's step."""
@@ -85,11 +86,12 @@ class Demo:
         milliseconds, where ``antman squeue`` takes a process start and a trip through the coordinator."""
         from sidecar import client
 
-        from . import config as cfgmod
+        if self._sockdir is None:  # read once: watch_cut samples every 50 ms
+            from . import config as cfgmod
 
-        sockdir = cfgmod.load(self.c.config_path).node_socket_dir(self.c.nodes[0])
+            self._sockdir = cfgmod.load(self.c.config_path).node_socket_dir(self.c.nodes[0])
         try:
-            return client.node_state(sockdir)
+            return client.node_state(self._sockdir)
         except (client.SidecarUnreachable, client.SidecarError):
             return None
 

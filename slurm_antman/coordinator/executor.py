@@ -53,8 +53,8 @@ def ok(detail: str = "", restarts: Optional[int] = None) -> Outcome:
     return Outcome("ok", detail, None, restarts)
 
 
-def skipped(detail: str, restarts: Optional[int] = None) -> Outcome:
-    return Outcome("skipped", detail, None, restarts)
+def skipped(detail: str, restarts: Optional[int] = None, retry: bool = False) -> Outcome:
+    return Outcome("skipped", detail, None, restarts, retry)
 
 
 def failed(error: str) -> Outcome:
@@ -308,7 +308,7 @@ class Executor:
             # squeue said PENDING, scontrol not yet (a requeue still COMPLETING or REQUEUED): try again next
             # cycle, or the job would sit out Slurm's whole BeginTime wait. Running or ended: nothing to do.
             waiting = job.state not in ("RUNNING", "CONFIGURING") and not job.finished
-            return Outcome("skipped", f"job is {job.state}", None, job.restarts, retry=waiting)
+            return skipped(f"job is {job.state}", job.restarts, retry=waiting)
         # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME).
         self.backend.update(job.job_id, StartTime=REQUEUED_START_TIME)
         return ok(f"StartTime={REQUEUED_START_TIME}", job.restarts)
