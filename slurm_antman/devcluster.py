@@ -231,13 +231,33 @@ def _munge_works() -> bool:
     return subprocess.run(["munge", "-n"], capture_output=True).returncode == 0
 
 
+def _munged_pids_here() -> list[int]:
+    """munged processes whose root directory is ours. A munged in a chroot (make test-slurm24's
+    trixie one) shares our PID namespace but serves another socket and key: it is not ours to
+    wait for."""
+    here = os.stat("/")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "munged":
+                continue
+            root = os.stat(entry / "root")
+        except OSError:  # gone meanwhile, or not ours to look at
+            continue
+        if (root.st_dev, root.st_ino) == (here.st_dev, here.st_ino):
+            pids.append(int(entry.name))
+    return pids
+
+
 def _ensure_munged(procs: list[Proc]) -> None:
     if _munge_works():
         return
     # A munged that is still exiting (a cluster stopped a moment ago) is seen by pgrep but serves
     # nothing: wait for it to go, then start ours.
     for _ in range(100):
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        if not _munged_pids_here():
             break
         time.sleep(0.1)
     else:

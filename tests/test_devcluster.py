@@ -66,3 +66,27 @@ def test_up_twice_status_down_stops_only_its_processes(tmp_path):
         bystander.kill()
         bystander.wait()
         _antman("devcluster", "down", "--dir", str(d))
+
+
+def test_a_munged_in_a_chroot_is_not_ours_to_wait_for(tmp_path):
+    """`devcluster up` waits for an exiting munged of its own before starting one; a munged in a
+    chroot (make test-slurm24's) shares the PID namespace but not the socket, and must not count."""
+    from slurm_antman.devcluster import _munged_pids_here
+
+    # Two processes named munged: one in our root, one chrooted into an empty directory.
+    code = ("import os, sys, time; open('/proc/self/comm', 'w').write('munged');"
+            "root = sys.argv[1]; root and os.chroot(root); print('ready', flush=True); time.sleep(60)")
+    jail = tmp_path / "jail"
+    jail.mkdir()
+    ours = subprocess.Popen([sys.executable, "-c", code, ""], stdout=subprocess.PIPE, text=True)
+    jailed = subprocess.Popen([sys.executable, "-c", code, str(jail)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert ours.stdout.readline().strip() == "ready"
+        assert jailed.stdout.readline().strip() == "ready"
+        found = _munged_pids_here()
+        assert ours.pid in found
+        assert jailed.pid not in found
+    finally:
+        for p in (ours, jailed):
+            p.kill()
+            p.wait()
