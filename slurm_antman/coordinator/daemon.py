@@ -117,7 +117,7 @@ class Coordinator:
         self.reports: dict[str, Any] = {}
         self._class_sent: dict[tuple[str, str], float] = {}
         self._placed: dict[str, tuple] = {}  # job -> the placement last written to the audit log
-        self._paused: dict[str, str] = {}  # job -> the reason of the pause last written to the audit log
+        self._paused: dict[str, str] = {}  # job -> the node of the pause last written to the audit log
         self._persisted: Optional[dict] = None
         self._quota_text: Optional[str] = None
         self._stop = threading.Event()
@@ -196,6 +196,9 @@ class Coordinator:
     def _take(self, reports: list) -> None:
         for r in reports:
             self.reports[r.node] = r
+            # Each report, not only a cycle's last one: a resume and the next pause can both come within
+            # one cycle (the sidecar reports each at once), and explain must show both.
+            self._record_pauses(r)
 
     # -- one cycle ---------------------------------------------------------------------------
     def run_cycle(self) -> list[tuple[Any, Any]]:
@@ -219,7 +222,6 @@ class Coordinator:
         snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now, self.tenants.current())
         # Before this cycle's decisions, which act on the jobs placed.
         self._record_placements({str(j.job_id): j.restarts for j in jobs if j.state == "RUNNING"})
-        self._record_pauses()
         try:
             decisions, new_state = decide(snap, self.state, self.params)
         except Exception:  # noqa: BLE001 - a policy bug must not end the daemon; the state is kept
@@ -289,21 +291,24 @@ class Coordinator:
                     "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""), "outcome": "ok"})
         self._placed = seen
 
-    def _record_pauses(self) -> None:
+    def _record_pauses(self, rep: Any) -> None:
         """Each pause in place a sidecar reports, once, and its end: for ``antman explain``."""
-        now_paused: dict[str, str] = {}
-        for node, rep in self.reports.items():
-            for rj in rep.jobs:
-                if getattr(rj, "paused", False):
-                    now_paused[rj.job_id] = rj.pause_reason
-                    if rj.job_id not in self._paused:
-                        self.audit.append({"ts": round(self.clock(), 3), "kind": "paused", "job_id": rj.job_id,
-                                           "node": node, "params": {}, "reason": rj.pause_reason, "outcome": "ok"})
-                elif rj.job_id in self._paused:
-                    self.audit.append({"ts": round(self.clock(), 3), "kind": "resumed", "job_id": rj.job_id,
-                                       "node": node, "params": {}, "reason": "its GPU had room for it again",
-                                       "outcome": "ok"})
-        self._paused = now_paused
+        for rj in rep.jobs:
+            was = self._paused.get(rj.job_id)
+            if getattr(rj, "paused", False):
+                if was is None:
+                    self.audit.append({"ts": round(self.clock(), 3), "kind": "paused", "job_id": rj.job_id,
+                                       "node": rep.node, "params": {}, "reason": rj.pause_reason, "outcome": "ok"})
+                self._paused[rj.job_id] = rep.node
+            elif was is not None:
+                self.audit.append({"ts": round(self.clock(), 3), "kind": "resumed", "job_id": rj.job_id,
+                                   "node": rep.node, "params": {}, "reason": "its GPU had room for it again",
+                                   "outcome": "ok"})
+                del self._paused[rj.job_id]
+        # A paused job this node no longer reports ended (or was requeued) paused: no resume to record.
+        gone = {rj.job_id for rj in rep.jobs}
+        for job_id in [k for k, node in self._paused.items() if node == rep.node and k not in gone]:
+            del self._paused[job_id]
 
     def _persist(self) -> None:
         data = self.state.to_json()
