@@ -88,9 +88,11 @@ def plain_cluster(tmp_path_factory):
 
 
 @pytest.fixture
-def backend(plain_cluster):
+def backend(plain_cluster, tmp_path, monkeypatch):
     from slurm_antman.slurm import CliBackend, CommandFailed, JobNotFound
 
+    # sbatch without -o puts slurm-N.out in the submitter's directory: keep it out of the checkout.
+    monkeypatch.chdir(tmp_path)
     b = CliBackend(env=plain_cluster.env, timeout=30)
     yield b
     for j in b.jobs():

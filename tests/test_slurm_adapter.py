@@ -13,12 +13,6 @@ from slurm_antman.slurm import (CliBackend, CommandFailed, JobEnded, JobNotFound
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(autouse=True)
-def _jobs_write_into_tmp(tmp_path, monkeypatch):
-    # sbatch without -o puts slurm-N.out in the submitter's directory: keep it out of the checkout.
-    monkeypatch.chdir(tmp_path)
-
-
 def test_submit_gpu_job_and_read_it_back(backend):
     jid = backend.submit(wrap="sleep 30", options=["--gres=gpu:2", "-J", "two gpus", "--comment=a Partition=x b"])
     job = backend.wait_for(jid, ["RUNNING"], timeout=30)
