@@ -85,8 +85,11 @@ class ClusterJobs:
                 return info
             time.sleep(delay)
             delay = min(delay * 1.5, 2.0)
+        # A job that does not start is most often about its nodes: say what state Slurm has them in.
+        sinfo = self.c.run(["sinfo", "-h", "-N", "-o", "%N %T %E"])
+        nodes = "; ".join(line.strip() for line in sinfo.stdout.splitlines() if line.strip()) or sinfo.stderr.strip()
         raise JobsError(f"job {job_id} not in {sorted(states)} after {timeout:g} s: {info.get('JobState')} "
-                        f"{info.get('Reason')}")
+                        f"{info.get('Reason')}; nodes: {nodes}")
 
     def output(self, job_id: int) -> str:
         path = self.workdir / f"{job_id}.out"
