@@ -51,10 +51,10 @@ def test_keep_off_sets_and_clears_a_pending_jobs_exclusions_and_it_waits_meanwhi
     info = c.wait_state(jid, {"RUNNING"}, timeout=30)
     assert info["NodeList"] == "node2"
     out = ex.execute(KeepOff(str(jid), ()))
-    assert out.outcome == "skipped" and "RUNNING" in out.detail, out
+    assert out.outcome == "skipped" and "RUNNING" in out.detail and not out.retry, out
 
 
-def test_make_eligible_on_a_job_slurm_shows_not_pending_yet_is_retried_and_never_on_a_running_one(clean_cluster):
+def test_make_eligible_and_keep_off_on_a_job_slurm_shows_not_pending_yet_are_retried_never_on_a_running_one(clean_cluster):
     """The policy emits MakeEligible from a snapshot that showed the requeued job PENDING; if scontrol does
     not show it PENDING yet, the outcome asks for a retry (else the job sat out Slurm's ~121 s BeginTime
     wait). A suspended job stands in for a requeue still in flight: neither pending nor running."""
@@ -69,4 +69,8 @@ def test_make_eligible_on_a_job_slurm_shows_not_pending_yet_is_retried_and_never
     c.wait_state(jid, {"SUSPENDED"}, timeout=15)
     suspended = ex.execute(MakeEligible(str(jid), reason="test"))
     assert suspended.outcome == "skipped" and suspended.retry and "SUSPENDED" in suspended.detail, suspended
+    # keep_off likewise (seen under 24.11: the Prolog's requeue left the job COMPLETING at the decision,
+    # and without a retry it started on the node with no room once more).
+    kept = ex.execute(KeepOff(str(jid), ("node1",), reason="test"))
+    assert kept.outcome == "skipped" and kept.retry and "SUSPENDED" in kept.detail, kept
     c.run(["scontrol", "resume", str(jid)], check=True)

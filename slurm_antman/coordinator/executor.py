@@ -53,6 +53,12 @@ def ok(detail: str = "", restarts: Optional[int] = None) -> Outcome:
     return Outcome("ok", detail, None, restarts)
 
 
+def _requeue_in_flight(job: Any) -> bool:
+    """squeue said PENDING, scontrol not yet (a requeue still COMPLETING or REQUEUED): neither running nor
+    ended, so a decision for a pending job is worth trying again next cycle."""
+    return job.state not in ("RUNNING", "CONFIGURING") and not job.finished
+
+
 def skipped(detail: str, restarts: Optional[int] = None, retry: bool = False) -> Outcome:
     return Outcome("skipped", detail, None, restarts, retry)
 
@@ -296,7 +302,10 @@ class Executor:
     def _keep_off(self, d: KeepOff, state: Any) -> Outcome:
         job = self._job(d.job_id)
         if job.state != "PENDING":
-            return skipped(f"job is {job.state}; ExcNodeList can only change while it is pending", job.restarts)
+            # A job the Prolog refused and requeued is COMPLETING for a moment under 24.11, then pending
+            # with no exclusion: retry, or it starts on the node with no room again (as make_eligible).
+            return skipped(f"job is {job.state}; ExcNodeList can only change while it is pending", job.restarts,
+                           retry=_requeue_in_flight(job))
         if job.antman_class != "opportunistic":
             return skipped(f"job is {job.antman_class}, not opportunistic", job.restarts)
         self.backend.update(job.job_id, ExcNodeList=",".join(d.nodes))
@@ -305,10 +314,8 @@ class Executor:
     def _make_eligible(self, d: MakeEligible, state: Any) -> Outcome:
         job = self._job(d.job_id)
         if job.state != "PENDING":
-            # squeue said PENDING, scontrol not yet (a requeue still COMPLETING or REQUEUED): try again next
-            # cycle, or the job would sit out Slurm's whole BeginTime wait. Running or ended: nothing to do.
-            waiting = job.state not in ("RUNNING", "CONFIGURING") and not job.finished
-            return skipped(f"job is {job.state}", job.restarts, retry=waiting)
+            # Try again next cycle, or the job would sit out Slurm's whole BeginTime wait.
+            return skipped(f"job is {job.state}", job.restarts, retry=_requeue_in_flight(job))
         # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME).
         self.backend.update(job.job_id, StartTime=REQUEUED_START_TIME)
         return ok(f"StartTime={REQUEUED_START_TIME}", job.restarts)
