@@ -54,7 +54,7 @@ def test_keep_off_sets_and_clears_a_pending_jobs_exclusions_and_it_waits_meanwhi
     assert out.outcome == "skipped" and "RUNNING" in out.detail and not out.retry, out
 
 
-def test_make_eligible_and_keep_off_on_a_job_slurm_shows_not_pending_yet_are_retried_never_on_a_running_one(clean_cluster):
+def test_make_eligible_and_keep_off_on_a_job_not_pending_yet_are_retried_never_on_a_running_one(clean_cluster):
     """The policy emits MakeEligible from a snapshot that showed the requeued job PENDING; if scontrol does
     not show it PENDING yet, the outcome asks for a retry (else the job sat out Slurm's ~121 s BeginTime
     wait). A suspended job stands in for a requeue still in flight: neither pending nor running."""

@@ -4,6 +4,8 @@ resume half a second before the next pause was lost, so explain told of one long
 
 from __future__ import annotations
 
+import json
+
 from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
 from slurm_antman.coordinator.daemon import Coordinator
@@ -30,7 +32,6 @@ def _coordinator(tmp_path) -> Coordinator:
 
 
 def _kinds(tmp_path, job: str) -> list[str]:
-    import json
     return [r["kind"] for r in map(json.loads, (tmp_path / "audit.jsonl").read_text().splitlines())
             if r.get("job_id") == job]
 
