@@ -38,6 +38,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def expand_file_pattern(pattern: str) -> list[str]:
+    """gres.conf's ``File=`` form: ``/dev/nvidia[0-3,6]`` or a comma list of such."""
+    out: list[str] = []
+    for part in (p for p in re.split(r",(?![^\[]*\])", pattern) if p):
+        m = re.fullmatch(r"(.*)\[([0-9,\-]+)\](.*)", part)
+        if not m:
+            out.append(part)
+            continue
+        for name in hostlist.expand(f"x[{m.group(2)}]"):
+            out.append(f"{m.group(1)}{name[1:]}{m.group(3)}")
+    return out
+
+
 class NodeGroup(_Strict):
     name: str = Field(description="Slurm hostlist of GPU nodes, e.g. gpu[01-16].")
     gpus: int = Field(ge=1, le=64, description="Physical GPUs per node.")
@@ -62,9 +75,27 @@ class NodeGroup(_Strict):
             raise ValueError(str(e)) from None
         return v
 
+    @model_validator(mode="after")
+    def _files_match_gpus(self) -> "NodeGroup":
+        if self.gpu_files is not None:
+            try:
+                n = len(expand_file_pattern(self.gpu_files))
+            except hostlist.HostlistError as e:
+                raise ValueError(f"gpu_files: {e}") from None
+            if n != self.gpus:
+                raise ValueError(f"gpu_files {self.gpu_files!r} names {n} device file(s) but gpus is {self.gpus}: "
+                                 "one file per GPU")
+        return self
+
     @property
     def hosts(self) -> list[str]:
         return hostlist.expand(self.name)
+
+    @property
+    def gpu_device_paths(self) -> list[str]:
+        """One device file per GPU, in Slurm's GRES index order (gres.conf's ``File=`` order)."""
+        pattern = self.gpu_files or (f"/dev/nvidia[0-{self.gpus - 1}]" if self.gpus > 1 else "/dev/nvidia0")
+        return expand_file_pattern(pattern)
 
 
 class Tenant(_Strict):

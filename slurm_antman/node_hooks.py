@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import subprocess
 import tempfile
 import time
@@ -222,6 +223,26 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     return _place_and_record(cfg, job, tag, count, group.gpus, values)
 
 
+def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: list[int]) -> dict[str, str]:
+    """Slurm bound no device for a count-only GRES: this is what makes the job see its GPU(s). Under
+    ConstrainDevices the SPANK plugin opens the devices named in ANTMAN_GPU_DEVICES in the job's
+    cgroup, and CUDA numbers the GPUs the job can open from 0, as Slurm numbers a guaranteed job's."""
+    from .slurm import cgroup_conf
+
+    paths = cfg.node_groups_by_host()[job.node].gpu_device_paths
+    devices = []
+    for g in gpus:
+        if not 0 <= g < len(paths):
+            raise RuntimeError(f"the sidecar placed the job on GPU {g}; {job.node} has {len(paths)} device files")
+        st = os.stat(paths[g])  # the site's own gres.conf files, as root: never a path the job names
+        if not stat.S_ISCHR(st.st_mode):
+            raise RuntimeError(f"{paths[g]} (GPU {g} of {job.node}) is not a character device")
+        devices.append(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+    visible = ",".join(map(str, range(len(gpus)) if cgroup_conf.constrain_devices() else gpus))
+    return {"CUDA_VISIBLE_DEVICES": visible, "GPU_DEVICE_ORDINAL": visible,
+            "ANTMAN_GPU_DEVICES": ",".join(devices)}
+
+
 def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag, count: int, n_gpus: int,
                       values: dict[str, str]) -> int:
     lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
@@ -236,9 +257,7 @@ def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag
         if endpoint:
             values["ANTMAN_SIDECAR_ENDPOINT"] = endpoint
         if tag.job_class == "opportunistic":
-            # Slurm bound no device for a count-only GRES: this is what makes the job see its GPU(s).
-            values["CUDA_VISIBLE_DEVICES"] = values["ANTMAN_GPUS"]
-            values["GPU_DEVICE_ORDINAL"] = values["ANTMAN_GPUS"]
+            values.update(_opportunistic_gpu_env(cfg, job, gpus))
         try:
             write_env_file(env_file(cfg, job.node, job.job_id), values)
         except OSError:

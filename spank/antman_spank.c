@@ -7,6 +7,7 @@
  *   slurmstepd.c  remote (slurmstepd): the job's env file applied to every task, ANTMAN_JOB_ID
  *   envfile.c     remote: finding, trusting and reading STATE_DIR/NODE/jobs/JOBID.env
  *   prolog.c      remote: running the Prolog hook when slurmd skipped it
+ *   devices.c     remote: an opportunistic job's placed GPUs into its devices cgroup
  *
  * Only the symbols these entry points and SPANK_PLUGIN define are exported (antman_spank.map).
  */
@@ -65,6 +66,15 @@ int slurm_spank_task_init(spank_t sp, int ac, char **av)
 	if (spank_context() != S_CTX_REMOTE)
 		return 0;
 	return antman_stepd_task_init(sp);
+}
+
+int slurm_spank_task_post_fork(spank_t sp, int ac, char **av)
+{
+	(void)ac;
+	(void)av;
+	if (spank_context() != S_CTX_REMOTE)
+		return 0;
+	return antman_stepd_task_post_fork(sp);
 }
 
 int slurm_spank_exit(spank_t sp, int ac, char **av)

@@ -354,6 +354,81 @@ bool env_file_in_any_node_dir(uint32_t job_id)
 	return found;
 }
 
+/* The one node directory of state_dir holding JOBID.env; -1 (logged) when none or several do. */
+static int only_node_with_file(uint32_t job_id, char *node, size_t len)
+{
+	char path[PATH_MAX];
+	struct stat st;
+	struct dirent *de;
+	DIR *dir;
+	int found = 0;
+
+	dir = opendir(antman_args_get()->state_dir);
+	if (!dir)
+		return -1;
+	while ((de = readdir(dir))) {
+		if (!nodename_is_safe(de->d_name) || strlen(de->d_name) >= len)
+			continue;
+		if (env_file_path(path, sizeof(path), de->d_name, job_id) == 0 && lstat(path, &st) == 0) {
+			if (found++)
+				break;
+			snprintf(node, len, "%s", de->d_name);
+		}
+	}
+	closedir(dir);
+	if (found > 1)
+		slurm_error("antman: job %u has env files under several node directories of %s and the step does "
+			    "not say which node it is", job_id, antman_args_get()->state_dir);
+	return found == 1 ? 0 : -1;
+}
+
+int env_file_value(uint32_t job_id, const char *node, const char *key, char *buf, size_t len)
+{
+	char name[NODENAME_MAX], path[PATH_MAX];
+	char *line = NULL;
+	size_t cap = 0, key_len = strlen(key);
+	ssize_t n;
+	struct stat st;
+	int fd, rc = 0;
+	FILE *f;
+
+	if (node) {
+		if (!nodename_is_safe(node) || strlen(node) >= sizeof(name))
+			return -1;
+		snprintf(name, sizeof(name), "%s", node);
+	} else if (only_node_with_file(job_id, name, sizeof(name)) < 0) {
+		return env_file_in_any_node_dir(job_id) ? -1 : 0;
+	}
+	if (env_file_path(path, sizeof(path), name, job_id) < 0)
+		return -1;
+	fd = open_env_file(path);
+	if (fd < 0) {
+		if (errno == ENOENT)
+			return 0;
+		slurm_error("antman: cannot open %s: %m", path);
+		return -1;
+	}
+	if (fstat(fd, &st) < 0 || !file_is_trusted(path, &st) || !(f = fdopen(fd, "r"))) {
+		close(fd);
+		return -1;
+	}
+	while (rc == 0 && (n = getline(&line, &cap, f)) >= 0) {
+		if (n > 0 && line[n - 1] == '\n')
+			line[--n] = '\0';
+		if (strncmp(line, key, key_len) == 0 && line[key_len] == '=') {
+			if (snprintf(buf, len, "%s", line + key_len + 1) >= (int)len) {
+				slurm_error("antman: %s: %s is longer than %zu bytes", path, key, len - 1);
+				rc = -1;
+			} else {
+				rc = 1;
+			}
+		}
+	}
+	free(line);
+	fclose(f);
+	return rc;
+}
+
 void release_env_files(void)
 {
 	close_candidates();

@@ -39,6 +39,14 @@ ANTMAN_INTERNAL void load_env_file(spank_t sp, uint32_t job_id);
 /* The entries load_env_file read, in file order; returns how many. */
 ANTMAN_INTERNAL size_t env_file_entries(const struct env_entry **entries);
 
+/*
+ * One value of the job's env file, read while root (slurmstepd's own hooks, outside any task): under
+ * node's directory, or, with node NULL, the one node directory that has a file for the job (a real
+ * node; a development host running several slurmd and holding several is refused). Returns 1 and the
+ * value in buf, 0 when the file or key is absent, -1 (logged) when the file cannot be trusted or read.
+ */
+ANTMAN_INTERNAL int env_file_value(uint32_t job_id, const char *node, const char *key, char *buf, size_t len);
+
 /* Closes what preopen_env_files opened and frees the entries. */
 ANTMAN_INTERNAL void release_env_files(void);
 

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "args.h"
+#include "devices.h"
 #include "envfile.h"
 #include "prolog.h"
 #include "slurmstepd.h"
@@ -131,6 +132,31 @@ int antman_stepd_task_init(spank_t sp)
 		if (rc != ESPANK_SUCCESS)
 			slurm_error("antman: cannot set %s in the task env: %s",
 				    entries[i].key, spank_strerror(rc));
+	}
+	return 0;
+}
+
+/*
+ * As root in slurmstepd, once per task, after Slurm has set up the step's cgroups: an opportunistic
+ * job may open the GPU(s) its sidecar placed it on, which Slurm's ConstrainDevices denied it (it
+ * holds no GPU GRES). A grant that fails fails the task: the job would otherwise start on a GPU it
+ * cannot open, and crash later with a less telling error.
+ */
+int antman_stepd_task_post_fork(spank_t sp)
+{
+	uint32_t job_id, uid;
+	pid_t pid;
+
+	if (job_id_of(sp, &job_id) < 0)
+		return 0;
+	if (spank_get_item(sp, S_JOB_UID, &uid) != ESPANK_SUCCESS ||
+	    spank_get_item(sp, S_TASK_PID, &pid) != ESPANK_SUCCESS) {
+		slurm_error("antman: job %u: cannot get the task's uid or pid; its GPUs are not allowed", job_id);
+		return -1;
+	}
+	if (antman_devices_grant(job_id, (uid_t)uid, pid) < 0) {
+		slurm_error("antman: job %u: its placed GPUs could not be allowed in its devices cgroup", job_id);
+		return -1;
 	}
 	return 0;
 }

@@ -8,6 +8,7 @@ ANTMAN_INTERNAL int antman_stepd_init(spank_t sp);
 ANTMAN_INTERNAL int antman_stepd_post_opt(spank_t sp);
 ANTMAN_INTERNAL int antman_stepd_task_init_privileged(spank_t sp);
 ANTMAN_INTERNAL int antman_stepd_task_init(spank_t sp);
+ANTMAN_INTERNAL int antman_stepd_task_post_fork(spank_t sp);
 ANTMAN_INTERNAL int antman_stepd_exit(void);
 
 #endif /* ANTMAN_SLURMSTEPD_H */
