@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     sq = sub.add_parser("squeue", help="jobs with their slurm-antman class and GPUs")
     sq.add_argument("--json", action="store_true")
     sq.add_argument("--all", action="store_true", help="include finished jobs Slurm still remembers")
+    sq.add_argument("-j", "--jobs", type=_job_ids, default=None, metavar="IDS",
+                    help="only these jobs: JOBID, ARRAYID_TASKID or ARRAYID (every task), comma separated")
     sq.add_argument("--config", help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
     sq.set_defaults(func=_cmd_squeue)
 
@@ -184,6 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _job_ids(text: str) -> list[str]:
+    from .views.squeue import parse_job_ids
+
+    try:
+        return parse_job_ids(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _permission_hint(cmd: str) -> str:
+    return {
+        "explain": "the audit log is the coordinator's; an admin can read it (or pass --audit-log FILE)",
+    }.get(cmd, "this needs an admin's rights (run it as root or the slurm-antman service user)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Subcommands with their own parsers get the rest of the line untouched.
@@ -198,10 +215,21 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `antman squeue | head`: the reader has all it wanted. Point stdout at /dev/null so that the
+        # interpreter's own flush at exit does not fail on the closed pipe once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except AntmanError as e:  # an expected failure: one clear line, not a traceback
         if os.environ.get("ANTMAN_DEBUG") == "1":
             raise
         print(f"antman {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except PermissionError as e:
+        if os.environ.get("ANTMAN_DEBUG") == "1":
+            raise
+        print(f"antman {args.cmd}: permission denied: {e.filename or e}: {_permission_hint(args.cmd)}",
+              file=sys.stderr)
         return 1
 
 

@@ -398,6 +398,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     else:
         (d / "etc" / "plugstack.conf").write_text(f"include {d}/etc/plugstack.conf.d/*.conf\n")
         shutil.copy2(REPO / "etc" / "job_submit.lua", d / "etc" / "job_submit.lua")
+        shutil.copy2(REPO / "etc" / "cli_filter.lua", d / "etc" / "cli_filter.lua")
         build_spank(d / "lib" / "antman_spank.so")
 
     env = _daemon_env(cluster)

@@ -45,6 +45,11 @@ class JobTag:
         merged[node] = sorted(gpus)
         return replace(self, gpus=merged)
 
+    def only_on(self, nodes: list[str]) -> "JobTag":
+        """The GPU entries of ``nodes`` only: a requeued job's entries for the nodes of an earlier run
+        are history, not where it runs now."""
+        return replace(self, gpus={n: g for n, g in self.gpus.items() if n in nodes})
+
     def with_class(self, job_class: str) -> "JobTag":
         if job_class not in CLASSES:
             raise TagError(f"class {job_class!r} is not one of {', '.join(CLASSES)}")

@@ -23,7 +23,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import config as config_mod
@@ -45,6 +45,13 @@ class JobContext:
     partition: str
     slurm_gpus: list[int]
     account: str = ""
+    # What scontrol must be told to act on this job alone: ARRAY_TASK for an array task (whose raw id
+    # may be the array's own, which names every task), the raw id otherwise.
+    slurm_ref: str = ""
+
+    @property
+    def ref(self) -> str:
+        return self.slurm_ref or self.job_id
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "JobContext":
@@ -59,6 +66,7 @@ class JobContext:
             partition=env.get("SLURM_JOB_PARTITION", ""),
             slurm_gpus=gpus,
             account=env.get("SLURM_JOB_ACCOUNT", ""),
+            slurm_ref=_ref_from_env(env),
         )
 
 
@@ -73,12 +81,14 @@ class JobContext:
         job_id = env["SLURM_JOB_ID"]
         r = _scontrol(["show", "job", "-d", "-o", job_id])
         lines = [l for l in r.stdout.splitlines() if l.strip()] if r.returncode == 0 else []
-        if len(lines) != 1:
-            raise RuntimeError(f"scontrol show job -d {job_id}: {r.stderr.strip() or 'no single line'}")
         try:
-            job = job_from_scontrol(lines[0], gpu_gres)
+            # An array's own id prints every task: this job is the line of its raw id.
+            jobs = [j for j in (job_from_scontrol(l, gpu_gres) for l in lines) if str(j.job_id) == job_id]
         except SlurmOutputError as e:
             raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
+        if len(jobs) != 1:
+            raise RuntimeError(f"scontrol show job -d {job_id}: {r.stderr.strip() or 'no line for that job'}")
+        job = jobs[0]
         index = env.get("ANTMAN_JOB_NODEID", "")
         if index.isdigit() and int(index) < len(job.nodes):
             node = job.nodes[int(index)]
@@ -96,7 +106,14 @@ class JobContext:
             partition=job.partition,
             slurm_gpus=sorted(job.gpus_by_node.get(node, [])),
             account=job.account,
+            slurm_ref=job.slurm_id,
         )
+
+
+def _ref_from_env(env: dict[str, str]) -> str:
+    """ARRAY_TASK from slurmd's Prolog environment (SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID)."""
+    aid, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{aid}_{task}" if aid.isdigit() and task.isdigit() else ""
 
 
 def _node_of_job(job_id: str) -> str:
@@ -137,23 +154,30 @@ def _job_record(job_id: str) -> dict[str, str]:
     r = _scontrol(["show", "job", "-o", job_id])
     if r.returncode:
         raise RuntimeError(f"scontrol show job {job_id}: {r.stderr.strip()}")
-    lines = [l for l in r.stdout.splitlines() if l.strip()]
-    if len(lines) != 1:
-        raise RuntimeError(f"scontrol show job -o {job_id}: expected one line, got {len(lines)}")
-    try:
-        pairs = parse_scontrol_line(lines[0])
-    except SlurmOutputError as e:
-        raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
-    fields: dict[str, str] = {}
-    for k, v in pairs:
-        fields.setdefault(k, "" if v == "(null)" else v)
-    return fields
+    # An array's own id prints one line per task (the array's pending rest and every task split off
+    # from it): the job is the line whose JobId is its raw id.
+    for line in (l for l in r.stdout.splitlines() if l.strip()):
+        try:
+            pairs = parse_scontrol_line(line)
+        except SlurmOutputError as e:
+            raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
+        fields: dict[str, str] = {}
+        for k, v in pairs:
+            fields.setdefault(k, "" if v == "(null)" else v)
+        if fields.get("JobId") == job_id:
+            return fields
+    raise RuntimeError(f"scontrol show job -o {job_id}: no line for job {job_id}")
 
 
 def _job_fields(job_id: str) -> dict[str, str]:
-    """AdminComment and TresPerNode of one job."""
+    """AdminComment, TresPerNode, NodeList and the array task id (``Ref``) of one job."""
+    from .slurm.models import array_ref
+    from .slurm.parsing import array_task_of
+
     fields = _job_record(job_id)
-    return {key: fields.get(key, "") for key in ("AdminComment", "TresPerNode")}
+    out = {key: fields.get(key, "") for key in ("AdminComment", "TresPerNode", "NodeList")}
+    out["Ref"] = array_ref(int(job_id), *array_task_of(fields.get("ArrayJobId", ""), fields.get("ArrayTaskId")))
+    return out
 
 
 def write_env_file(path: Path, values: dict[str, str]) -> None:
@@ -176,10 +200,17 @@ def write_env_file(path: Path, values: dict[str, str]) -> None:
 def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
     """Merge this node's GPUs into AdminComment. Several nodes of one job may do this at once, so
     read back and retry until our entry is there."""
+    from . import hostlist
+
     for _ in range(3):
-        current = parse_tag(_job_fields(job.job_id)["AdminComment"]) or tag
-        merged = current.with_gpus(job.node, tag.gpus.get(job.node, []))
-        r = _scontrol(["update", f"JobId={job.job_id}", f"AdminComment={merged.render()}"])
+        fields = _job_fields(job.job_id)
+        current = parse_tag(fields["AdminComment"]) or tag
+        try:
+            nodes = hostlist.expand(fields["NodeList"]) if fields["NodeList"] else [job.node]
+        except hostlist.HostlistError:
+            nodes = list(current.gpus) + [job.node]
+        merged = current.only_on(nodes).with_gpus(job.node, tag.gpus.get(job.node, []))
+        r = _scontrol(["update", f"JobId={job.ref}", f"AdminComment={merged.render()}"])
         if r.returncode:
             log.warning("job %s: cannot record GPUs in AdminComment: %s", job.job_id, r.stderr.strip())
             return
@@ -201,6 +232,7 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
         # slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential.
         log.info("job %s on %s: env file missing at step start; Prolog run by the SPANK plugin", job.job_id, job.node)
     fields = _job_fields(job.job_id)
+    job = replace(job, slurm_ref=fields["Ref"])
     tag = parse_tag(fields["AdminComment"])
     if tag is None:
         return 0
@@ -289,7 +321,7 @@ def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str]
     except OSError as e:
         log.error("job %s: cannot write the refusal into its env file: %s", job.job_id, e)
     for delay in (*REQUEUE_BACKOFF_S, None):
-        r = _scontrol(["requeue", job.job_id])
+        r = _scontrol(["requeue", job.ref])  # an array task alone, never its whole array
         if r.returncode == 0:
             log.warning("job %s on %s: not started, requeued: %s", job.job_id, job.node, reason)
             return 0

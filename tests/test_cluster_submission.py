@@ -31,10 +31,11 @@ def test_guaranteed_keeps_physical_gpus(clean_cluster):
     assert info["Partition"] == "gpu"
     assert tres_body(info["TresPerNode"]) == "gpu:2"  # gres:gpu:2 (22.05) or gres/gpu:2 (24.11)
     assert seen["CLASS"] == "guaranteed" and seen["SPANK"] == "guaranteed"
-    # Slurm bound two of the fake devices; the job sees exactly those.
-    cvd = [int(x) for x in seen["CVD"].split(",")]
-    assert len(cvd) == 2 and all(0 <= g < 4 for g in cvd)
-    assert seen["GPUS"] == seen["CVD"]
+    # Slurm bound two of the fake devices; under ConstrainDevices the job sees exactly those, as CUDA
+    # devices 0 and 1, and ANTMAN_GPUS names the physical ones.
+    gpus = [int(x) for x in seen["GPUS"].split(",")]
+    assert len(gpus) == 2 and all(0 <= g < 4 for g in gpus)
+    assert seen["CVD"] == "0,1"
     assert seen["EP"].startswith("ipc://") and f"/jobs/{jid}/" in seen["EP"]
     tag = parse_tag(c.wait_state(jid, {"RUNNING"})["AdminComment"])
     assert tag is not None and tag.job_class == "guaranteed"
@@ -49,8 +50,8 @@ def test_opportunistic_rewritten_and_sees_one_gpu(clean_cluster):
     assert tres_body(info["TresPerNode"]) == "antman_opp:1"
     assert info["Requeue"] == "1"
     assert seen["CLASS"] == "opportunistic"
-    assert re.fullmatch(r"[0-3]", seen["CVD"]), seen  # exactly one physical GPU
-    assert seen["GPUS"] == seen["CVD"]
+    assert re.fullmatch(r"[0-3]", seen["GPUS"]), seen  # exactly one physical GPU...
+    assert seen["CVD"] == "0", seen  # ...which its devices cgroup lets it open as CUDA device 0
     # The Prolog recorded the same GPU in Slurm, where squeue and scontrol can show it.
     import time
 
@@ -60,7 +61,7 @@ def test_opportunistic_rewritten_and_sees_one_gpu(clean_cluster):
             break
         time.sleep(0.2)
     assert tag is not None and tag.job_class == "opportunistic"
-    assert tag.gpus == {seen["NODE"]: [int(seen["CVD"])]}
+    assert tag.gpus == {seen["NODE"]: [int(seen["GPUS"])]}
 
 
 def test_two_opportunistic_jobs_each_get_one_gpu(clean_cluster):
@@ -68,9 +69,9 @@ def test_two_opportunistic_jobs_each_get_one_gpu(clean_cluster):
     jobs = [c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=ENV_SCRIPT) for _ in range(2)]
     seen = [_seen(c.wait_output(j, r"^CLASS=")) for j in jobs]
     for s in seen:
-        assert re.fullmatch(r"[0-3]", s["CVD"]), s
+        assert re.fullmatch(r"[0-3]", s["GPUS"]) and s["CVD"] == "0", s
     # Nothing else runs on node2, so the placement spreads them over idle GPUs.
-    assert seen[0]["CVD"] != seen[1]["CVD"]
+    assert seen[0]["GPUS"] != seen[1]["GPUS"]
 
 
 def test_no_flag_is_plain_slurm(clean_cluster):
@@ -82,7 +83,7 @@ def test_no_flag_is_plain_slurm(clean_cluster):
     assert tres_body(info["TresPerNode"]) == "gpu:1"
     assert info.get("AdminComment", "") in ("", "(null)")
     assert seen["CLASS"] == "" and seen["SPANK"] == ""
-    assert re.fullmatch(r"[0-3]", seen["CVD"])  # Slurm's own binding, untouched
+    assert seen["CVD"] == "0" and seen["GPUS"] == ""  # Slurm's own binding, untouched
 
 
 def test_auto_follows_documented_default(clean_cluster):

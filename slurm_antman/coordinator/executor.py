@@ -183,9 +183,9 @@ class Executor:
             else:
                 fields.update(TresPerNode=retarget_tres(job.tres_per_node, self.gpu_names, s.gpu_gres),
                               Partition=s.guaranteed_partition)
-        self.backend.update(job.job_id, **fields)
+        self.backend.update(job.slurm_id, **fields)
         if d.release_hold and job.reason == HELD_BY_ADMIN:
-            self.backend.release(job.job_id)
+            self.backend.release(job.slurm_id)
         return ok(" ".join(f"{k}={v}" for k, v in fields.items()))
 
     def _hold_for_quota(self, d: HoldForQuota, state: Any) -> Outcome:
@@ -197,7 +197,7 @@ class Executor:
             return skipped("already held for quota")
         # One RPC: Priority=0 is Slurm's admin hold, and the tag says whose hold it is.
         comment = tag.with_hold("quota").render()
-        self.backend.update(job.job_id, Priority=0, AdminComment=comment)
+        self.backend.update(job.slurm_id, Priority=0, AdminComment=comment)
         return ok(f"Priority=0 AdminComment={comment}")
 
     def _release_hold(self, d: ReleaseHold, state: Any) -> Outcome:
@@ -209,11 +209,11 @@ class Executor:
         """Release our quota hold and clear its mark in the tag; what was done, for the audit log."""
         done = []
         if job.state == "PENDING" and job.reason == HELD_BY_ADMIN and tag.hold == "quota":
-            self.backend.release(job.job_id)
+            self.backend.release(job.slurm_id)
             done.append("released")
         if tag.hold is not None:
             comment = tag.with_hold(None).render()
-            self.backend.update(job.job_id, AdminComment=comment)
+            self.backend.update(job.slurm_id, AdminComment=comment)
             done.append(f"AdminComment={comment}")
         return done
 
@@ -247,7 +247,7 @@ class Executor:
         if unreached:
             return failed(f"sidecar of node(s) {', '.join(unreached)} not reachable; job stays opportunistic")
         comment = tag.with_class("guaranteed").render()
-        self.backend.update(job.job_id, AdminComment=comment)
+        self.backend.update(job.slurm_id, AdminComment=comment)
         return ok(f"AdminComment={comment}; job_class_update sent to {', '.join(nodes)}", job.restarts)
 
     def _preempt_notice(self, d: PreemptNotice, state: Any) -> Outcome:
@@ -262,7 +262,7 @@ class Executor:
         sig = self._signal_of(job)
         if sig is not None:
             name, batch_only = sig
-            argv = ["scancel", f"--signal={name}", "--batch" if batch_only else "--full", str(job.job_id)]
+            argv = ["scancel", f"--signal={name}", "--batch" if batch_only else "--full", job.slurm_id]
             self.backend._run(argv, job_id=job.job_id)
             notes.append(f"signal {name} sent to the {'batch step' if batch_only else 'job'}")
         else:
@@ -274,7 +274,7 @@ class Executor:
 
     def _signal_of(self, job: Job) -> Optional[tuple[str, bool]]:
         try:
-            r = self.backend._run(["scontrol", "write", "batch_script", str(job.job_id), "-"], job_id=job.job_id)
+            r = self.backend._run(["scontrol", "write", "batch_script", job.slurm_id, "-"], job_id=job.job_id)
         except SlurmError as e:
             log.info("job %s: cannot read its batch script for --signal: %s", job.job_id, e)
             return None
@@ -296,7 +296,7 @@ class Executor:
                            "already requeued, not again", job.restarts)
         if job.state not in ("RUNNING", "SUSPENDED", "CONFIGURING"):
             return skipped(f"job is {job.state}; nothing to requeue", job.restarts)
-        self.backend.requeue(job.job_id)
+        self.backend.requeue(job.slurm_id)
         return ok(f"scontrol requeue (Restarts {job.restarts} -> {job.restarts + 1})", job.restarts)
 
     def _keep_off(self, d: KeepOff, state: Any) -> Outcome:
@@ -308,7 +308,7 @@ class Executor:
                            retry=_requeue_in_flight(job))
         if job.antman_class != "opportunistic":
             return skipped(f"job is {job.antman_class}, not opportunistic", job.restarts)
-        self.backend.update(job.job_id, ExcNodeList=",".join(d.nodes))
+        self.backend.update(job.slurm_id, ExcNodeList=",".join(d.nodes))
         return ok(f"ExcNodeList={','.join(d.nodes) or '(none)'}", job.restarts)
 
     def _make_eligible(self, d: MakeEligible, state: Any) -> Outcome:
@@ -317,5 +317,5 @@ class Executor:
             # Try again next cycle, or the job would sit out Slurm's whole BeginTime wait.
             return skipped(f"job is {job.state}", job.restarts, retry=_requeue_in_flight(job))
         # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME).
-        self.backend.update(job.job_id, StartTime=REQUEUED_START_TIME)
+        self.backend.update(job.slurm_id, StartTime=REQUEUED_START_TIME)
         return ok(f"StartTime={REQUEUED_START_TIME}", job.restarts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Iterable, Optional
@@ -87,25 +88,59 @@ def explain(job_id: str, audit_path: str, as_json: bool = False) -> tuple[str, i
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("job_id", help="Slurm job id")
+    ap.add_argument("job_id", help="Slurm job id, or ARRAYID_TASKID for an array task (as squeue shows it)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--config", default=None, help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
     ap.add_argument("--audit-log", default=None, help="read this audit log instead of the configured one")
 
 
+_JOB_ARG = re.compile(r"^[1-9]\d{0,9}(_\d{1,10})?$")
+
+
+def _known_to_slurm(job: str, gres: str) -> tuple[Optional[str], bool]:
+    """(raw job id or None, whether Slurm could be asked). The audit log is keyed by the raw id
+    (SLURM_JOB_ID, what nodes and agents know); an array task is asked for as ARRAY_TASK, as squeue
+    shows it."""
+    from slurm_antman.slurm import SlurmError, default_backend
+
+    try:
+        raw = default_backend(gres_name=gres).resolve(int(job) if job.isdigit() else job)
+    except SlurmError:
+        return None, False
+    return (str(raw) if raw is not None else None), True
+
+
 def run(a: argparse.Namespace) -> int:
-    if not a.job_id.isdigit():
-        print(f"antman explain: job id {a.job_id!r} is not a number", file=sys.stderr)
+    if not _JOB_ARG.match(a.job_id):
+        print(f"antman explain: job id {a.job_id!r} is not a job: give JOBID or, for an array task, "
+              "ARRAYID_TASKID (e.g. 1234 or 1234_7)", file=sys.stderr)
         return 2
-    path = a.audit_log
+    path, gres = a.audit_log, "gpu"
     if path is None:
         try:
             cfg = cfgmod.load(a.config or os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml"))
         except cfgmod.ConfigError as e:
             print(str(e), file=sys.stderr)
             return 2
-        path = cfg.coordinator.audit_log
-    text, rc = explain(a.job_id, path, a.json)
+        path, gres = cfg.coordinator.audit_log, cfg.slurm.gpu_gres
+    raw = a.job_id
+    if a.job_id.isdigit():
+        if not records_for(raw, audit.read(path)):
+            known, asked = _known_to_slurm(raw, gres)
+            if asked and known is None:
+                print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)", file=sys.stderr)
+                return 1
+    else:
+        known, asked = _known_to_slurm(a.job_id, gres)
+        if known is None:
+            print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)" if asked else
+                  f"antman explain: cannot reach Slurm to find array task {a.job_id}; give its raw job id "
+                  "(squeue -o %A)", file=sys.stderr)
+            return 1
+        raw = known
+    text, rc = explain(raw, path, a.json)
+    if raw != a.job_id and not a.json:
+        text = text.replace(f"job {raw}:", f"job {a.job_id} (raw id {raw}):", 1)
     print(text)
     return rc
 

@@ -65,7 +65,9 @@ def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str,
                 inputs={"no_room": list(added), "user_excluded": sorted(users), "excluded_before": sorted(current)}))
         elif j.begin_wait and j.restarts > 0 and j.job_id not in skip:
             out.append(MakeEligible(j.job_id, reason=(
-                "requeued by its Prolog for want of room, and now kept off every node without room: Slurm's "
-                "BeginTime wait after a requeue would only delay it"),
+                # Slurm's own preemption (a guaranteed job taking the node back) requeues the same way as
+                # a Prolog that found no room: the snapshot cannot tell the two apart, so neither is claimed.
+                "requeued (Slurm preempted it, or its Prolog found no room) and now kept off every node "
+                "without room: Slurm's BeginTime wait after a requeue would only delay it"),
                 inputs={"restarts": j.restarts, "excluded": list(want)}))
     return out, records

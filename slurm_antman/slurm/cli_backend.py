@@ -33,6 +33,9 @@ _FIELD = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]{1,10}$|^\d{1,2}$")
 
 
+_ARRAY_REF = re.compile(r"^[1-9]\d*_(\d+|\[\d+([-,]\d+)*\])$")
+
+
 def _slurm_field(name: str) -> str:
     """``admin_comment`` -> ``AdminComment``; Slurm names (``TimeLimit``) pass through."""
     if not _FIELD.match(name):
@@ -113,9 +116,13 @@ class CliBackend(SlurmBackend):
         raise CommandFailed(f"{argv[0]} failed: {message}", argv, err, r.returncode)
 
     @staticmethod
-    def _job_arg(job_id: int) -> str:
+    def _job_arg(job_id: Union[int, str]) -> str:
+        """A raw job id, or an array task's ``A_T`` / pending rest ``A_[2-5]`` (``Job.slurm_id``): the
+        form that acts on that job alone."""
+        if isinstance(job_id, str) and _ARRAY_REF.match(job_id):
+            return job_id
         if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
-            raise ValueError(f"job id must be a positive integer, not {job_id!r}")
+            raise ValueError(f"job id must be a positive integer or ARRAY_TASK, not {job_id!r}")
         return str(job_id)
 
     def _json_errors(self, argv: list[str], errors: list) -> None:
@@ -169,8 +176,31 @@ class CliBackend(SlurmBackend):
         lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
         if not lines:
             raise JobNotFound(job_id, argv, "scontrol printed nothing")
-        # An array job id prints one line per task; the first is the one asked for.
-        return job_from_scontrol(lines[0], self.gres_name)
+        jobs = [job_from_scontrol(ln, self.gres_name) for ln in lines]
+        # An array's own id prints one line per task: the one asked for is the raw id's, or the task's.
+        want = self._job_arg(job_id)
+        for job in jobs:
+            if str(job.job_id) == want or job.slurm_id == want:
+                return job
+        if len(jobs) == 1:
+            return jobs[0]
+        raise JobNotFound(job_id, argv, f"none of the {len(jobs)} records printed is job {want}")
+
+    def resolve(self, job: Union[int, str]) -> Optional[int]:
+        """The raw job id of ``job`` (a raw id or ``ARRAY_TASK``) if slurmctld or, for a job it has
+        forgotten, accounting knows it; None when neither does. Raises SlurmUnavailable when the
+        controller cannot be asked."""
+        try:
+            return self.job(job).job_id
+        except JobNotFound:
+            pass
+        argv = ["sacct", "-n", "-X", "-P", "-j", self._job_arg(job), "-o", "JobIDRaw"]
+        try:
+            r = self._run(argv)
+        except CommandFailed:
+            return None  # no accounting storage: slurmctld's word is all there is
+        raw = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().isdigit()]
+        return int(raw[0]) if raw else None
 
     def requeue(self, job_id: int, hold: bool = False) -> None:
         self._run(["scontrol", "requeuehold" if hold else "requeue", self._job_arg(job_id)], job_id=job_id)

@@ -35,6 +35,13 @@ class AntmanTag:
     problem: Optional[str] = None  # why a present tag could not be read; the class is then "none"
 
 
+def array_ref(job_id: int, array_job_id: Optional[int], array_task: Optional[str]) -> str:
+    """``A_T`` for an array task, ``A_[2-5]`` for an array's pending rest, the raw id otherwise."""
+    if not array_job_id or array_task is None:
+        return str(job_id)
+    return f"{array_job_id}_{array_task}" if array_task.isdigit() else f"{array_job_id}_[{array_task}]"
+
+
 @dataclass
 class Job:
     job_id: int
@@ -58,6 +65,24 @@ class Job:
     start_time: Optional[datetime]
     excluded_nodes: list[str] = field(default_factory=list)  # ExcNodeList, expanded
     raw: dict = field(default_factory=dict, repr=False)
+    # A job array's task: its array's id and its index ("3"); the array's record of tasks not started
+    # yet carries their range ("2-5"). job_id stays the raw id (SLURM_JOB_ID, what nodes and agents know).
+    array_job_id: Optional[int] = None
+    array_task: Optional[str] = None
+
+    @property
+    def slurm_id(self) -> str:
+        """The id to act on this job alone. An array task's raw id may be its array's own id, and
+        ``scontrol requeue|update|hold ARRAY_ID`` acts on every task: ``ARRAY_TASK`` acts on one."""
+        return array_ref(self.job_id, self.array_job_id, self.array_task)
+
+    @property
+    def display_id(self) -> str:
+        """What squeue shows: ``ARRAY_TASK`` for an array task, the raw id otherwise."""
+        if self.array_job_id and self.array_task is not None:
+            task = self.array_task if self.array_task.isdigit() else f"[{self.array_task}]"
+            return f"{self.array_job_id}_{task}"
+        return str(self.job_id)
 
     @property
     def gpus(self) -> list[int]:
@@ -77,6 +102,7 @@ class Job:
             "admin_comment": self.admin_comment, "class": self.antman_class,
             "gpus_by_node": self.gpus_by_node, "tres_per_node": self.tres_per_node,
             "submit_time": self.submit_time.isoformat() if self.submit_time else None,
+            "array_job_id": self.array_job_id, "array_task": self.array_task, "display_id": self.display_id,
             "start_time": self.start_time.isoformat() if self.start_time else None,
         }
 

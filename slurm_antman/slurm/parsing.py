@@ -265,6 +265,31 @@ def _user(text: str) -> str:
     return re.sub(r"\(\d+\)$", "", _null(text))
 
 
+_TASK_RANGE = re.compile(r"^\d+([-,:]\d+)*$")
+
+
+def array_task_of(array_job_id: object, task: object) -> tuple[Optional[int], Optional[str]]:
+    """(array id, task) from Slurm's fields; (None, None) for a job that is no array task. ``task`` is
+    an index, or the pending rest's range as scontrol/squeue print it ("2-5%2": the throttle goes)."""
+    if isinstance(array_job_id, dict):  # 24.11 JSON: {"set": true, "number": N}
+        array_job_id = array_job_id.get("number") if array_job_id.get("set", True) else None
+    if isinstance(task, dict):
+        task = task.get("number") if task.get("set", True) else None
+    try:
+        aid = int(str(array_job_id))
+    except ValueError:
+        return None, None
+    if aid <= 0 or task is None:
+        return None, None
+    text = str(task).split("%", 1)[0].strip()
+    if not _TASK_RANGE.match(text) or (text.isdigit() and int(text) >= NO_VAL_32):
+        return None, None
+    return aid, text
+
+
+NO_VAL_32 = 4294967294
+
+
 def job_from_scontrol(line: str, gres_name: str = "gpu") -> Job:
     pairs = parse_scontrol_line(line)
     fields: dict[str, str] = {}
@@ -296,6 +321,8 @@ def job_from_scontrol(line: str, gres_name: str = "gpu") -> Job:
         submit_time=parse_slurm_time(fields.get("SubmitTime")),
         start_time=parse_slurm_time(fields.get("StartTime")),
         excluded_nodes=_expand_nodes(_null(fields.get("ExcNodeList"))), raw=fields,
+        **dict(zip(("array_job_id", "array_task"), array_task_of(fields.get("ArrayJobId", ""),
+                                                                 fields.get("ArrayTaskId")))),
     )
 
 
@@ -328,6 +355,9 @@ def job_from_squeue_json(j: dict, gres_name: str = "gpu") -> Job:
         # A pending job's start_time is Slurm's estimate; report it only once it has started.
         start_time=parse_slurm_time(start) if state not in ("PENDING",) else None,
         excluded_nodes=_expand_nodes(j.get("excluded_nodes") or ""), raw=j,
+        **dict(zip(("array_job_id", "array_task"), array_task_of(
+            j.get("array_job_id", 0),
+            j.get("array_task_id") if j.get("array_task_id") is not None else (j.get("array_task_string") or None)))),
     )
 
 

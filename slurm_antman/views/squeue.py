@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -104,7 +105,7 @@ def rows(jobs: list[Job], states: dict[str, Any]) -> list[dict[str, Any]]:
     for j in jobs:
         holding = j.state in HOLDING_STATES
         row = {
-            "job_id": j.job_id, "name": j.name, "user": j.user, "account": j.account,
+            "job_id": j.job_id, "display_id": j.display_id, "name": j.name, "user": j.user, "account": j.account,
             "partition": j.partition, "class": j.antman_class, "state": j.state, "reason": j.reason,
             "nodes": j.nodes, "gpus": j.gpus if holding else None,
             "gpus_by_node": j.gpus_by_node if holding else None, "restarts": j.restarts,
@@ -122,9 +123,32 @@ def collect(args: argparse.Namespace) -> list[dict[str, Any]]:
     jobs = backend.jobs()
     if not getattr(args, "all", False):
         jobs = [j for j in jobs if j.state not in TERMINAL_STATES]
-    jobs.sort(key=lambda j: j.job_id)
+    wanted = getattr(args, "jobs", None)
+    if wanted:
+        jobs = [j for j in jobs if selected(j, wanted)]
+    # An array's tasks together, in task order, as squeue lists them.
+    jobs.sort(key=lambda j: (j.array_job_id or j.job_id, _task_key(j)))
     nodes = [n for j in jobs if j.state in HOLDING_STATES for n in j.nodes]
     return rows(jobs, sidecar_states(cfg, nodes))
+
+
+def _task_key(j: Job) -> int:
+    task = j.array_task or ""
+    return int(task) if task.isdigit() else -1 if not task else 1 << 31
+
+
+def parse_job_ids(text: str) -> list[str]:
+    """``-j 12,34_5,34``: raw ids, array tasks (ARRAY_TASK), or an array's id (all its tasks)."""
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in out if not re.fullmatch(r"[1-9]\d{0,9}(_\d{1,10})?", t)]
+    if bad or not out:
+        raise ValueError(f"-j {text!r}: expected job ids separated by commas, each JOBID or ARRAYID_TASKID "
+                         "(e.g. 12,34_5)")
+    return out
+
+
+def selected(j: Job, wanted: list[str]) -> bool:
+    return any(w in (str(j.job_id), j.display_id) or (j.array_job_id and w == str(j.array_job_id)) for w in wanted)
 
 
 def _gib(v: Optional[int]) -> str:
@@ -160,7 +184,7 @@ def render_table(data: list[dict[str, Any]]) -> None:
         mem = "-" if r["mem_used_bytes"] is None else f"{_gib(r['mem_used_bytes'])}/{_gib(r['mem_limit_bytes'])}"
         share = "-" if r["compute_share"] is None else f"{r['compute_share']:.2f}"
         it = "-" if r["iteration_ms"] is None else f"{r['iteration_ms']:.1f}ms"
-        t.add_row(str(r["job_id"]), r["user"], r["name"][:20], r["class"], r["state"], r["partition"], where,
+        t.add_row(str(r.get("display_id") or r["job_id"]), r["user"], r["name"][:20], r["class"], r["state"], r["partition"], where,
                   _gpus_text(r), str(r["restarts"]), mem, share, it)
     console().print(t)
 

@@ -1,0 +1,192 @@
+--[[
+slurm-antman cli_filter.lua (Slurm cli_filter/lua, Lua 5.1): srun's GPU options for opportunistic jobs.
+
+An opportunistic job holds the count-only opportunistic GRES (settings.opp_gres), not the physical
+GPU GRES: job_submit.lua rewrote its request. A job step asking for GPUs the usual way
+(`srun --gres=gpu:1`, `--gpus=1`, `--gpus-per-node`, `--gpus-per-task`) would ask for a GRES the job
+does not hold, and slurmctld refuses it ("Step requested GRES (gpu:(null)) not found in the job").
+Slurm runs this filter in srun before it asks for the step (and, for `srun --antman=...` outside an
+allocation, before it asks for the job), so the step asks for the same number of opportunistic slots
+instead. Which GPUs the step's tasks see does not change: that is the job's placement, set on the node
+(ANTMAN_GPUS, CUDA_VISIBLE_DEVICES, the devices cgroup).
+
+Nothing here is a security boundary: it runs in the user's srun, and slurmctld still lets a step use
+only what its job holds. It only spares users a confusing error.
+
+sbatch and salloc are left alone: job_submit.lua classifies and rewrites jobs at submission.
+The settings are job_submit.lua's (antman_settings.lua next to this file, written by
+`antman config render`); a missing or broken settings file leaves every command unchanged.
+]]
+
+local NAME = "slurm-antman"
+
+local function script_dir()
+  local src = debug.getinfo(1, "S").source or ""
+  if src:sub(1, 1) == "@" then src = src:sub(2) end
+  return src:match("^(.*)/[^/]*$") or "."
+end
+
+local SETTINGS_PATH = script_dir() .. "/antman_settings.lua"
+
+local function load_settings()
+  local chunk = loadfile(SETTINGS_PATH)
+  if not chunk then return nil end
+  setfenv(chunk, {})
+  local ok, s = pcall(chunk)
+  if not ok or type(s) ~= "table" or type(s.gpu_gres) ~= "string" or type(s.opp_gres) ~= "string" then
+    return nil
+  end
+  return s
+end
+
+-- A refusal the user reads, as opposed to a bug (which leaves the command as it was).
+local Refuse = {}
+
+local function refuse(fmt, ...)
+  error(setmetatable({ msg = string.format(fmt, ...) }, Refuse), 0)
+end
+
+-- 22.05's options table answers "unset" for an option not given (and "invalid-context" for one
+-- this command does not have), not nil.
+local function set(v)
+  return v ~= nil and v ~= "" and v ~= "unset" and v ~= "invalid-context"
+end
+
+local function split(s, sep)
+  local out = {}
+  for part in (s .. sep):gmatch("(.-)" .. sep) do
+    if part ~= "" then out[#out + 1] = part end
+  end
+  return out
+end
+
+-- "[type:]N" of --gpus, --gpus-per-node, --gpus-per-task -> N.
+local function gpu_count(value, option)
+  local n = tostring(value):match("^[%w_%-]*:?(%d+)$")
+  if not n then refuse("cannot read the GPU count in %s=%s; use --gres=gpu:N", option, tostring(value)) end
+  return tonumber(n)
+end
+
+-- The class srun's own --antman gave, as the SPANK plugin registered it; 22.05's options table
+-- does not index SPANK options, its JSON form carries them.
+local function spank_class(options)
+  if not slurm.json_cli_options then return nil end
+  local ok, json = pcall(slurm.json_cli_options, options)
+  if not ok or type(json) ~= "string" then return nil end
+  return json:match('"spank:antman"%s*:%s*"([%w_]+)"')
+end
+
+-- Whether the allocation the step runs in holds opportunistic slots (asked of slurmctld, for a
+-- salloc shell or a job whose class was auto, where the job's environment does not say).
+local function job_holds(job_id, gres)
+  if not tostring(job_id):match("^%d+$") then return false end
+  local p = io.popen("scontrol show job -o " .. job_id .. " 2>/dev/null")
+  if not p then return false end
+  local out = p:read("*a") or ""
+  p:close()
+  return out:find("gres[:/]" .. gres:gsub("%-", "%%-") .. "[:=,%s]") ~= nil
+end
+
+local function job_class(options, s)
+  local in_job = (set(options.jobid) and options.jobid) or os.getenv("SLURM_JOB_ID")
+  local spank = spank_class(options)
+  if in_job then
+    -- The Prolog's env file put the resolved class into the batch script's and tasks' environment.
+    local class = os.getenv("ANTMAN_CLASS")
+    if class == "guaranteed" or class == "opportunistic" then return class end
+    if spank == "guaranteed" or spank == "opportunistic" then return spank end
+    return job_holds(in_job, s.opp_gres) and "opportunistic" or "other"
+  end
+  if spank == nil and s.default_class == "opportunistic" then return "opportunistic" end
+  return spank or "other"
+end
+
+local function asks_for_gpus(options, s)
+  if set(options.gpus) or set(options["gpus-per-node"]) or set(options["gpus-per-task"])
+      or set(options["gpus-per-socket"]) then
+    return true
+  end
+  for _, e in ipairs(split(set(options.gres) and options.gres or "", ",")) do
+    if e:gsub("^gres[:/]", ""):match("^[^:]+") == s.gpu_gres then return true end
+  end
+  return false
+end
+
+local function one_node(options)
+  local n = options.nodes
+  return not set(n) or n == "1" or n == "1-1" or n == "1-0"
+end
+
+-- Every way srun asks for GPUs, as one per-node count of opportunistic slots in --gres.
+local function to_opportunistic(options, s)
+  local kept, per_node, prefix = {}, 0, nil
+  for _, e in ipairs(split(set(options.gres) and options.gres or "", ",")) do
+    prefix = prefix or e:match("^gres[:/]")
+    local body = e:gsub("^gres[:/]", "")
+    local parts = split(body, ":")
+    if parts[1] == s.gpu_gres or parts[1] == s.opp_gres then
+      local last = parts[#parts]
+      per_node = per_node + ((#parts >= 2 and last:match("^%d+$")) and tonumber(last) or 1)
+    else
+      kept[#kept + 1] = e
+    end
+  end
+  if set(options["gpus-per-socket"]) then
+    refuse("--gpus-per-socket is not supported for opportunistic steps; use --gres=%s:N", s.gpu_gres)
+  end
+  if set(options["gpus-per-node"]) then
+    per_node = per_node + gpu_count(options["gpus-per-node"], "--gpus-per-node")
+    options["gpus-per-node"] = "" -- 22.05's setter takes "" as unset; nil raises
+  end
+  for _, opt in ipairs({ "gpus", "gpus-per-task" }) do
+    if set(options[opt]) then
+      if not one_node(options) then
+        refuse("--%s cannot be turned into opportunistic GPU slots for a step on more than one node; " ..
+          "use --gres=%s:N (GPUs per node)", opt, s.gpu_gres)
+      end
+      local n = gpu_count(options[opt], "--" .. opt)
+      if opt == "gpus-per-task" then n = n * (set(options.ntasks) and tonumber(options.ntasks) or 1) end
+      per_node = per_node + n
+      options[opt] = ""
+    end
+  end
+  -- 22.05 keeps --gres as "gres:NAME:N", 24.11 as "gres/NAME:N": write back what the option held.
+  kept[#kept + 1] = string.format("%s%s:%d", prefix or "gres:", s.opp_gres, per_node)
+  options.gres = table.concat(kept, ",")
+end
+
+local function filter(options)
+  if options.type ~= "srun" then return end
+  local s = load_settings()
+  if not s or not asks_for_gpus(options, s) then return end
+  local class = job_class(options, s)
+  if class == "auto" then
+    refuse("srun --antman=auto with GPUs outside an allocation: the class is decided when the job is " ..
+      "submitted, after srun has asked for its step's GPUs; use salloc or sbatch --antman=auto and srun " ..
+      "inside, or name the class (--antman=guaranteed or --antman=opportunistic)")
+  end
+  if class ~= "opportunistic" then return end
+  local before = options.gres
+  to_opportunistic(options, s)
+  slurm.log_debug("%s: opportunistic step: GPUs %s -> %s", NAME, tostring(before), options.gres)
+end
+
+function slurm_cli_pre_submit(options, offset)
+  local ok, err = pcall(filter, options)
+  if ok then return slurm.SUCCESS end
+  if getmetatable(err) == Refuse then
+    slurm.log_error("%s: %s", NAME, err.msg)
+    return slurm.ERROR
+  end
+  -- A bug here must not stop every srun on the cluster: the step goes to slurmctld as asked.
+  slurm.log_error("%s: cli_filter internal error (%s); the command runs unchanged", NAME, tostring(err))
+  return slurm.SUCCESS
+end
+
+function slurm_cli_setup_defaults(options, early)
+  return slurm.SUCCESS
+end
+
+function slurm_cli_post_submit(offset, job_id, step_id)
+  return slurm.SUCCESS
+end

@@ -1,0 +1,213 @@
+"""What every real GPU site has, on the devcluster: device cgroups (ConstrainDevices=yes), job arrays
+and job steps with GPUs (issue 26).
+
+The emulated GPUs are ``c 195 N`` device nodes without a driver: a job's ``open()`` of a GPU its
+devices cgroup allows fails with ENXIO, of one it denies with EPERM, so each job reports exactly
+which GPUs Slurm (or, for an opportunistic job, slurm-antman) let it use.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from slurm_antman.jobtag import parse_tag
+from slurm_antman.slurm import CliBackend
+
+pytestmark = pytest.mark.cluster
+
+GPUS_PER_NODE = 4
+
+# One line per process: what it may open, and what it was told.
+PROBE = """python3 - <<'EOF'
+import errno, os
+seen = []
+for i in range({n}):
+    try:
+        os.close(os.open("{dev}/nvidia%d" % i, os.O_RDWR))
+        seen.append("open")
+    except OSError as e:
+        seen.append({{errno.ENXIO: "allowed", errno.EPERM: "denied"}}.get(e.errno, errno.errorcode.get(e.errno, "?")))
+env = os.environ
+print("{tag}", "job=%s" % env.get("SLURM_JOB_ID", ""), "task=%s" % env.get("SLURM_ARRAY_TASK_ID", "-"),
+      "step=%s" % env.get("SLURM_STEP_ID", "-"), "restart=%s" % env.get("SLURM_RESTART_COUNT", "0"),
+      "class=%s" % env.get("ANTMAN_CLASS", ""), "gpus=%s" % env.get("ANTMAN_GPUS", ""),
+      "cvd=%s" % env.get("CUDA_VISIBLE_DEVICES", ""), "ep=%s" % ("yes" if env.get("ANTMAN_SIDECAR_ENDPOINT") else "no"),
+      "node=%s" % env.get("SLURMD_NODENAME", ""), "dev=" + ",".join(seen), flush=True)
+EOF
+"""
+
+
+def probe(c, tag: str = "PROBE") -> str:
+    return PROBE.format(n=GPUS_PER_NODE, dev=c.c.dir / "dev", tag=tag)
+
+
+def lines(text: str, tag: str) -> list[dict[str, str]]:
+    return [dict(kv.split("=", 1) for kv in l.split()[1:]) for l in text.splitlines() if l.startswith(tag + " ")]
+
+
+def allowed(line: dict[str, str]) -> list[int]:
+    return [i for i, s in enumerate(line["dev"].split(",")) if s == "allowed"]
+
+
+def gpus(line: dict[str, str]) -> list[int]:
+    return [int(g) for g in line["gpus"].split(",") if g]
+
+
+def test_each_class_opens_exactly_its_own_gpus(clean_cluster):
+    c = clean_cluster
+    script = "#!/bin/bash\n" + probe(c) + "sleep 20\n"
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node1", script=script)
+    o1 = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", script=script)
+    o2 = c.sbatch("--antman=opportunistic", "--gres=gpu:2", "-w", "node1", script=script)
+    plain = c.sbatch("-w", "node1", script=script)
+    seen = {j: lines(c.wait_output(j, r"^PROBE ", timeout=60), "PROBE")[0] for j in (g, o1, o2, plain)}
+    # Guaranteed: the GPU Slurm bound; opportunistic: the GPU(s) its sidecar chose, and nothing else.
+    for j, n in ((g, 1), (o1, 1), (o2, 2)):
+        s = seen[j]
+        assert len(gpus(s)) == n and allowed(s) == sorted(gpus(s)), s
+        assert s["cvd"] == ",".join(map(str, range(n))), s  # CUDA numbers what the job can open from 0
+    assert seen[g]["class"] == "guaranteed" and seen[o1]["class"] == seen[o2]["class"] == "opportunistic"
+    # A job without a GPU opens none, and the device rules of one job do not leak to another.
+    assert allowed(seen[plain]) == [] and seen[plain]["dev"].count("denied") == GPUS_PER_NODE, seen[plain]
+
+
+def test_requeued_opportunistic_job_opens_only_its_new_gpu(clean_cluster):
+    c = clean_cluster
+    script = "#!/bin/bash\n" + probe(c) + "sleep 60\n"
+    jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "--open-mode=append", script=script)
+    first = lines(c.wait_output(jid, r"^PROBE .*restart=0", timeout=60), "PROBE")[0]
+    assert allowed(first) == gpus(first), first
+    c.run(["scontrol", "requeue", str(jid)], check=True)
+    # Slurm holds a requeued job back ~120 s (BeginTime); an admin's StartTime=now lets it go at once.
+    text = ""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and "restart=1" not in text:
+        c.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"])
+        time.sleep(1)
+        text = c.output(jid)
+    again = [l for l in lines(text, "PROBE") if l["restart"] == "1"]
+    assert again, text
+    assert allowed(again[0]) == gpus(again[0]) and len(gpus(again[0])) == 1, again[0]
+
+
+ARRAY_TASK = """#!/bin/bash
+{probe}
+sleep 3
+"""
+
+
+@pytest.mark.parametrize("job_class", ["opportunistic", "guaranteed", "auto"])
+def test_array_every_task_runs_once_managed_on_its_own_placement(clean_cluster, job_class):
+    c = clean_cluster
+    out = c.workdir / f"array-{job_class}-%A_%a.out"
+    r = c.run(["sbatch", "--parsable", f"--antman={job_class}", "--gres=gpu:1", "--array=0-7%4", "-D", str(c.workdir),
+               "-o", str(out), "--open-mode=append", "--wrap", ARRAY_TASK.replace("{probe}", probe(c, "TASK"))])
+    assert r.returncode == 0, r.stderr
+    array_id = int(r.stdout.strip().split(";")[0])
+    b = CliBackend(env=c.env)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        mine = [j for j in b.jobs() if j.array_job_id == array_id]
+        if mine and all(j.finished for j in mine) and len(mine) == 8:
+            break
+        time.sleep(1)
+    mine = {j.array_task: j for j in b.jobs() if j.array_job_id == array_id}
+    assert sorted(mine, key=int) == [str(t) for t in range(8)], sorted(mine)
+    assert {j.state for j in mine.values()} == {"COMPLETED"}, {t: (j.state, j.reason) for t, j in mine.items()}
+    assert {j.restarts for j in mine.values()} == {0}, "a task was requeued"
+    for t in range(8):
+        runs = lines((c.workdir / f"array-{job_class}-{array_id}_{t}.out").read_text(), "TASK")
+        assert len(runs) == 1, (t, runs)  # ran once
+        s = runs[0]
+        assert s["task"] == str(t) and s["restart"] == "0"
+        # Managed: it has its class, its placement and its sidecar endpoint, and can open that GPU only.
+        assert s["class"] in ("guaranteed", "opportunistic") and s["ep"] == "yes", s
+        if job_class != "auto":
+            assert s["class"] == job_class, s
+        assert len(gpus(s)) == 1 and allowed(s) == gpus(s), s
+        # The Prolog recorded this task's GPU on this task alone (not on the array's other tasks).
+        tag = parse_tag(mine[str(t)].admin_comment)
+        assert tag is not None and tag.gpus == {s["node"]: gpus(s)}, (mine[str(t)].admin_comment, s)
+    log = (c.c.dir / "antman-state" / "hooks.log").read_text()
+    assert "left to plain Slurm" not in log and "expected one line" not in log
+
+
+def test_requeue_of_the_task_that_carries_the_array_id_touches_that_task_only(clean_cluster):
+    """An array task's raw id may be its array's own id, and ``scontrol requeue ARRAY_ID`` requeues every
+    task: the adapter acts on ``ARRAY_TASK``."""
+    c = clean_cluster
+    r = c.run(["sbatch", "--parsable", "--antman=opportunistic", "--gres=gpu:1", "--array=0-3", "-D", str(c.workdir),
+               "-o", str(c.workdir / "req-%A_%a.out"), "--wrap", "sleep 120"])
+    assert r.returncode == 0, r.stderr
+    array_id = int(r.stdout.strip().split(";")[0])
+    b = CliBackend(env=c.env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        tasks = [j for j in b.jobs() if j.array_job_id == array_id]
+        if len(tasks) == 4 and all(j.state == "RUNNING" for j in tasks):
+            break
+        time.sleep(0.5)
+    carrier = next(j for j in tasks if j.job_id == array_id)
+    assert carrier.slurm_id == f"{array_id}_{carrier.array_task}"
+    b.requeue(carrier.slurm_id)
+    time.sleep(2)
+    after = {j.array_task: j for j in b.jobs() if j.array_job_id == array_id}
+    assert after[carrier.array_task].restarts == 1
+    assert all(j.restarts == 0 and j.state == "RUNNING" for t, j in after.items() if t != carrier.array_task), after
+    assert b.job(carrier.slurm_id).job_id == array_id  # the task's record, not the first line printed
+
+
+STEPS = """#!/bin/bash
+set -u
+srun -n1 --gres=gpu:1 {probe_a}
+srun -n1 --gpus=1 {probe_b}
+srun -n2 --gpus-per-task=1 {probe_c}
+srun -n1 --gpus-per-node=2 {probe_d}
+# Two steps at once, each with one of the job's two GPUs' worth of slots.
+srun -n1 --gres=gpu:1 --exact {probe_e} & srun -n1 --gres=gpu:1 --exact {probe_e} & wait
+echo STEPS-DONE
+"""
+
+
+@pytest.mark.parametrize("job_class", ["opportunistic", "guaranteed", "auto"])
+def test_srun_steps_with_gpus_in_a_batch_job(clean_cluster, job_class):
+    c = clean_cluster
+    steps = {k: f"bash {probe_file(c, 'STEP' + k.upper())}" for k in "abcde"}
+    script = STEPS.format(**{f"probe_{k}": v for k, v in steps.items()})
+    jid = c.sbatch(f"--antman={job_class}", "--gres=gpu:2", "-n2", "-w", "node2", script=script)
+    text = c.wait_output(jid, r"^STEPS-DONE", timeout=90)
+    assert "error" not in text.lower(), text
+    seen = {k: lines(text, "STEP" + k.upper()) for k in "abcde"}
+    assert [len(seen[k]) for k in "abcde"] == [1, 1, 2, 1, 2], text
+    job = CliBackend(env=c.env).job(jid)
+    placed = job.gpus_by_node["node2"]
+    assert len(placed) == 2
+    for k, runs in seen.items():
+        for s in runs:
+            # Every step's processes belong to the job: its class, its sidecar, its GPUs, no other GPU.
+            assert s["job"] == str(jid) and s["ep"] == "yes", (k, s)
+            assert set(allowed(s)) <= set(placed) and allowed(s), (k, s, placed)
+            if job_class == "opportunistic":
+                assert allowed(s) == placed and sorted(gpus(s)) == placed, (k, s, placed)
+
+
+def probe_file(c, tag: str):
+    path = c.workdir / f"probe-{tag}.sh"
+    path.write_text("#!/bin/bash\n" + probe(c, tag))
+    return path
+
+
+def test_srun_with_antman_makes_its_own_allocation(clean_cluster):
+    c = clean_cluster
+    r = c.run(["srun", "--antman=opportunistic", "--gres=gpu:1", "-w", "node1", "bash", "-c", probe(c, "DIRECT")],
+              timeout=90)
+    assert r.returncode == 0, r.stderr
+    s = lines(r.stdout, "DIRECT")[0]
+    assert s["class"] == "opportunistic" and len(gpus(s)) == 1 and allowed(s) == gpus(s), s
+    # auto is decided at submission, after srun has asked for its step: refused with the way out.
+    r = c.run(["srun", "--antman=auto", "--gres=gpu:1", "true"], timeout=60)
+    assert r.returncode != 0
+    assert "srun --antman=auto with GPUs outside an allocation" in r.stderr and "salloc or sbatch" in r.stderr
