@@ -8,15 +8,19 @@ Classifies every job and applies the AntMan policy at submission:
     (none | guaranteed | opportunistic); "none" leaves the job to plain Slurm, untagged.
     A job that gets its class only from default_class and asks for no GPU stays untouched:
     a CPU-only job has nothing to share.
-  * auto resolves to settings.auto_class (guaranteed | opportunistic) and the tag records the
-    request (antman:class=CLASS;req=auto), so the coordinator can re-resolve it by tenant quota
-    while the job is pending.
+  * auto resolves by tenant quota: guaranteed when the job's GPUs fit in what the coordinator's
+    quota file (antman_quota.lua) leaves, less the guaranteed admissions made here since that file's
+    snapshot; opportunistic otherwise; settings.auto_class without a quota file or an entry for the
+    account. The tag records the request (antman:class=CLASS;req=auto), so the coordinator can
+    re-resolve it while the job is pending.
   * guaranteed keeps the physical GPU GRES and is tagged AdminComment=antman:class=guaranteed.
     It may not ask for the opportunistic partition.
   * opportunistic has its GPU requests (--gres/--gpus-per-node, and on one node also --gpus,
     --gpus-per-task, --gpus-per-socket) rewritten to the count-only settings.opp_gres with the
     same count (a GPU type is dropped), is routed to settings.opp_partition (and
-    settings.opp_qos when set), made requeueable, and tagged antman:class=opportunistic.
+    settings.opp_qos when set), made requeueable, and tagged antman:class=opportunistic. More GPUs
+    per node than settings.max_node_gpus (the largest node) is refused.
+  * Heterogeneous jobs (--het-group, ':') of any slurm-antman class are refused.
   * Only slurm-antman hands out settings.opp_gres: other classes asking for it are rejected.
 
 Settings come from antman_settings.lua next to this file (written by `antman config render`;
@@ -76,7 +80,7 @@ end
 local CLASS_VALUES = { none = true, guaranteed = true, opportunistic = true }
 local KNOWN_KEYS = {
   default_class = true, auto_class = true, gpu_gres = true, opp_gres = true,
-  guaranteed_partition = true, opp_partition = true, opp_qos = true,
+  guaranteed_partition = true, opp_partition = true, opp_qos = true, max_node_gpus = true,
 }
 
 local function validate_settings(s)
@@ -109,6 +113,15 @@ local function validate_settings(s)
   end
   if s.opp_qos ~= nil and (type(s.opp_qos) ~= "string" or s.opp_qos == "") then
     return "field opp_qos must be a QOS name or nil"
+  end
+  local m = s.max_node_gpus
+  if m == nil then
+    return "field max_node_gpus is missing (the file predates it); run `antman config render` and install " ..
+      "the new antman_settings.lua"
+  end
+  if type(m) ~= "number" or m < 1 or m ~= math.floor(m) then
+    return string.format("field max_node_gpus must be a positive whole number of GPUs, got %s",
+      type(m) == "string" and string.format("%q", m) or tostring(m))
   end
   for key in pairs(s) do
     if not KNOWN_KEYS[key] then info("settings %s: ignoring unknown field %s", SETTINGS_PATH, tostring(key)) end
@@ -262,6 +275,17 @@ local function per_node_equivalent(job_desc, field, count)
   return count * sockets
 end
 
+-- The GPU request as the user could have typed it, for messages: "--gres=gpu:5", "--gpus-per-task=gpu:2 x 3".
+local function as_option(job_desc, field, e)
+  local body = e.prefix and e.raw:sub(6) or e.raw
+  if field == "tres_per_node" then return "--gres=" .. body end
+  local text = TRES_OPTION[field] .. "=" .. body
+  if field == "tres_per_task" or field == "tres_per_socket" then
+    text = string.format("%s x %d", text, per_node_equivalent(job_desc, field, 1))
+  end
+  return text
+end
+
 -- Replaces the GPU name in a per-GPU option (--cpus-per-gpu, --mem-per-gpu) by the opp GRES.
 local function retarget_per_gpu(value, s, prefix)
   if type(value) ~= "string" or value == "" then return value end
@@ -288,15 +312,17 @@ local function make_opportunistic(job_desc, s)
     end
   end
   local prefix = gres_prefix(job_desc)
-  local opp_total, kept, dropped_types = 0, {}, {}
+  local opp_total, kept, dropped_types, asked = 0, {}, {}, {}
   local node_gpu, other_gpu_field = false, nil
   for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
     if e.name == s.gpu_gres then
       opp_total = opp_total + gpu_count(e, "tres_per_node")
       node_gpu = true
       if e.type then dropped_types[#dropped_types + 1] = e.type end
+      asked[#asked + 1] = as_option(job_desc, "tres_per_node", e)
     elseif e.name == s.opp_gres then
       opp_total = opp_total + gpu_count(e, "tres_per_node")
+      asked[#asked + 1] = as_option(job_desc, "tres_per_node", e)
     else
       kept[#kept + 1] = e.raw
     end
@@ -316,6 +342,7 @@ local function make_opportunistic(job_desc, s)
         end
         other_gpu_field = field
         opp_total = opp_total + per_node_equivalent(job_desc, field, gpu_count(e, field))
+        asked[#asked + 1] = as_option(job_desc, field, e)
         if e.type then dropped_types[#dropped_types + 1] = e.type end
         changed = true
       else
@@ -327,6 +354,13 @@ local function make_opportunistic(job_desc, s)
   end
   if opp_total == 0 then
     reject("an opportunistic job must ask for GPUs; add --gres=%s:N", s.gpu_gres)
+  end
+  -- Slurm itself would accept it (the opportunistic GRES counts slots, several per GPU) and the job
+  -- would be requeued forever: no node can place more GPUs than it has.
+  if opp_total > s.max_node_gpus then
+    reject("an opportunistic job gets at most %d GPUs per node (the largest node has %d); this one asks for " ..
+      "%d (%s); ask for at most %d per node with --gres=%s:N, and -N for more nodes", s.max_node_gpus,
+      s.max_node_gpus, opp_total, table.concat(asked, " "), s.max_node_gpus, s.gpu_gres)
   end
   if other_gpu_field then job_desc.max_nodes = 1 end
   if #dropped_types > 0 then
@@ -361,10 +395,9 @@ local function make_guaranteed(job_desc, s)
 end
 
 -- Tenant quota use, written by the coordinator every cycle (antman_quota.lua next to this file:
--- return { accounts = { research = { quota = 4, used = 3 } } }). Slurm 22.05 cannot move a pending
--- job's GRES request from gpu to the opportunistic GRES (the old request stays), so auto must be
--- resolved here, at submission; the file may lag a cycle behind, which the coordinator's quota
--- holds and upgrades correct.
+-- return { as_of = 1767225600.25, accounts = { research = { quota = 4, used = 3 } } }). Slurm 22.05
+-- cannot move a pending job's GRES request from gpu to the opportunistic GRES (the old request stays),
+-- so auto must be resolved here, at submission.
 local QUOTA_PATH = script_dir() .. "/antman_quota.lua"
 
 local function load_quota()
@@ -376,24 +409,100 @@ local function load_quota()
   return q
 end
 
+-- The file's `used` comes from squeue read at as_of, so it lags by up to a coordinator cycle: six auto
+-- jobs submitted within 25 ms all saw the same free quota and all became guaranteed. This table
+-- remembers every guaranteed admission made here, { [account] = { [os.time() second] = GPUs } }, and
+-- lives as long as slurmctld's Lua state (job_submit/lua keeps one state until this file changes or
+-- slurmctld restarts; a new state forgets it, and the next quota file catches up within a cycle).
+local admitted = {}
+-- An admission in second t happened before t + 1. The snapshot may miss it unless t + 1 is earlier than
+-- as_of by more than the clock skew between the coordinator's host and slurmctld's (antman doctor warns
+-- from 2 s). Counting one twice only makes an auto job opportunistic, running at once in idle room;
+-- missing one admits a guaranteed job over quota, which then waits held by the coordinator.
+local ADMISSION_MARGIN_S = 5
+-- A quota file without as_of (a coordinator from before it) lags by at most one cycle (cycle_s is at
+-- most 60 s) plus the squeue call: every admission of the last 120 s is counted as not in it.
+local NO_AS_OF_WINDOW_S = 120
+
+-- The account the quota is kept for: -A, else the user's default account, as Slurm will choose it.
+local function quota_account(job_desc)
+  local a = job_desc.account
+  if type(a) ~= "string" or a == "" then a = job_desc.default_account end
+  if type(a) ~= "string" or a == "" then return nil end
+  return a
+end
+
+-- GPUs a job holds against its tenant's quota, counted as the coordinator counts a pending job.
+local function quota_gpus(job_desc, s)
+  local n = 0
+  for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
+    if e.name == s.gpu_gres then n = n + (e.count or 1) end
+  end
+  return n
+end
+
+-- GPUs admitted to `account` that quota file q may not count yet; forgets every admission q counts.
+local function admitted_since(q, account, now)
+  local unseen
+  if q ~= nil and type(q.as_of) == "number" then
+    unseen = function(t) return t + 1 + ADMISSION_MARGIN_S > q.as_of end
+  else
+    unseen = function(t) return t > now - NO_AS_OF_WINDOW_S end
+  end
+  local total = 0
+  for acct, seconds in pairs(admitted) do
+    for t, gpus in pairs(seconds) do
+      if not unseen(t) then
+        seconds[t] = nil
+      elseif acct == account then
+        total = total + gpus
+      end
+    end
+    if next(seconds) == nil then admitted[acct] = nil end
+  end
+  return total
+end
+
+local function record_admission(job_desc, s)
+  local account, gpus = quota_account(job_desc), quota_gpus(job_desc, s)
+  local now = os.time()
+  admitted_since(load_quota(), nil, now) -- prunes, so a site without auto jobs keeps the table small
+  if account == nil or gpus == 0 then return end
+  local seconds = admitted[account] or {}
+  admitted[account] = seconds
+  seconds[now] = (seconds[now] or 0) + gpus
+end
+
 local function resolve_auto(job_desc, s)
   local q = load_quota()
   if q == nil then return s.auto_class, "no quota file from the coordinator; site auto_class" end
-  local account = job_desc.account
-  local t = type(account) == "string" and q.accounts[account] or nil
+  local account = quota_account(job_desc)
+  local t = account and q.accounts[account] or nil
   if t == nil or type(t.quota) ~= "number" or type(t.used) ~= "number" then
     return s.auto_class, string.format("account %s has no quota entry; site auto_class", tostring(account))
   end
-  local want = 0
-  for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
-    if e.name == s.gpu_gres then want = want + (e.count or 1) end
-  end
+  local want = quota_gpus(job_desc, s)
   if want == 0 then want = 1 end
-  if t.used + want <= t.quota then
-    return "guaranteed", string.format("tenant %s: %d of %d GPUs in use, needs %d", account, t.used, t.quota, want)
+  local recent = admitted_since(q, account, os.time())
+  local used = t.used + recent
+  local counted = string.format("%d of %d GPUs in use (%d in the coordinator's count, %d admitted since)",
+    used, t.quota, t.used, recent)
+  if used + want <= t.quota then
+    return "guaranteed", string.format("tenant %s: %s, needs %d", account, counted, want)
   end
-  return "opportunistic", string.format("tenant %s over quota: %d of %d GPUs in use, needs %d", account,
-    t.used, t.quota, want)
+  return "opportunistic", string.format("tenant %s over quota: %s, needs %d", account, counted, want)
+end
+
+-- Slurm runs this once per component of a heterogeneous job, each a job record of its own that Slurm
+-- starts and requeues together with the others; quotas, placement and preemption here treat every
+-- record as a whole job, so one component's preemption would take the others down unannounced.
+local function forbid_het(job_desc, requested, class)
+  local offset = job_desc.het_job_offset
+  if type(offset) ~= "number" or offset == NO_VAL then return end
+  local way = requested and "submit the components as separate jobs or without --antman" or
+    string.format("submit the components as separate jobs (this site makes GPU jobs %s by default)", class)
+  reject("heterogeneous jobs are not supported by slurm-antman (component %d of a --het-group/':' job); %s",
+    offset, way)
 end
 
 local function classify(job_desc, s)
@@ -402,18 +511,26 @@ local function classify(job_desc, s)
   if class == nil then
     class = s.default_class
     if class ~= "none" and not requests_gpu(job_desc, s) then class = "none" end
-  elseif class == "auto" then
-    local why
-    class, why = resolve_auto(job_desc, s)
-    info("%s: class auto resolved to %s (%s)", job_label(job_desc), class, why)
-  elseif class ~= "guaranteed" and class ~= "opportunistic" then
+  elseif class ~= "auto" and class ~= "guaranteed" and class ~= "opportunistic" then
     reject("unknown class %q in ANTMAN_CLASS; allowed: guaranteed, opportunistic, auto", class)
   end
   if class == "none" then
     forbid_opp_gres(job_desc, s, "none")
     return
   end
-  if class == "guaranteed" then make_guaranteed(job_desc, s) else make_opportunistic(job_desc, s) end
+  forbid_het(job_desc, requested, class)
+  if class == "auto" then
+    local why
+    class, why = resolve_auto(job_desc, s)
+    info("%s: class auto resolved to %s (%s)", job_label(job_desc), class, why)
+  end
+  if class == "guaranteed" then
+    make_guaranteed(job_desc, s)
+    -- explicit guaranteed jobs take quota too: an auto job right after one must see it
+    record_admission(job_desc, s)
+  else
+    make_opportunistic(job_desc, s)
+  end
   -- the coordinator resolves auto by tenant quota; it must know the user left the choice open
   if requested == "auto" then job_desc.admin_comment = job_desc.admin_comment .. ";req=auto" end
 end

@@ -201,6 +201,42 @@ def check_job_submit(sconf: dict[str, str]) -> Check:
     return ok("job_submit", f"job_submit.lua and antman_settings.lua in {etc}, JobSubmitPlugins=lua")
 
 
+QUOTA_FILE_NAME = "antman_quota.lua"  # the one name job_submit.lua reads, from its own directory
+
+
+def check_quota_file(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]]) -> Check:
+    """Without coordinator.quota_file the coordinator writes no quota use, and job_submit.lua resolves
+    every ``--antman=auto`` job to auto_class (guaranteed by default) whatever the tenant holds."""
+    path = cfg.coordinator.quota_file
+    example = "/etc/slurm/" + QUOTA_FILE_NAME
+    if sconf is not None:
+        example = str(Path(sconf.get("SLURM_CONF", "/etc/slurm/slurm.conf")).parent / QUOTA_FILE_NAME)
+    if not path:
+        if cfg.tenants or cfg.coordinator.quota_source == "accounting":
+            why = (f"{len(cfg.tenants)} tenant(s) in antman.yaml" if cfg.tenants
+                   else "coordinator.quota_source is accounting")
+            return fail("quota_file", f"{why} but coordinator.quota_file is unset: --antman=auto ignores "
+                                      "tenant quotas and every auto job gets auto_class",
+                        f"add `quota_file: {example}` under coordinator: in antman.yaml (next to job_submit.lua, "
+                        "writable by the coordinator) and systemctl reload antman-coordinator")
+        if cfg.coordinator.quota_source == "auto" and (sconf or {}).get("AccountingStorageType") == tenants.SLURMDBD:
+            return warn("quota_file", "coordinator.quota_file is unset: if accounts have GrpTRES GPU limits in "
+                                      "Slurm accounting, --antman=auto ignores them",
+                        f"add `quota_file: {example}` under coordinator: in antman.yaml")
+        return ok("quota_file", "no tenants in antman.yaml and coordinator.quota_file unset: auto jobs get "
+                                "the site's auto_class")
+    if Path(path).name != QUOTA_FILE_NAME:
+        return fail("quota_file", f"coordinator.quota_file is {path}; job_submit.lua reads only {QUOTA_FILE_NAME}",
+                    f"set coordinator.quota_file: {Path(path).parent / QUOTA_FILE_NAME} (in the directory "
+                    "of job_submit.lua)")
+    if sconf is not None and os.path.realpath(Path(path).parent) != os.path.realpath(Path(example).parent):
+        # A warning: on a node in configless mode slurm.conf lives elsewhere than on the controller.
+        return warn("quota_file", f"coordinator.quota_file {path} is not next to slurm.conf "
+                                  f"({Path(example).parent}), where slurmctld loads job_submit.lua from",
+                    f"on the controller set coordinator.quota_file: {example}")
+    return ok("quota_file", f"the coordinator writes tenant quota use to {path}")
+
+
 def check_hooks(sconf: dict[str, str]) -> Check:
     problems = []
     for key in ("Prolog", "Epilog"):
@@ -413,6 +449,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     else:
         checks.append(skip("slurm_version", need_slurm if not sconf else "no plugin file to read"))
     checks.append(check_job_submit(sconf) if sconf else skip("job_submit", need_slurm))
+    checks.append(check_quota_file(cfg, sconf) if cfg else skip("quota_file", need_cfg))
     checks.append(check_hooks(sconf) if sconf else skip("prolog_epilog", need_slurm))
     checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
     checks.append(check_nvml())

@@ -140,9 +140,11 @@ def plugstack_conf(cfg: AntmanConfig, opts: RenderOptions) -> str:
     return HEADER.format(src=opts.config_path) + note + f"required {cfg.plugin_path} {' '.join(args)}\n"
 
 
-def _lua_str(v: str | None) -> str:
+def _lua_value(v: str | int | None) -> str:
     if v is None:
         return "nil"
+    if isinstance(v, int):
+        return str(v)
     return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
@@ -159,8 +161,11 @@ def job_submit_settings(cfg: AntmanConfig, src: str) -> str:
         "guaranteed_partition": s.guaranteed_partition,
         "opp_partition": s.opportunistic_partition,
         "opp_qos": s.opportunistic_qos,
+        # The opportunistic GRES offers gpus*slots_per_gpu per node, so Slurm accepts an opportunistic job
+        # asking for more GPUs than any node has, and no placement can ever start it.
+        "max_node_gpus": max(g.gpus for g in cfg.nodes),
     }
-    fields = "\n".join(f"  {k} = {_lua_str(v)}," for k, v in body.items())
+    fields = "\n".join(f"  {k} = {_lua_value(v)}," for k, v in body.items())
     return "-- " + HEADER.format(src=src) + "return {\n" + fields + "\n}\n"
 
 

@@ -199,3 +199,41 @@ def test_quotas_warn_when_accounting_does_not_track_the_gpu_tres():
     untracked = {**DBD, "AccountingStorageTRES": "cpu,mem,energy,node,billing,fs/disk,vmem,pages"}
     c = doctor.check_quotas(cfg, untracked, _assoc_reader("c1|vision||root|\n"))
     assert c.status == "warn" and "does not track gres/gpu" in c.reason and "AccountingStorageTRES" in c.hint
+
+
+def test_quota_file_unset_with_tenants_fails_saying_what_to_add(tmp_path):
+    cfg = _cfg(tmp_path, tenants=[{"account": "vision", "guaranteed_gpus": 4}])
+    c = doctor.check_quota_file(cfg, {"SLURM_CONF": "/etc/slurm-llnl/slurm.conf"})
+    assert c.status == "fail"
+    assert "1 tenant(s) in antman.yaml but coordinator.quota_file is unset" in c.reason
+    assert "quota_file: /etc/slurm-llnl/antman_quota.lua" in c.hint and "coordinator:" in c.hint
+    # quotas from accounting need the file as much
+    c = doctor.check_quota_file(_cfg(tmp_path, coordinator={"quota_source": "accounting"}), None)
+    assert c.status == "fail" and "quota_source is accounting" in c.reason
+    assert "quota_file: /etc/slurm/antman_quota.lua" in c.hint
+    # no tenants anywhere: auto has no quota to follow
+    assert doctor.check_quota_file(_cfg(tmp_path), None).status == "ok"
+
+
+def test_quota_file_where_job_submit_reads_it(tmp_path):
+    tenants = [{"account": "vision", "guaranteed_gpus": 4}]
+    sconf = {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+    good = _cfg(tmp_path, tenants=tenants, coordinator={"quota_file": str(tmp_path / "antman_quota.lua")})
+    c = doctor.check_quota_file(good, sconf)
+    assert c.status == "ok" and str(tmp_path / "antman_quota.lua") in c.reason
+    c = doctor.check_quota_file(_cfg(tmp_path, tenants=tenants, coordinator={"quota_file": str(tmp_path / "q.lua")}),
+                                sconf)
+    assert c.status == "fail" and "reads only antman_quota.lua" in c.reason
+    elsewhere = _cfg(tmp_path, tenants=tenants, coordinator={"quota_file": "/var/lib/antman/antman_quota.lua"})
+    c = doctor.check_quota_file(elsewhere, sconf)
+    assert c.status == "warn" and "not next to slurm.conf" in c.reason and str(tmp_path / "antman_quota.lua") in c.hint
+
+
+def test_example_config_sets_the_quota_file():
+    cfg = cfgmod.load(str(REPO / "etc" / "antman.yaml"))
+    assert cfg.tenants and doctor.check_quota_file(cfg, {"SLURM_CONF": "/etc/slurm/slurm.conf"}).status == "ok"
+
+
+def test_quota_file_unset_with_accounting_in_force_warns(tmp_path):
+    c = doctor.check_quota_file(_cfg(tmp_path), {"AccountingStorageType": "accounting_storage/slurmdbd"})
+    assert c.status == "warn" and "GrpTRES" in c.reason and "quota_file: /etc/slurm/antman_quota.lua" in c.hint

@@ -27,6 +27,7 @@ SETTINGS: dict[str, Any] = {
     "opp_gres": "antman_opp",
     "guaranteed_partition": "gpu",
     "opp_partition": "opportunistic",
+    "max_node_gpus": 4,
 }
 
 
@@ -53,7 +54,7 @@ def desc(cls: Optional[str] = None, **fields: Any) -> dict[str, Any]:
         "name": "train", "user_name": "alice", "user_id": 1000,
         "min_nodes": NO_VAL, "max_nodes": NO_VAL, "num_tasks": NO_VAL,
         "ntasks_per_node": NO_VAL16, "sockets_per_node": NO_VAL16, "ntasks_per_tres": NO_VAL16,
-        "requeue": NO_VAL16,
+        "requeue": NO_VAL16, "het_job_offset": NO_VAL,
     }
     if cls is not None:
         # the plugin's own option mirror sits next to ANTMAN_CLASS, as seen on a real 22.05 ctld
@@ -62,9 +63,8 @@ def desc(cls: Optional[str] = None, **fields: Any) -> dict[str, Any]:
     return d
 
 
-def run(tmp_path: Path, job_desc: dict[str, Any], *, settings: Optional[dict[str, Any]] = None,
-        settings_text: Optional[str] = None, call: str = "submit",
-        job_rec: Optional[dict[str, Any]] = None, uid: int = 1000) -> dict[str, Any]:
+def _harness(tmp_path: Path, case: dict[str, Any], settings: Optional[dict[str, Any]],
+             settings_text: Optional[str]) -> dict[str, Any]:
     d = tmp_path / "etc"
     d.mkdir(exist_ok=True)
     shutil.copy(SCRIPT, d / "job_submit.lua")
@@ -74,17 +74,37 @@ def run(tmp_path: Path, job_desc: dict[str, Any], *, settings: Optional[dict[str
     elif settings != {}:
         merged = {**SETTINGS, **(settings or {})}
         settings_file.write_text("return " + lua_literal(merged) + "\n")
-    case = tmp_path / "case.lua"
-    case.write_text("return " + lua_literal(
-        {"call": call, "job_desc": job_desc, "job_rec": job_rec or {}, "uid": uid}) + "\n")
-    proc = subprocess.run([LUA, str(HARNESS), str(d / "job_submit.lua"), str(case)],
+    case_file = tmp_path / "case.lua"
+    case_file.write_text("return " + lua_literal(case) + "\n")
+    proc = subprocess.run([LUA, str(HARNESS), str(d / "job_submit.lua"), str(case_file)],
                           capture_output=True, text=True, timeout=20)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert "load_error" not in out and "call_error" not in out, out
+    assert "load_error" not in out, out
+    return out
+
+
+def _result(out: dict[str, Any]) -> dict[str, Any]:
+    assert "call_error" not in out, out
     if out["job_desc"] == []:
         out["job_desc"] = {}
     return out
+
+
+def run(tmp_path: Path, job_desc: dict[str, Any], *, settings: Optional[dict[str, Any]] = None,
+        settings_text: Optional[str] = None, call: str = "submit",
+        job_rec: Optional[dict[str, Any]] = None, uid: int = 1000) -> dict[str, Any]:
+    case = {"call": call, "job_desc": job_desc, "job_rec": job_rec or {}, "uid": uid}
+    return _result(_harness(tmp_path, case, settings, settings_text))
+
+
+def run_steps(tmp_path: Path, steps: list[dict[str, Any]], *,
+              settings: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+    """Several calls into ONE loaded script, as slurmctld keeps its Lua state between submissions.
+    A step is {"job_desc": ..., "now": T} (a submit at os.time() T) or {"write": NAME, "text": ...}."""
+    out = _harness(tmp_path, {"steps": [{"call": "submit", **st} if "job_desc" in st else st for st in steps]},
+                   settings, None)
+    return [_result(r) for r in out["results"]]
 
 
 def accepted(out: dict[str, Any]) -> dict[str, Any]:
@@ -414,3 +434,173 @@ def test_auto_resolved_by_coordinator_quota_file(tmp_path: Path) -> None:
     # an account the file does not list falls back to the site's auto_class
     jd = accepted(run(tmp_path, desc("auto", tres_per_node="gres:gpu:1", account="other")))
     assert jd["admin_comment"] == "antman:class=guaranteed;req=auto"
+
+
+def test_auto_uses_the_default_account_when_none_is_given(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "antman_quota.lua").write_text(
+        'return { accounts = { ["research"] = { quota = 1, used = 1 } } }\n')
+    out = run(tmp_path, desc("auto", tres_per_node="gres:gpu:1", default_account="research"))
+    assert accepted(out)["admin_comment"] == "antman:class=opportunistic;req=auto"
+    assert any("tenant research over quota" in m for m in out["info"])
+
+
+# ---- opportunistic GPUs per node against the largest node (issue 26) ---------------------------
+
+@pytest.mark.parametrize("fields, option", [
+    ({"tres_per_node": "gres:gpu:5"}, "--gres=gpu:5"),
+    ({"tres_per_node": "gres/gpu:a100:5"}, "--gres=gpu:a100:5"),
+    ({"tres_per_job": "gres:gpu:6"}, "--gpus=gpu:6"),
+    ({"tres_per_task": "gres:gpu:2", "num_tasks": 3}, "--gpus-per-task=gpu:2 x 3"),
+])
+def test_opportunistic_larger_than_any_node_rejected(tmp_path: Path, fields: dict[str, Any], option: str) -> None:
+    msg = rejected(run(tmp_path, desc("opportunistic", **fields)))
+    assert "at most 4 GPUs per node (the largest node has 4)" in msg
+    assert f"({option})" in msg, msg
+    assert f"asks for {5 if '5' in option else 6}" in msg
+
+
+def test_opportunistic_at_the_node_size_and_auto_over_it(tmp_path: Path) -> None:
+    assert accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:4")))["tres_per_node"] == \
+        "gres:antman_opp:4"
+    # auto that resolves to opportunistic meets the same limit
+    msg = rejected(run(tmp_path, desc("auto", tres_per_node="gres:gpu:5"), settings={"auto_class": "opportunistic"}))
+    assert "asks for 5 (--gres=gpu:5)" in msg
+    # the limit is the setting, not a constant
+    assert accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:5"), settings={"max_node_gpus": 8}))
+
+
+def test_settings_without_max_node_gpus_tell_the_admin_to_render(tmp_path: Path) -> None:
+    s = dict(SETTINGS)
+    del s["max_node_gpus"]
+    msg = rejected(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1"),
+                       settings_text="return " + lua_literal(s)))
+    assert "max_node_gpus is missing" in msg and "antman config render" in msg and "every job is rejected" in msg
+
+
+@pytest.mark.parametrize("value", [0, 2.5, "4"])
+def test_bad_max_node_gpus_named(tmp_path: Path, value: Any) -> None:
+    msg = rejected(run(tmp_path, desc(), settings={"max_node_gpus": value}))
+    assert "max_node_gpus must be a positive whole number" in msg
+
+
+# ---- heterogeneous jobs (issue 26) ----------------------------------------------------------
+
+@pytest.mark.parametrize("cls", ["guaranteed", "opportunistic", "auto"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_het_job_component_rejected_for_every_class(tmp_path: Path, cls: str, offset: int) -> None:
+    out = run(tmp_path, desc(cls, tres_per_node="gres:gpu:1", het_job_offset=offset))
+    msg = rejected(out)
+    assert msg == ("slurm-antman: heterogeneous jobs are not supported by slurm-antman "
+                   f"(component {offset} of a --het-group/':' job); submit the components as separate jobs "
+                   "or without --antman")
+    assert "admin_comment" not in out["job_desc"]
+
+
+def test_het_job_by_default_class_says_it_is_the_site_default(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc(tres_per_node="gres:gpu:1", het_job_offset=2),
+                       settings={"default_class": "opportunistic"}))
+    assert "component 2" in msg and "makes GPU jobs opportunistic by default" in msg
+
+
+def test_het_job_without_a_class_untouched(tmp_path: Path) -> None:
+    before = desc(tres_per_node="gres:gpu:1", het_job_offset=1)
+    assert accepted(run(tmp_path, before)) == before
+    # a CPU-only component under a GPU default class has nothing to share either
+    assert "admin_comment" not in accepted(run(tmp_path, desc(het_job_offset=1),
+                                               settings={"default_class": "guaranteed"}))
+
+
+def test_not_a_het_job_passes(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1", het_job_offset=NO_VAL)))
+    assert jd["admin_comment"] == "antman:class=guaranteed"
+
+
+# ---- auto admissions between two quota files (issue 26) -------------------------------------
+
+def quota_text(used: int, quota: int = 4, as_of: Optional[float] = None, account: str = "research") -> str:
+    head = f"as_of = {as_of!r}, " if as_of is not None else ""
+    return f'return {{ {head}accounts = {{ ["{account}"] = {{ quota = {quota}, used = {used} }} }} }}\n'
+
+
+def auto(account: str = "research", gpus: int = 1, now: int = 1000, cls: str = "auto") -> dict[str, Any]:
+    return {"job_desc": desc(cls, tres_per_node=f"gres:gpu:{gpus}", account=account), "now": now}
+
+
+def classes(results: list[dict[str, Any]]) -> list[str]:
+    return [accepted(r)["admin_comment"].split(";")[0].split("=")[1] for r in results]
+
+
+def test_auto_burst_within_one_cycle_admits_exactly_the_quota(tmp_path: Path) -> None:
+    steps = [{"write": "antman_quota.lua", "text": quota_text(0, as_of=999.5)}] + [auto() for _ in range(6)]
+    out = run_steps(tmp_path, steps)
+    assert classes(out) == ["guaranteed"] * 4 + ["opportunistic"] * 2
+    assert "3 of 4 GPUs in use (0 in the coordinator's count, 3 admitted since)" in out[3]["info"][-2]
+
+
+def test_auto_counts_gpus_and_accounts_separately(tmp_path: Path) -> None:
+    two = ('return { as_of = 999.0, accounts = { ["research"] = { quota = 4, used = 1 }, '
+           '["product"] = { quota = 2, used = 0 } } }\n')
+    out = run_steps(tmp_path, [{"write": "antman_quota.lua", "text": two},
+                               auto(gpus=2), auto(gpus=2), auto("product", gpus=2), auto(gpus=1),
+                               auto("product", gpus=1)])
+    assert classes(out) == ["guaranteed", "opportunistic", "guaranteed", "guaranteed", "opportunistic"]
+
+
+def test_explicit_guaranteed_takes_quota_from_auto(tmp_path: Path) -> None:
+    out = run_steps(tmp_path, [{"write": "antman_quota.lua", "text": quota_text(1, as_of=1000.0)},
+                               auto(gpus=2, cls="guaranteed"), auto(), auto()])
+    assert classes(out) == ["guaranteed", "guaranteed", "opportunistic"]
+
+
+def test_newer_quota_file_replaces_the_admissions_it_has_seen(tmp_path: Path) -> None:
+    steps = [{"write": "antman_quota.lua", "text": quota_text(0, as_of=999.9)}] + [auto() for _ in range(4)]
+    # A file written within the margin (5 s) of the admissions may have missed them: still counted.
+    steps += [{"write": "antman_quota.lua", "text": quota_text(2, as_of=1005.5)}, auto(now=1006)]
+    # A snapshot taken after the admissions' second plus the margin has them (here: two have ended).
+    steps += [{"write": "antman_quota.lua", "text": quota_text(2, as_of=1006.0)},
+              auto(now=1007), auto(now=1007), auto(now=1007)]
+    out = run_steps(tmp_path, steps)
+    assert classes(out) == ["guaranteed"] * 4 + ["opportunistic"] + ["guaranteed"] * 2 + ["opportunistic"]
+    assert "6 of 4 GPUs in use (2 in the coordinator's count, 4 admitted since)" in out[4]["info"][-2]
+
+
+def test_quota_file_without_as_of_counts_the_last_two_minutes(tmp_path: Path) -> None:
+    """A coordinator from before as_of: its file says nothing of when it looked, so every admission
+    within the longest possible cycle is assumed missing from it."""
+    steps = [{"write": "antman_quota.lua", "text": quota_text(0)}, auto(gpus=4, now=1000),
+             auto(now=1119), auto(now=1121)]
+    assert classes(run_steps(tmp_path, steps)) == ["guaranteed", "opportunistic", "guaranteed"]
+
+
+def test_het_auto_component_takes_no_quota(tmp_path: Path) -> None:
+    het = auto(gpus=4)
+    het["job_desc"]["het_job_offset"] = 0
+    out = run_steps(tmp_path, [{"write": "antman_quota.lua", "text": quota_text(0, as_of=1000.0)}, het, auto(gpus=4)])
+    assert out[0]["rc"] == -1 and "heterogeneous" in out[0]["user"][0]
+    assert classes(out[1:]) == ["guaranteed"]
+
+
+def test_the_coordinators_quota_file_is_read_with_its_as_of(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from slurm_antman.coordinator.daemon import quota_lua
+    from slurm_antman.policy.model import JobView
+
+    running = JobView("1", "research", "ann", "RUNNING", "guaranteed", "guaranteed", 2, "n1", 0.0, 1.0, 0, None, False)
+    text = quota_lua(SimpleNamespace(jobs=(running,), quotas={"research": 4}), 1000.25)
+    out = run_steps(tmp_path, [{"write": "antman_quota.lua", "text": text}, auto(now=1003), auto(now=1003),
+                               auto(now=1003)])
+    assert classes(out) == ["guaranteed", "guaranteed", "opportunistic"]
+    assert "4 of 4 GPUs in use (2 in the coordinator's count, 2 admitted since)" in out[2]["info"][-2]
+
+
+def test_rendered_settings_carry_the_largest_node(tmp_path: Path) -> None:
+    from slurm_antman import config
+    from slurm_antman.render import render_all
+
+    cfg = config.parse({"nodes": [{"name": "a[1-2]", "gpus": 8}, {"name": "b1", "gpus": 2}]})
+    text = render_all(cfg)["antman_settings.lua"]
+    assert accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:8"), settings_text=text))
+    msg = rejected(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:9"), settings_text=text))
+    assert "at most 8 GPUs per node (the largest node has 8); this one asks for 9 (--gres=gpu:9)" in msg

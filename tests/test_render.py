@@ -78,11 +78,13 @@ def test_settings_lua_is_what_the_script_reads(cfg, tmp_path):
     f = tmp_path / "s.lua"
     f.write_text(lua)
     probe = ('local s = dofile(arg[1]); print(s.default_class, s.auto_class, s.gpu_gres, s.opp_gres, '
-             's.guaranteed_partition, s.opp_partition, s.opp_qos)')
+             's.guaranteed_partition, s.opp_partition, s.opp_qos, type(s.max_node_gpus), '
+             's.max_node_gpus)')
     r = subprocess.run(["lua5.1", "-e", probe.replace("arg[1]", repr(str(f)))], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+    # max_node_gpus: the largest group's GPUs (a[1-2] has 8, b1 2), a number
     assert r.stdout.split() == ["opportunistic", "opportunistic", "gpu", "antman_opp", "gpu", "opportunistic",
-                                "scavenger"]
+                                "scavenger", "number", "8"]
 
 
 def test_auto_is_guaranteed_when_default_is_none():

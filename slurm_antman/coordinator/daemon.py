@@ -88,12 +88,14 @@ def quota_use(snap: Any) -> dict[str, int]:
     return used
 
 
-def quota_lua(snap: Any) -> str:
+def quota_lua(snap: Any, as_of: float) -> str:
+    """antman_quota.lua. ``as_of``: the Unix time taken before Slurm was read for ``snap``; job_submit.lua
+    counts its own guaranteed admissions from then on as not yet in ``used``."""
     used = quota_use(snap)
     rows = "".join(f'    ["{a}"] = {{ quota = {int(q)}, used = {used.get(a, 0)} }},\n'
                    for a, q in sorted(snap.quotas.items()))
     return "-- written by the slurm-antman coordinator every cycle; read by job_submit.lua\n" \
-           f"return {{ accounts = {{\n{rows}}} }}\n"
+           f"return {{ as_of = {float(as_of):.3f}, accounts = {{\n{rows}}} }}\n"
 
 
 _PLACEMENT_WHY = {
@@ -119,7 +121,6 @@ class Coordinator:
         self._placed: dict[str, tuple] = {}  # job -> the placement last written to the audit log
         self._paused: dict[str, str] = {}  # job -> the node of the pause last written to the audit log
         self._persisted: Optional[dict] = None
-        self._quota_text: Optional[str] = None
         self._stop = threading.Event()
         self.cycles = 0
         self.metrics: Any = None  # slurm_antman.metrics.CoordinatorMetrics when metrics are served
@@ -212,6 +213,7 @@ class Coordinator:
                 self.metrics.cycle_seconds.observe(time.monotonic() - started)
 
     def _cycle(self) -> list[tuple[Any, Any]]:
+        # Before Slurm is read: the quota file's as_of must not be later than what squeue saw.
         now = self.clock()
         try:
             jobs = self.backend.jobs()
@@ -244,26 +246,24 @@ class Coordinator:
             done.append((d, outcome))
         self.state = new_state
         self._persist()
-        self._write_quota(snap)
+        self._write_quota(snap, now)
         self._sync_classes(jobs)
         if self.metrics is not None:
             self.metrics.publish(snap.jobs, dict(snap.quotas), quota_use(snap), self.tenants.source,
                                  self.tenants.error is not None)
         return done
 
-    def _write_quota(self, snap: Any) -> None:
+    def _write_quota(self, snap: Any, as_of: float) -> None:
+        """Every cycle, changed use or not: a newer as_of lets job_submit.lua forget the admissions
+        this snapshot already counts."""
         path = self.cfg.coordinator.quota_file
         if not path:
-            return
-        text = quota_lua(snap)
-        if text == self._quota_text:
             return
         try:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:
-                f.write(text)
+                f.write(quota_lua(snap, as_of))
             os.replace(tmp, path)  # job_submit.lua reads it at any moment: whole or not at all
-            self._quota_text = text
         except OSError as e:
             log.warning("cannot write the quota file %s: %s", path, e)
 

@@ -5,7 +5,12 @@ slurmctld's job_submit/lua plugin provides (22.05), and prints the outcome as on
 usage: lua5.1 harness.lua SCRIPT CASE
   SCRIPT  a copy of job_submit.lua (its directory holds the antman_settings.lua under test)
   CASE    a Lua file returning { call = "submit" | "modify", job_desc = {...},
-          job_rec = {...}, uid = N }
+          job_rec = {...}, uid = N, now = T }
+          or { steps = { STEP, ... }, now = T }: one loaded script, several steps in order, as
+          slurmctld keeps one Lua state across calls. A STEP is a call like the above (its `now`, if
+          any, set first), or { write = NAME, text = "..." } to replace a file next to SCRIPT.
+          `now` fixes os.time() from there on; without it the real clock runs.
+          Output for steps: { results = [ one object per call ] }.
 
 job_desc is wrapped like the real plugin wraps it: reads go through __index, and writes follow
 the 22.05 setter (a string field set to "" becomes unset; nil is an error, as luaL_checkstring
@@ -73,25 +78,58 @@ local function json(v)
 end
 
 local case = dofile(case_path)
-local load_ok, load_err = pcall(dofile, script)
-local rc, call_err
-local data = case.job_desc or {}
-if load_ok then
+
+local real_time, fake_now = os.time, nil
+os.time = function(t)
+  if t ~= nil or fake_now == nil then return real_time(t) end
+  return fake_now
+end
+if case.now then fake_now = case.now end
+
+local function call(step)
+  if step.now then fake_now = step.now end
+  logs.info, logs.user, logs.error = {}, {}, {}
+  local rc, call_err
+  local data = step.job_desc or {}
   local ok, r = pcall(function()
-    if case.call == "modify" then
-      return slurm_job_modify(wrap_job_desc(data), case.job_rec or {}, {}, case.uid or 1000)
+    if step.call == "modify" then
+      return slurm_job_modify(wrap_job_desc(data), step.job_rec or {}, {}, step.uid or 1000)
     end
-    return slurm_job_submit(wrap_job_desc(data), {}, case.uid or 1000)
+    return slurm_job_submit(wrap_job_desc(data), {}, step.uid or 1000)
   end)
   if ok then rc = r else call_err = tostring(r) end
+  -- only scalar fields: spank_job_env is input, not something the script changes
+  local fields = {}
+  for k, v in pairs(data) do
+    if type(v) ~= "table" then fields[k] = v end
+  end
+  return { rc = rc, call_error = call_err, job_desc = fields, info = logs.info, user = logs.user,
+           error = logs.error }
 end
 
--- only scalar fields: spank_job_env is input, not something the script changes
-local fields = {}
-for k, v in pairs(data) do
-  if type(v) ~= "table" then fields[k] = v end
+local dir = script:match("^(.*)/[^/]*$") or "."
+local load_ok, load_err = pcall(dofile, script)
+local load_logs = logs.info
+if not load_ok then
+  print(json({ load_error = tostring(load_err), info = load_logs, user = logs.user, error = logs.error }))
+elseif case.steps then
+  local results = {}
+  -- the Python tests write lists 0-indexed, as 22.05 passes spank_job_env
+  local i = case.steps[0] and 0 or 1
+  while case.steps[i] do
+    local step = case.steps[i]
+    i = i + 1
+    if step.write then
+      local f = assert(io.open(dir .. "/" .. step.write, "w"))
+      f:write(step.text)
+      f:close()
+    else
+      results[#results + 1] = call(step)
+    end
+  end
+  print(json({ results = results }))
+else
+  local out = call(case)
+  for i, m in ipairs(load_logs) do table.insert(out.info, i, m) end
+  print(json(out))
 end
-print(json({
-  rc = rc, load_error = (not load_ok) and tostring(load_err) or nil, call_error = call_err,
-  job_desc = fields, info = logs.info, user = logs.user, error = logs.error,
-}))
