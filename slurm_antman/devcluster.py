@@ -37,6 +37,27 @@ class DevclusterError(AntmanError):
     pass
 
 
+# The cluster's ordinary user: tests and `antman devcluster up`'s users submit as it, as at a site
+# where nobody submits as root.
+DEV_USER = "antman-dev"
+
+
+def ensure_user(name: str = DEV_USER) -> tuple[int, int]:
+    """(uid, gid) of the devcluster's unprivileged user, made on first use (a home directory of its
+    own: PyTorch and pip write caches there)."""
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        r = subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", "--user-group",
+                            "--comment", "slurm-antman devcluster user", name], capture_output=True, text=True)
+        if r.returncode not in (0, 9):  # 9: made meanwhile by another run
+            raise DevclusterError(f"cannot create the devcluster user {name}: {r.stderr.strip()}")
+        pw = pwd.getpwnam(name)
+    return pw.pw_uid, pw.pw_gid
+
+
 @dataclass
 class Proc:
     name: str
@@ -66,6 +87,7 @@ class Cluster:
     plain: bool
     procs: list[Proc] = field(default_factory=list)
     accounting: bool = False  # slurmdbd and MariaDB run beside slurmctld (devcluster_accounting)
+    user: str = DEV_USER  # the unprivileged user jobs are submitted as
 
     @property
     def slurm_conf(self) -> Path:
@@ -93,13 +115,14 @@ class Cluster:
         return {
             "dir": str(self.dir), "nodes": self.nodes, "gpus": self.gpus, "port_base": self.port_base,
             "plain": self.plain, "slurm_conf": str(self.slurm_conf),
-            "procs": [p.__dict__ for p in self.procs], "accounting": self.accounting,
+            "procs": [p.__dict__ for p in self.procs], "accounting": self.accounting, "user": self.user,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "Cluster":
         return cls(Path(data["dir"]), data["nodes"], data["gpus"], data["port_base"], data["plain"],
-                   [Proc(**p) for p in data["procs"]], bool(data.get("accounting", False)))
+                   [Proc(**p) for p in data["procs"]], bool(data.get("accounting", False)),
+                   str(data.get("user", DEV_USER)))
 
 
 def _state_file(d: Path) -> Path:
@@ -367,6 +390,12 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         shutil.rmtree(d / sub, ignore_errors=True)
     for sub in ("etc", "dev", "state/ctld", "log", "run", "lib", "antman-state"):
         (d / sub).mkdir(parents=True, exist_ok=True)
+    ensure_user()
+    # The user's jobs open the GPUs in dev/ and their agents the sidecar sockets in run/, as on a
+    # site's /dev and /run: the directories on the way must let them through (read and write stays
+    # root's).
+    for path in (d, d / "dev", d / "run", d / "etc"):
+        path.chmod(0o755)
     make_gpu_devices(d / "dev", gpus)
 
     antman_command = f"{sys.executable} -m slurm_antman.cli"

@@ -174,8 +174,8 @@ def sacctmgr(cluster: Cluster, *args: str, check: bool = True, timeout: float = 
 
 
 def add_tenants(cluster: Cluster, tenants: Iterable[Any], gres: str, timeout: float = 60) -> None:
-    """Each tenant an account with GrpTRES=gres/<gres>=N, and root (who submits the tests' jobs) a
-    user of it. Waits for slurmctld to have registered the GPU TRES (see the module's note)."""
+    """Each tenant an account with GrpTRES=gres/<gres>=N, and root and the cluster's ordinary user
+    (who submits the tests' jobs) users of it. Waits for slurmctld to have registered the GPU TRES (see the module's note)."""
     tenants = list(tenants)
     if not tenants:
         return
@@ -192,3 +192,6 @@ def add_tenants(cluster: Cluster, tenants: Iterable[Any], gres: str, timeout: fl
         sacctmgr(cluster, "-i", "modify", "account", "where", f"name={t.account}", f"cluster={name}",
                  "set", f"GrpTRES=gres/{gres}={int(t.guaranteed_gpus)}")
     sacctmgr(cluster, "-i", "add", "user", "root", f"account={accounts}", f"cluster={name}")
+    # The cluster's ordinary user, first tenant its default account (what sbatch uses without -A).
+    sacctmgr(cluster, "-i", "add", "user", cluster.user, f"account={accounts}",
+             f"defaultaccount={tenants[0].account}", f"cluster={name}")

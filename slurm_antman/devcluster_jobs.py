@@ -7,13 +7,14 @@ submit include hostile ones whose names forge fields.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Optional, TypeVar
 
-from .devcluster import Cluster
+from .devcluster import Cluster, ensure_user
 from .errors import AntmanError
 from .slurm.parsing import parse_scontrol_line
 
@@ -36,11 +37,22 @@ def wait_for(pred: Callable[[], Optional[T]], timeout: float, what: str, step: f
 
 
 class ClusterJobs:
-    """The devcluster plus the few Slurm calls its drivers need. Job output goes to ``workdir/JOBID.out``."""
+    """The devcluster plus the few Slurm calls its drivers need. Job output goes to ``workdir/JOBID.out``.
+    Jobs are submitted as the cluster's ordinary user (``as_root=True`` for the few that must not be);
+    inspecting, updating and cancelling is the admin's (root)."""
 
     def __init__(self, cluster: Cluster, workdir: Path):
         self.c = cluster
         self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.uid, self.gid = ensure_user(cluster.user)
+        os.chown(self.workdir, self.uid, self.gid)  # where the user's jobs write their output
+        self.workdir.chmod(0o755)
+
+    def run_as_user(self, args, **kw) -> subprocess.CompletedProcess:
+        """A command as the cluster's ordinary user, with the cluster's SLURM_CONF."""
+        env = dict(self.c.env, HOME=f"/home/{self.c.user}", USER=self.c.user, LOGNAME=self.c.user)
+        return self.c.run(args, env=env, user=self.uid, group=self.gid, extra_groups=[], **kw)
 
     @property
     def env(self) -> dict[str, str]:
@@ -49,7 +61,8 @@ class ClusterJobs:
     def run(self, args, **kw) -> subprocess.CompletedProcess:
         return self.c.run(args, **kw)
 
-    def sbatch(self, *args: str, script: str | None = None, wrap: str | None = None, expect_ok: bool = True):
+    def sbatch(self, *args: str, script: str | None = None, wrap: str | None = None, expect_ok: bool = True,
+               as_root: bool = False):
         """The new job's id; with ``expect_ok=False`` the completed ``sbatch`` process instead."""
         argv = ["sbatch", "--parsable", "-D", str(self.workdir), "-o", str(self.workdir / "%j.out"), *args]
         if wrap is not None:
@@ -57,8 +70,9 @@ class ClusterJobs:
         if script is not None:
             path = self.workdir / f"script-{time.monotonic_ns()}.sh"
             path.write_text(script)
+            path.chmod(0o644)
             argv.append(str(path))
-        r = self.c.run(argv)
+        r = self.c.run(argv) if as_root else self.run_as_user(argv)
         if not expect_ok:
             return r
         if r.returncode != 0:
@@ -109,7 +123,10 @@ class ClusterJobs:
                         f"{(r.stdout or r.stderr).strip()[:1500]}\n{text[-2000:]}")
 
     def cancel_all(self) -> None:
-        self.c.run(["scancel", "--user", "root"])
+        r = self.c.run(["squeue", "-h", "-o", "%i"])
+        ids = r.stdout.split() if r.returncode == 0 else []
+        if ids:
+            self.c.run(["scancel", *ids])
 
     def wait_empty(self, timeout: float = 30) -> bool:
         """True once no job is pending, running, completing or suspended."""

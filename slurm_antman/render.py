@@ -79,6 +79,8 @@ def slurm_conf_fragment(cfg: AntmanConfig, opts: RenderOptions) -> str:
         # Lets the job's own --signal reach it on preemption, the convention checkpointing libraries use.
         lines.append("SlurmctldParameters=preempt_send_user_signal")
         lines.append("JobSubmitPlugins=lua")
+        # srun's GPU options in an opportunistic job name the job's opportunistic slots (cli_filter.lua).
+        lines.append("CliFilterPlugins=cli_filter/lua")
         # Alloc: the Prolog runs when the allocation is made, before the batch script, so the GPU choice
         # exists when the SPANK plugin sets up the first task.
         lines.append("PrologFlags=Alloc")

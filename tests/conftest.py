@@ -28,16 +28,37 @@ def _require_slurm() -> None:
 ClusterHandle = ClusterJobs
 
 
+def let_jobs_through(path: Path) -> None:
+    """Jobs run as the devcluster's ordinary user (devcluster.DEV_USER): the directories above a
+    cluster or a test's files must let it pass (o+x; pytest makes its own 0700). pytest puts the
+    mode of its per-user directory back on its next run."""
+    for p in [path, *path.parents]:
+        if p == Path("/tmp") or p == p.parent:
+            break
+        try:
+            p.chmod(p.stat().st_mode | 0o055)
+        except OSError:
+            break
+
+
+@pytest.fixture(autouse=True)
+def _tmp_path_for_jobs(request):
+    """A test's tmp_path holds files its jobs read (scripts, flag files): readable by the job's user."""
+    if "tmp_path" in request.fixturenames:
+        let_jobs_through(request.getfixturevalue("tmp_path"))
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> ClusterHandle:
     _require_slurm()
     d = tmp_path_factory.mktemp("devcluster")
     work = tmp_path_factory.mktemp("jobs")
+    let_jobs_through(d)
     c = dc.up(d, nodes=2, gpus=4, cpus=4, port_base=TEST_PORT_BASE)
     try:
         yield ClusterHandle(c, work)
     finally:
-        c.run(["scancel", "--user", "root"])
+        ClusterHandle(c, work).cancel_all()
         dc.down(d)
 
 

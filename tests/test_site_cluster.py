@@ -103,7 +103,7 @@ sleep 3
 def test_array_every_task_runs_once_managed_on_its_own_placement(clean_cluster, job_class):
     c = clean_cluster
     out = c.workdir / f"array-{job_class}-%A_%a.out"
-    r = c.run(["sbatch", "--parsable", f"--antman={job_class}", "--gres=gpu:1", "--array=0-7%4", "-D", str(c.workdir),
+    r = c.run_as_user(["sbatch", "--parsable", f"--antman={job_class}", "--gres=gpu:1", "--array=0-7%4", "-D", str(c.workdir),
                "-o", str(out), "--open-mode=append", "--wrap", ARRAY_TASK.replace("{probe}", probe(c, "TASK"))])
     assert r.returncode == 0, r.stderr
     array_id = int(r.stdout.strip().split(";")[0])
@@ -118,6 +118,7 @@ def test_array_every_task_runs_once_managed_on_its_own_placement(clean_cluster, 
     assert sorted(mine, key=int) == [str(t) for t in range(8)], sorted(mine)
     assert {j.state for j in mine.values()} == {"COMPLETED"}, {t: (j.state, j.reason) for t, j in mine.items()}
     assert {j.restarts for j in mine.values()} == {0}, "a task was requeued"
+    assert {j.user for j in mine.values()} == {c.c.user}  # an ordinary user's array, not root's
     for t in range(8):
         runs = lines((c.workdir / f"array-{job_class}-{array_id}_{t}.out").read_text(), "TASK")
         assert len(runs) == 1, (t, runs)  # ran once
@@ -139,7 +140,7 @@ def test_requeue_of_the_task_that_carries_the_array_id_touches_that_task_only(cl
     """An array task's raw id may be its array's own id, and ``scontrol requeue ARRAY_ID`` requeues every
     task: the adapter acts on ``ARRAY_TASK``."""
     c = clean_cluster
-    r = c.run(["sbatch", "--parsable", "--antman=opportunistic", "--gres=gpu:1", "--array=0-3", "-D", str(c.workdir),
+    r = c.run_as_user(["sbatch", "--parsable", "--antman=opportunistic", "--gres=gpu:1", "--array=0-3", "-D", str(c.workdir),
                "-o", str(c.workdir / "req-%A_%a.out"), "--wrap", "sleep 120"])
     assert r.returncode == 0, r.stderr
     array_id = int(r.stdout.strip().split(";")[0])
@@ -182,8 +183,8 @@ def test_srun_steps_with_gpus_in_a_batch_job(clean_cluster, job_class):
     assert "error" not in text.lower(), text
     seen = {k: lines(text, "STEP" + k.upper()) for k in "abcde"}
     assert [len(seen[k]) for k in "abcde"] == [1, 1, 2, 1, 2], text
-    job = CliBackend(env=c.env).job(jid)
-    placed = job.gpus_by_node["node2"]
+    # The job has ended: its GPUs are in the tag its Prolog wrote (Slurm's GRES detail is gone).
+    placed = parse_tag(CliBackend(env=c.env).job(jid).admin_comment).gpus["node2"]
     assert len(placed) == 2
     for k, runs in seen.items():
         for s in runs:
@@ -202,12 +203,12 @@ def probe_file(c, tag: str):
 
 def test_srun_with_antman_makes_its_own_allocation(clean_cluster):
     c = clean_cluster
-    r = c.run(["srun", "--antman=opportunistic", "--gres=gpu:1", "-w", "node1", "bash", "-c", probe(c, "DIRECT")],
-              timeout=90)
+    r = c.run_as_user(["srun", "--antman=opportunistic", "--gres=gpu:1", "-w", "node1", "bash", "-c",
+                       probe(c, "DIRECT")], timeout=90, cwd=c.workdir)
     assert r.returncode == 0, r.stderr
     s = lines(r.stdout, "DIRECT")[0]
     assert s["class"] == "opportunistic" and len(gpus(s)) == 1 and allowed(s) == gpus(s), s
     # auto is decided at submission, after srun has asked for its step: refused with the way out.
-    r = c.run(["srun", "--antman=auto", "--gres=gpu:1", "true"], timeout=60)
+    r = c.run_as_user(["srun", "--antman=auto", "--gres=gpu:1", "true"], timeout=60, cwd=c.workdir)
     assert r.returncode != 0
     assert "srun --antman=auto with GPUs outside an allocation" in r.stderr and "salloc or sbatch" in r.stderr
