@@ -25,8 +25,19 @@ PYTEST_ARGS ?=
 	fi
 	@touch $@
 
+# The venv is made from the system's Python: the devcluster's jobs run as an ordinary user, and run this
+# venv's interpreter, so it must not live under root's home (a pyenv Python there fails them with
+# "Permission denied"). A venv made from another Python is made again.
+SYSTEM_PYTHON ?= /usr/bin/python3
+ifneq ($(wildcard $(VENV)/pyvenv.cfg),)
+ifeq ($(shell grep -cx 'home = $(patsubst %/,%,$(dir $(SYSTEM_PYTHON)))' $(VENV)/pyvenv.cfg),0)
+$(info the venv $(VENV) is not made from $(SYSTEM_PYTHON): making it again)
+$(shell rm -rf $(VENV))
+endif
+endif
+
 $(PY): | .deps-apt.stamp
-	python3 -m venv $(VENV)
+	$(SYSTEM_PYTHON) -m venv $(VENV)
 
 # torch==2.13.0 is the local CPU wheel; any other spec would download the CUDA build.
 $(VENV)/.installed: pyproject.toml | $(PY)

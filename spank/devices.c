@@ -218,8 +218,16 @@ int antman_devices_grant(uint32_t job_id, uid_t uid, pid_t task_pid)
 	int rc, dirfd;
 
 	devices_mount(mount, sizeof(mount));
-	if (!mount[0] || task_devices_cgroup(task_pid, cgroup, sizeof(cgroup)) < 0)
-		return 0; /* no devices controller (task/cgroup off, or cgroup v2): Slurm constrains nothing here */
+	if (!mount[0]) {
+		/* No cgroup v1 devices controller: with cgroup/v2 Slurm's device rules are eBPF programs,
+		   which this does not amend. Say so where an admin looks, for the job it would hurt. */
+		if (env_file_value(job_id, NULL, ANTMAN_DEVICES_KEY, value, sizeof(value)) > 0)
+			slurm_info("antman: job %u: no cgroup v1 devices controller on this node; if Slurm confines "
+				   "devices here (cgroup/v2), the job cannot open its GPU(s) %s", job_id, value);
+		return 0;
+	}
+	if (task_devices_cgroup(task_pid, cgroup, sizeof(cgroup)) < 0)
+		return 0; /* the task is in no devices cgroup: nothing was taken away */
 	if (job_cgroup(cgroup, uid, job_id, job_dir, sizeof(job_dir), node, sizeof(node)) < 0) {
 		/* Not under Slurm's job cgroup: ConstrainDevices is off, so nothing was taken away. */
 		slurm_debug("antman: job %u task %d is in devices cgroup %s, not Slurm's job cgroup; nothing to allow",

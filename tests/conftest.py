@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import time
 from pathlib import Path
@@ -43,9 +44,16 @@ def let_jobs_through(path: Path) -> None:
 
 @pytest.fixture(autouse=True)
 def _tmp_path_for_jobs(request):
-    """A test's tmp_path holds files its jobs read (scripts, flag files): readable by the job's user."""
+    """A test's tmp_path holds files its jobs read and write (scripts, flag files, checkpoints): the
+    job's user may enter it and write there, as in a user's own directory on a cluster file system."""
     if "tmp_path" in request.fixturenames:
-        let_jobs_through(request.getfixturevalue("tmp_path"))
+        path = request.getfixturevalue("tmp_path")
+        let_jobs_through(path)
+        try:
+            pw = pwd.getpwnam(dc.DEV_USER)
+        except KeyError:
+            return  # no cluster made the user yet: no job of it will run here
+        os.chown(path, pw.pw_uid, pw.pw_gid)
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ _FIELD = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]{1,10}$|^\d{1,2}$")
 
 
+_RAW_ID = re.compile(r"^[1-9]\d{0,9}$")
 _ARRAY_REF = re.compile(r"^[1-9]\d*_(\d+|\[\d+([-,]\d+)*\])$")
 
 
@@ -119,7 +120,7 @@ class CliBackend(SlurmBackend):
     def _job_arg(job_id: Union[int, str]) -> str:
         """A raw job id, or an array task's ``A_T`` / pending rest ``A_[2-5]`` (``Job.slurm_id``): the
         form that acts on that job alone."""
-        if isinstance(job_id, str) and _ARRAY_REF.match(job_id):
+        if isinstance(job_id, str) and (_ARRAY_REF.match(job_id) or _RAW_ID.match(job_id)):
             return job_id
         if isinstance(job_id, bool) or not isinstance(job_id, int) or job_id <= 0:
             raise ValueError(f"job id must be a positive integer or ARRAY_TASK, not {job_id!r}")
@@ -201,6 +202,21 @@ class CliBackend(SlurmBackend):
             return None  # no accounting storage: slurmctld's word is all there is
         raw = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().isdigit()]
         return int(raw[0]) if raw else None
+
+    def job_user(self, job_id: int) -> Optional[str]:
+        """Whose job ``job_id`` is: slurmctld's word while it remembers the job, then accounting's;
+        None when neither knows it. Raises SlurmUnavailable when the controller cannot be asked."""
+        try:
+            return self.job(job_id).user or None
+        except JobNotFound:
+            pass
+        argv = ["sacct", "-n", "-X", "-P", "-j", self._job_arg(job_id), "-o", "User"]
+        try:
+            r = self._run(argv)
+        except CommandFailed:
+            return None  # no accounting storage
+        users = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+        return users[0] if users else None
 
     def requeue(self, job_id: int, hold: bool = False) -> None:
         self._run(["scontrol", "requeuehold" if hold else "requeue", self._job_arg(job_id)], job_id=job_id)
