@@ -244,6 +244,16 @@ class Sidecar(_Strict):
     _bind = field_validator("metrics_bind")(classmethod(lambda cls, v: _bind_address(v)))
 
 
+QUERY_PORT_OFFSET = 3
+
+
+def _zmq_endpoint(v: str) -> str:
+    # Only transports that CURVE can protect and that a sidecar can reach.
+    if not re.match(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc:///\S+)$", v):
+        raise ValueError(f"{v!r} is not a ZeroMQ endpoint; allowed: tcp://HOST:PORT or ipc:///PATH")
+    return v
+
+
 class Coordinator(_Strict):
     endpoint: str = Field(default="tcp://127.0.0.1:17900", description="Where sidecars report.")
     key_dir: Optional[str] = Field(
@@ -257,14 +267,20 @@ class Coordinator(_Strict):
                     "Default: KEY_DIR/nodes/{node}.key_secret.")
     report_interval_s: float = Field(default=2.0, gt=0, le=3600,
                                      description="Seconds between a sidecar's reports to the coordinator.")
+    query_endpoint: Optional[str] = Field(
+        default=None,
+        description="Where the `antman` CLI of any user on any host asks the coordinator for live job numbers "
+                    "(`antman squeue`, `antman nodes`) and job stories (`antman explain`); requests carry a munge "
+                    "credential and each user sees the details of their own jobs only. null: the host of "
+                    "`endpoint` at its port + 3 (ipc: its path + '.query'); 'off': not served.")
+    admin_users: list[str] = Field(
+        default_factory=list,
+        description="Users who see every job's details through the query endpoint, as root does.")
 
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str) -> str:
-        # Only transports that CURVE can protect and that a sidecar can reach.
-        if not re.match(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):[0-9]{1,5}|ipc:///\S+)$", v):
-            raise ValueError(f"{v!r} is not a ZeroMQ endpoint; allowed: tcp://HOST:PORT or ipc:///PATH")
-        return v
+        return _zmq_endpoint(v)
 
     @field_validator("node_secret_key")
     @classmethod
@@ -272,6 +288,35 @@ class Coordinator(_Strict):
         if v is not None and "{node}" not in v and not v.endswith(".key_secret"):
             raise ValueError(f"{v!r} must contain '{{node}}' (one key per node) or name a .key_secret file")
         return v
+
+    @field_validator("query_endpoint")
+    @classmethod
+    def _query_endpoint(cls, v: Optional[str]) -> Optional[str]:
+        if v is None or v == "off":
+            return v
+        return _zmq_endpoint(v)
+
+    @model_validator(mode="after")
+    def _query_differs(self) -> "Coordinator":
+        q = self.query_address()
+        if q is not None and q == self.endpoint:
+            raise ValueError(f"query_endpoint {q!r} is the sidecars' endpoint; give it a port of its own")
+        return self
+
+    def query_address(self) -> Optional[str]:
+        """The query endpoint in force, or None when it is off. The default skips the uplink port's next
+        two: the devcluster puts its MariaDB and slurmdbd there."""
+        if self.query_endpoint == "off":
+            return None
+        if self.query_endpoint is not None:
+            return self.query_endpoint
+        if self.endpoint.startswith("ipc://"):
+            return self.endpoint + ".query"
+        host, _, port = self.endpoint.rpartition(":")
+        if int(port) + QUERY_PORT_OFFSET > 65535:
+            raise ValueError(f"endpoint {self.endpoint!r}: port {port} leaves no room for the default "
+                             "query_endpoint (port + 3); set coordinator.query_endpoint")
+        return f"{host}:{int(port) + QUERY_PORT_OFFSET}"
 
     def secret_key_path(self, node: str) -> Optional[str]:
         """The node sidecar's CURVE secret key file, or None when no keys are configured."""

@@ -66,6 +66,11 @@ class ErrorCode(str, enum.Enum):
     unknown_job = "unknown_job"
     forbidden = "forbidden"
     internal = "internal"
+    # The query channel's (a munge credential that munged refused, or a peer asking too often).
+    bad_credential = "bad_credential"
+    expired_credential = "expired_credential"
+    replayed_credential = "replayed_credential"
+    rate_limited = "rate_limited"
 
 
 class ProtocolError(Exception):
@@ -434,11 +439,116 @@ class PreemptNotice(Body):
     avoid_gpus: Optional[list] = _f(list[int], ge=0, le=1023, nullable=True, default=None)
 
 
+# --- query channel: coordinator ROUTER <-> the `antman` CLI of any user on any host (DEALER) -----------
+# Each request carries a munge credential whose payload is query_payload() of the request itself: the
+# coordinator takes the caller's uid from munged, never from the message, and the credential cannot be
+# moved to another request.
+
+MAX_CREDENTIAL_CHARS = 8192
+
+
+def _credential() -> Any:
+    return _f(str, max_len=MAX_CREDENTIAL_CHARS)
+
+
+@_dc
+class QueryCaller:
+    uid: int = _f(int, ge=0)                                     # as munged decoded it
+    user: Optional[str] = _text(max_len=256, nullable=True)      # its name on the coordinator's host
+    admin: bool = _f(bool)                                       # sees every job's details
+
+
+@_dc
+class QueryJob:
+    """A job on one node, as that node's sidecar last reported it. ``visible`` false: not the caller's
+    job, and every detail field is null (so null means "hidden", not "unlimited" or "unknown")."""
+    job_id: str = _job_id()
+    node: str = _f(str, pattern=NODE_NAME_RE)
+    job_class: str = _f(str, choices=JOB_CLASSES)
+    gpus: list = _f(list[int], ge=0)
+    visible: bool = _f(bool)
+    mem_limit_bytes: Optional[int] = _bytes_(nullable=True)
+    mem_used_bytes: Optional[int] = _bytes_(nullable=True)
+    compute_share: Optional[float] = _f(float, gt=0.0, le=1.0, nullable=True)
+    iteration_ms: Optional[float] = _f(float, ge=0.0, nullable=True)
+    paused: Optional[bool] = _f(bool, nullable=True)
+
+
+@_dc
+class QueryGpu:
+    index: int = _f(int, ge=0)
+    memory_used_bytes: int = _bytes_()
+    memory_total_bytes: int = _bytes_()
+    utilization: float = _f(float, ge=0.0, le=1.0)               # averaged over the utilisation window
+    util_measured: bool = _f(bool)
+    jobs: list = _f(list[str], pattern=JOB_ID_RE)
+
+
+@_dc
+class QueryNode:
+    node: str = _f(str, pattern=NODE_NAME_RE)
+    telemetry: str = _f(str, choices=TELEMETRY_KINDS)
+    report_unix: float = _f(float, ge=0.0)                       # when the coordinator received the report
+    unhealthy: str = _text(max_len=1024)
+    gpus: list = _f(list[QueryGpu])
+    jobs: list = _f(list[QueryJob])
+
+
+@_dc
+class QueryJobs(Body):
+    TYPE: ClassVar[str] = "query_jobs"
+    credential: str = _credential()
+    page: int = _f(int, ge=0)
+
+
+@_dc
+class QueryJobsReply(Body):
+    TYPE: ClassVar[str] = "query_jobs_reply"
+    caller: QueryCaller = _f(QueryCaller)
+    page: int = _f(int, ge=0)
+    pages: int = _f(int, ge=1)
+    jobs: list = _f(list[QueryJob])
+
+
+@_dc
+class QueryNodes(Body):
+    TYPE: ClassVar[str] = "query_nodes"
+    credential: str = _credential()
+    page: int = _f(int, ge=0)
+
+
+@_dc
+class QueryNodesReply(Body):
+    TYPE: ClassVar[str] = "query_nodes_reply"
+    caller: QueryCaller = _f(QueryCaller)
+    page: int = _f(int, ge=0)
+    pages: int = _f(int, ge=1)
+    nodes: list = _f(list[QueryNode])
+
+
+@_dc
+class QueryExplain(Body):
+    TYPE: ClassVar[str] = "query_explain"
+    credential: str = _credential()
+    job_id: str = _job_id()
+
+
+@_dc
+class QueryExplainReply(Body):
+    TYPE: ClassVar[str] = "query_explain_reply"
+    caller: QueryCaller = _f(QueryCaller)
+    job_id: str = _job_id()
+    owner: Optional[str] = _text(max_len=256, nullable=True)     # the job's user, when known
+    records: list = _f(list[dict])                               # audit-log records, oldest first
+    omitted: int = _f(int, ge=0)                                 # older records left out to fit one message
+
+
 BODY_TYPES: dict[str, type[Body]] = {
     cls.TYPE: cls for cls in (
         Register, Registered, Report, Limits, Ack, Preempt, Pause, Paused, Resume, Resumed, Heartbeat, Error, Bye,
         JobRegister, JobRegisterReply, JobRetire, JobRetireReply, NodeState, NodeStateReply,
         NodeReport, NodeReportAck, JobClassUpdate, PreemptNotice,
+        QueryJobs, QueryJobsReply, QueryNodes, QueryNodesReply, QueryExplain, QueryExplainReply,
     )
 }
 
@@ -451,6 +561,8 @@ CONTROL_REPLIES = frozenset({"job_register_reply", "job_retire_reply", "node_sta
 SIDECAR_TO_COORDINATOR = frozenset({"node_report", "heartbeat", "error", "bye"})
 COORDINATOR_TO_SIDECAR = frozenset({"node_report_ack", "job_class_update", "preempt_notice", "heartbeat",
                                     "error", "bye"})
+QUERY_REQUESTS = frozenset({"query_jobs", "query_nodes", "query_explain", "heartbeat"})
+QUERY_REPLIES = frozenset({"query_jobs_reply", "query_nodes_reply", "query_explain_reply", "heartbeat", "error"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,6 +650,12 @@ def _scalar_checker(kind: Any, m: dict) -> Checker:
             if type(v) is not dict:
                 raise bad_type(v, where, name, "object")
             return _build(kind, v, _at(where, name))
+    elif kind is dict:
+        # A free-form JSON object (an audit-log record): its shape is the audit log's, not the protocol's.
+        def check(v: Any, where: str, name: str) -> Any:
+            if type(v) is not dict:
+                raise bad_type(v, where, name, "object")
+            return v
     else:
         raise TypeError(f"unsupported field kind {kind!r}")
     return check
@@ -605,7 +723,8 @@ def _build(cls: type, data: dict, where: str) -> Any:
     return cls(**kwargs)
 
 
-for _cls in (*BODY_TYPES.values(), GpuState, JobState, PreemptState, ReportGpu, ReportJob, ReportPreemptRequest):
+for _cls in (*BODY_TYPES.values(), GpuState, JobState, PreemptState, ReportGpu, ReportJob, ReportPreemptRequest,
+             QueryCaller, QueryJob, QueryGpu, QueryNode):
     _spec(_cls)
 
 
@@ -742,6 +861,14 @@ def decode(frames: list, accept: Optional[frozenset] = None) -> Message:
         e.ref = ref
         raise
     return Message(body=parsed, id=mid, ref=mref, ts=float(ts), v=v)
+
+
+def query_payload(msg_id: str, body: Body) -> bytes:
+    """What a query request's munge credential carries: the request itself, its credential left out,
+    as canonical JSON. The coordinator recomputes it from the message it got and compares."""
+    data = {k: v for k, v in _to_wire(body).items() if k != "credential"}
+    doc = {"v": PROTOCOL_VERSION, "type": body.TYPE, "id": msg_id, "body": data}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
 # ---------------------------------------------------------------------------------------------

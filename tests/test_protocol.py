@@ -57,9 +57,11 @@ SAMPLES = [
 
 
 def test_every_type_has_a_sample():
-    # The uplink's types are sampled (and round-tripped) in test_uplink_protocol.py.
+    # The uplink's types are sampled (and round-tripped) in test_uplink_protocol.py, the query
+    # channel's in test_query.py.
+    from test_query import QUERY_SAMPLES
     from test_uplink_protocol import UPLINK_SAMPLES
-    assert {type(s).TYPE for s in [*SAMPLES, *UPLINK_SAMPLES]} == set(p.BODY_TYPES)
+    assert {type(s).TYPE for s in [*SAMPLES, *UPLINK_SAMPLES, *QUERY_SAMPLES]} == set(p.BODY_TYPES)
 
 
 @pytest.mark.parametrize("body", SAMPLES, ids=lambda b: type(b).TYPE)

@@ -38,6 +38,9 @@ def params_from_config(cfg: cfgmod.AntmanConfig) -> PolicyParams:
     return PolicyParams.from_config(cfg)
 
 
+# Job owners remembered beyond the current snapshot (for explain); the audit log names the rest.
+MAX_OWNERS = 50_000
+
 # Audit records of what the sidecars reported having done (not the coordinator's decisions).
 SIDECAR_RECORDS = frozenset({"placed", "paused", "resumed"})
 
@@ -120,6 +123,10 @@ class Coordinator:
         self._class_sent: dict[tuple[str, str], float] = {}
         self._placed: dict[str, tuple] = {}  # job -> the placement last written to the audit log
         self._paused: dict[str, str] = {}  # job -> the node of the pause last written to the audit log
+        # job -> its Slurm user: the jobs of the latest snapshot, and the most recent ones before them, so
+        # that explain can tell a finished job's owner and the audit log names it.
+        self._owners: dict[str, str] = {}
+        self.query: Any = None  # query.QueryServer while the query endpoint is served
         self._persisted: Optional[dict] = None
         self._stop = threading.Event()
         self.cycles = 0
@@ -133,11 +140,60 @@ class Coordinator:
         self._persisted = self.state.to_json()
         if self.hub is not None:
             self.hub.start()
+        self._start_query()
         self.audit.append({"ts": round(self.clock(), 3), "kind": "coordinator", "event": "start",
                            "preempting": sorted(self.state.preempting), "requeued": sorted(self.state.requeued),
                            "replayed": replayed, "uplink": self.hub is not None})
         log.info("coordinator started: %d preemption(s) in progress, %d requeued job(s) remembered; audit log %s",
                  len(self.state.preempting), len(self.state.requeued), self.cfg.coordinator.audit_log)
+
+    def _start_query(self) -> None:
+        """Serve the query endpoint. A failure is logged, not fatal: deciding for the cluster matters more
+        than showing it to its users."""
+        from . import query
+
+        address = self.cfg.coordinator.query_address()
+        if address is None:
+            log.info("coordinator.query_endpoint is off: users see live numbers only as root on a node")
+            return
+        audit_path = self.cfg.coordinator.audit_log
+        owner_lookup = query.slurm_owner(self.backend) if hasattr(self.backend, "job_user") else None
+        server = query.QueryServer(address, lambda view: query.QueryHandler(view, audit_path,
+                                                                            owner_lookup=owner_lookup))
+        try:
+            server.start()
+        except query.QueryServerError as e:
+            log.error("%s: users' antman squeue/nodes/explain get no answer from this coordinator", e)
+            return
+        self.query = server
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.query is None:
+            return
+        from .query import QueryView
+
+        c = self.cfg.coordinator
+        self.query.publish(QueryView(reports=MappingProxyType(dict(self.reports)),
+                                     owners=MappingProxyType(self._owners), admin_users=frozenset(c.admin_users),
+                                     stale_report_s=c.stale_report_s))
+
+    def _remember_owners(self, jobs: list) -> None:
+        """A new dict each time: the published view keeps the one it was given, unchanged."""
+        current = {str(j.job_id): j.user for j in jobs if j.user}
+        owners = {k: v for k, v in self._owners.items() if k not in current}
+        owners.update(current)
+        excess = len(owners) - MAX_OWNERS
+        if excess > 0:
+            owners = dict(list(owners.items())[excess:])  # the oldest first: insertion order
+        self._owners = owners
+
+    def _audit_job(self, rec: dict) -> dict:
+        """A job's record names its user, so explain can tell its owner long after Slurm forgot the job."""
+        user = self._owners.get(str(rec.get("job_id", "")))
+        if user:
+            rec["user"] = user
+        return rec
 
     def stop(self) -> None:
         self._stop.set()
@@ -147,7 +203,7 @@ class Coordinator:
         self._reload_requested.set()
 
     # Bound at start: the hub's socket and keys, the audit log file, the metrics endpoint.
-    _RESTART_ONLY = ("endpoint", "key_dir", "audit_log", "metrics_port", "metrics_bind")
+    _RESTART_ONLY = ("endpoint", "key_dir", "audit_log", "metrics_port", "metrics_bind", "query_endpoint")
 
     def reload(self) -> bool:
         """Re-read ``config_path``; the policy state, reports and audit log are kept. False: rejected."""
@@ -167,11 +223,15 @@ class Coordinator:
         self.params = params_from_config(new)
         self.executor.cfg = new
         self.tenants = TenantQuotas(new, self.backend, self.clock, background=True)  # quota_source may have changed
+        self._publish()  # admin_users may have changed
         log.info("configuration reloaded; kept %d preemption(s) in progress and %d requeued job(s)",
                  len(self.state.preempting), len(self.state.requeued))
         return True
 
     def close(self) -> None:
+        if self.query is not None:
+            self.query.stop()
+            self.query = None
         if self.hub is not None:
             self.hub.close()
         self.audit.append({"ts": round(self.clock(), 3), "kind": "coordinator", "event": "stop"})
@@ -200,6 +260,8 @@ class Coordinator:
             # Each report, not only a cycle's last one: a resume and the next pause can both come within
             # one cycle (the sidecar reports each at once), and explain must show both.
             self._record_pauses(r)
+        if reports:
+            self._publish()
 
     # -- one cycle ---------------------------------------------------------------------------
     def run_cycle(self) -> list[tuple[Any, Any]]:
@@ -221,6 +283,8 @@ class Coordinator:
         except SlurmError as e:
             log.warning("cycle skipped: cannot read Slurm: %s", e)
             return []
+        self._remember_owners(jobs)
+        self._publish()
         snap = snapshot_builder.build(self.cfg, jobs, nodes, self.reports, now, self.tenants.current())
         # Before this cycle's decisions, which act on the jobs placed.
         self._record_placements({str(j.job_id): j.restarts for j in jobs if j.state == "RUNNING"})
@@ -232,7 +296,8 @@ class Coordinator:
         done = []
         for d in decisions:
             outcome = self.executor.execute(d, new_state)
-            rec = audit.decision_record(d, outcome.outcome, self.clock(), outcome.error, outcome.detail)
+            rec = self._audit_job(audit.decision_record(d, outcome.outcome, self.clock(), outcome.error,
+                                                        outcome.detail))
             if outcome.restarts is not None:
                 rec["restarts"] = outcome.restarts
             self.audit.append(rec)
@@ -284,11 +349,11 @@ class Coordinator:
                 seen[rj.job_id] = key
                 if self._placed.get(rj.job_id) == key:
                     continue
-                self.audit.append({
+                self.audit.append(self._audit_job({
                     "ts": round(self.clock(), 3), "kind": "placed", "job_id": rj.job_id, "node": node,
                     "params": {"gpus": list(rj.gpus), "placement": rj.placement, "job_class": rj.job_class,
                                "restarts": n},
-                    "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""), "outcome": "ok"})
+                    "reason": rj.placement_note or _PLACEMENT_WHY.get(rj.placement, ""), "outcome": "ok"}))
         self._placed = seen
 
     def _record_pauses(self, rep: Any) -> None:
@@ -297,13 +362,14 @@ class Coordinator:
             was = self._paused.get(rj.job_id)
             if getattr(rj, "paused", False):
                 if was is None:
-                    self.audit.append({"ts": round(self.clock(), 3), "kind": "paused", "job_id": rj.job_id,
-                                       "node": rep.node, "params": {}, "reason": rj.pause_reason, "outcome": "ok"})
+                    self.audit.append(self._audit_job({
+                        "ts": round(self.clock(), 3), "kind": "paused", "job_id": rj.job_id, "node": rep.node,
+                        "params": {}, "reason": rj.pause_reason, "outcome": "ok"}))
                 self._paused[rj.job_id] = rep.node
             elif was is not None:
-                self.audit.append({"ts": round(self.clock(), 3), "kind": "resumed", "job_id": rj.job_id,
-                                   "node": rep.node, "params": {}, "reason": "its GPU had room for it again",
-                                   "outcome": "ok"})
+                self.audit.append(self._audit_job({
+                    "ts": round(self.clock(), 3), "kind": "resumed", "job_id": rj.job_id, "node": rep.node,
+                    "params": {}, "reason": "its GPU had room for it again", "outcome": "ok"}))
                 del self._paused[rj.job_id]
         # A paused job this node no longer reports ended (or was requeued) paused: no resume to record.
         gone = {rj.job_id for rj in rep.jobs}

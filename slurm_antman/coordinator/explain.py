@@ -1,7 +1,9 @@
 """``antman explain JOBID [--json]``: the coordinator's decisions about one job, in order, with why.
 
-Reads only the audit log, so it works while the coordinator is down and shows history Slurm has
-already forgotten.
+Reads the audit log where this host has it and the caller may read it (an admin on the coordinator's
+host: it works while the coordinator is down and shows history Slurm has already forgotten). Anyone
+else, on any host, asks the coordinator's query endpoint, which answers a job's owner and the admins
+only (coordinator/query.py).
 """
 
 from __future__ import annotations
@@ -73,13 +75,18 @@ def _line(r: dict) -> str:
 
 def explain(job_id: str, audit_path: str, as_json: bool = False) -> tuple[str, int]:
     """(text to print, exit status): 0 with decisions, 1 when the log has none about the job."""
-    recs = records_for(job_id, audit.read(audit_path))
+    return render(job_id, records_for(job_id, audit.read(audit_path)), audit_path, as_json)
+
+
+def render(job_id: str, recs: list[dict], audit_path: str, as_json: bool = False,
+           extra: Optional[dict] = None) -> tuple[str, int]:
+    """``recs`` (the job's records, oldest first) as explain prints them; ``extra``: more JSON fields."""
     if as_json:
         # Decisions are the coordinator's; placements are what the sidecars reported having done.
         doc = {"job_id": job_id, "audit_log": audit_path,
                "decisions": [r for r in recs if r["kind"] not in ("placed", "paused", "resumed")],
                "placements": [r for r in recs if r["kind"] == "placed"],
-               "pauses": [r for r in recs if r["kind"] in ("paused", "resumed")]}
+               "pauses": [r for r in recs if r["kind"] in ("paused", "resumed")], **(extra or {})}
         return json.dumps(doc, indent=2), 0 if recs else 1
     if not recs:
         return (f"job {job_id}: no coordinator decision about this job in {audit_path} "
@@ -110,12 +117,16 @@ def _known_to_slurm(job: str, gres: str) -> tuple[Optional[str], bool]:
     return (str(raw) if raw is not None else None), True
 
 
+def _readable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.R_OK)
+
+
 def run(a: argparse.Namespace) -> int:
     if not _JOB_ARG.match(a.job_id):
         print(f"antman explain: job id {a.job_id!r} is not a job: give JOBID or, for an array task, "
               "ARRAYID_TASKID (e.g. 1234 or 1234_7)", file=sys.stderr)
         return 2
-    path, gres = a.audit_log, "gpu"
+    path, gres, cfg = a.audit_log, "gpu", None
     if path is None:
         try:
             cfg = cfgmod.load(a.config or os.environ.get("ANTMAN_CONFIG", "/etc/slurm-antman/antman.yaml"))
@@ -123,6 +134,9 @@ def run(a: argparse.Namespace) -> int:
             print(str(e), file=sys.stderr)
             return 2
         path, gres = cfg.coordinator.audit_log, cfg.slurm.gpu_gres
+        address = cfg.coordinator.query_address()
+        if not _readable(path) and address is not None:
+            return _run_remote(a, address, path, gres)
     raw = a.job_id
     if a.job_id.isdigit():
         if not records_for(raw, audit.read(path)):
@@ -141,6 +155,50 @@ def run(a: argparse.Namespace) -> int:
     text, rc = explain(raw, path, a.json)
     if raw != a.job_id and not a.json:
         text = text.replace(f"job {raw}:", f"job {a.job_id} (raw id {raw}):", 1)
+    print(text)
+    return rc
+
+
+def _run_remote(a: argparse.Namespace, address: str, path: str, gres: str) -> int:
+    """explain through the coordinator: this host has no audit log the caller may read."""
+    from . import query_client
+
+    raw = a.job_id
+    if not a.job_id.isdigit():
+        known, asked = _known_to_slurm(a.job_id, gres)
+        if known is None:
+            print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)" if asked else
+                  f"antman explain: cannot reach Slurm to find array task {a.job_id}; give its raw job id "
+                  "(squeue -o %A)", file=sys.stderr)
+            return 1
+        raw = known
+    try:
+        reply = query_client.explain(address, raw)
+    except query_client.QueryRefused as e:
+        if e.code == "forbidden":
+            print(e.message if e.message.startswith(("job ", "cannot tell")) else
+                  f"job {a.job_id} is not yours: only its owner and admins see its story", file=sys.stderr)
+        else:
+            print(f"antman explain: {e}", file=sys.stderr)
+        return 1
+    except query_client.QueryError as e:
+        print(f"antman explain: {e}", file=sys.stderr)
+        return 1
+    recs = records_for(raw, reply.records)
+    if not recs and a.job_id.isdigit():
+        known, asked = _known_to_slurm(raw, gres)
+        if asked and known is None:
+            print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)", file=sys.stderr)
+            return 1
+    if a.json:
+        text, rc = render(raw, recs, path, True, {"via": address, "owner": reply.owner, "omitted": reply.omitted})
+    else:
+        text, rc = render(raw, recs, f"{path} (the coordinator's, asked at {address})")
+    if not a.json:
+        if reply.omitted:
+            text += f"\n({reply.omitted} older record(s) left out to fit one answer)"
+        if raw != a.job_id:
+            text = text.replace(f"job {raw}:", f"job {a.job_id} (raw id {raw}):", 1)
     print(text)
     return rc
 

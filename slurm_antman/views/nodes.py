@@ -1,6 +1,9 @@
 """``antman nodes [--json]``: every node with Slurm's state and GRES, and every GPU with the memory,
-utilisation and jobs its sidecar reports. A node whose sidecar does not answer is still listed, with
-``sidecar: false`` and ``gpus: null``; its jobs then come from Slurm alone."""
+utilisation and jobs its sidecar reports (through the coordinator's query endpoint, or this host's
+sidecar sockets as root: views/live.py). A node whose sidecar does not answer is still listed, with
+``sidecar: false`` and ``gpus: null``; its jobs then come from Slurm alone. A GPU's telemetry is
+everyone's, as ``scontrol show node`` is; the numbers of a job on it are its owner's and the admins'
+(null, with ``visible: false``, for anyone else). ``live`` says where the numbers came from."""
 
 from __future__ import annotations
 
@@ -8,7 +11,18 @@ import argparse
 from typing import Any
 
 from ..slurm import Job, Node, default_backend
-from .squeue import HOLDING_STATES, console, load_config, show, sidecar_states
+from .live import gather
+from .squeue import HOLDING_STATES, console, load_config, show, warn_unlive
+
+_DETAILS = ("mem_used_bytes", "mem_limit_bytes", "compute_share", "iteration_ms", "paused")
+
+
+def _gpu_job(jid: str, live: dict[str, Any]) -> dict[str, Any]:
+    js = live.get(jid)
+    visible = js is not None and getattr(js, "visible", True)
+    out: dict[str, Any] = {"job_id": int(jid), "class": js.job_class if js is not None else None, "visible": visible}
+    out.update({k: getattr(js, k) if visible else None for k in _DETAILS})
+    return out
 
 
 def rows(nodes: list[Node], jobs: list[Job], states: dict[str, Any]) -> list[dict[str, Any]]:
@@ -19,7 +33,7 @@ def rows(nodes: list[Node], jobs: list[Job], states: dict[str, Any]) -> list[dic
                       for j in jobs if j.state in HOLDING_STATES and n.name in j.nodes]
         row: dict[str, Any] = {
             **n.to_json(), "sidecar": st is not None, "telemetry": st.telemetry if st else None,
-            "jobs": slurm_jobs, "gpus": None,
+            "jobs": slurm_jobs, "gpus": None, "live": getattr(st, "source", "sidecar") if st else None,
         }
         if st is not None:
             live = {js.job_id: js for js in st.jobs}
@@ -27,8 +41,7 @@ def rows(nodes: list[Node], jobs: list[Job], states: dict[str, Any]) -> list[dic
                 "index": g.index, "memory_used_bytes": g.memory_used_bytes,
                 "memory_total_bytes": g.memory_total_bytes, "utilization": g.utilization,
                 "utilization_avg": g.utilization_avg,
-                "jobs": [{"job_id": int(jid), "class": live[jid].job_class if jid in live else None}
-                         for jid in g.jobs],
+                "jobs": [_gpu_job(jid, live) for jid in g.jobs],
             } for g in st.gpus]
         out.append(row)
     return out
@@ -39,7 +52,10 @@ def collect(args: argparse.Namespace) -> list[dict[str, Any]]:
     backend = default_backend(gres_name=cfg.slurm.gpu_gres if cfg else "gpu")
     nodes = backend.nodes()
     jobs = backend.jobs()
-    return rows(nodes, jobs, sidecar_states(cfg, [n.name for n in nodes]))
+    states, problem = gather(cfg, [n.name for n in nodes], "nodes")
+    out = rows(nodes, jobs, states)
+    warn_unlive("nodes", problem, any(r["gpus"] is None for r in out))
+    return out
 
 
 def _gres(d: dict[str, int]) -> str:

@@ -1,8 +1,11 @@
 """``antman squeue [--json] [--all]``: Slurm's jobs with their slurm-antman class, physical GPUs and
 the live numbers the node sidecars report (memory limit and use, compute share, iteration time).
 
-Slurm is the source of truth for jobs; the sidecars only add live numbers. A sidecar that does not
-answer leaves those numbers null: it never hides a job or fails the command.
+Slurm is the source of truth for jobs; the sidecars only add live numbers, which come through the
+coordinator's query endpoint (views/live.py): every user sees every job Slurm shows them, and the live
+numbers of their own jobs (an admin: of all). A job whose numbers cannot be had, or are another user's,
+keeps them null: that never hides a job or fails the command. ``live`` says which: ``coordinator`` or
+``sidecar`` (where the numbers came from), ``hidden`` (another user's job), null (none reported).
 
 JSON: a list of objects. ``gpus`` is a flat list of physical GPU indices (null when the job is not
 running); on a multi-node job indices repeat across nodes, so ``gpus_by_node`` ({node: [idx]}) says
@@ -54,11 +57,16 @@ def sidecar_dir(cfg: Any, node: str) -> Optional[str]:
 
     root = cfg.sidecar.socket_dir
     per_node = os.path.join(root, node)
-    if os.path.exists(protocol.control_path(per_node)):
+    if _usable(protocol.control_path(per_node)):
         return per_node
-    if node == socket.gethostname().split(".")[0] and os.path.exists(protocol.control_path(root)):
+    if node == socket.gethostname().split(".")[0] and _usable(protocol.control_path(root)):
         return root
     return None
+
+
+def _usable(path: str) -> bool:
+    # Connecting to a unix socket takes write permission on it: without, a try only costs a timeout.
+    return os.path.exists(path) and os.access(path, os.W_OK)
 
 
 def sidecar_states(cfg: Any, nodes: list[str], timeout_s: float = SIDECAR_TIMEOUT_S) -> dict[str, Any]:
@@ -81,22 +89,32 @@ def sidecar_states(cfg: Any, nodes: list[str], timeout_s: float = SIDECAR_TIMEOU
 
 def _live(job: Job, states: dict[str, Any]) -> dict[str, Any]:
     found = []
+    source = None
     for node in job.nodes:
         st = states.get(node)
         if st is None:
             continue
-        found.extend(js for js in st.jobs if js.job_id == str(job.job_id))
+        mine = [js for js in st.jobs if js.job_id == str(job.job_id)]
+        if mine and source is None:
+            source = getattr(st, "source", "sidecar")
+        found.extend(mine)
     if not found:
         return {"mem_limit_bytes": None, "mem_used_bytes": None, "compute_share": None, "iteration_ms": None,
-                "paused": False}
+                "paused": False, "live": None}
+    if not all(getattr(js, "visible", True) for js in found):
+        # Another user's job: Slurm shows it to everyone, its numbers are its owner's and the admins'.
+        return {"mem_limit_bytes": None, "mem_used_bytes": None, "compute_share": None, "iteration_ms": None,
+                "paused": None, "live": "hidden"}
     limits = [js.mem_limit_bytes for js in found]
+    used = [js.mem_used_bytes for js in found if js.mem_used_bytes is not None]
     iters = [js.iteration_ms for js in found if js.iteration_ms is not None]
     return {
         "mem_limit_bytes": None if any(v is None for v in limits) else sum(limits),
-        "mem_used_bytes": sum(js.mem_used_bytes for js in found),
+        "mem_used_bytes": sum(used) if used else None,
         "compute_share": min(js.compute_share for js in found),
         "iteration_ms": max(iters) if iters else None,
-        "paused": any(getattr(js, "paused", False) for js in found),
+        "paused": any(bool(getattr(js, "paused", False)) for js in found),
+        "live": source,
     }
 
 
@@ -129,7 +147,18 @@ def collect(args: argparse.Namespace) -> list[dict[str, Any]]:
     # An array's tasks together, in task order, as squeue lists them.
     jobs.sort(key=lambda j: (j.array_job_id or j.job_id, _task_key(j)))
     nodes = [n for j in jobs if j.state in HOLDING_STATES for n in j.nodes]
-    return rows(jobs, sidecar_states(cfg, nodes))
+    from .live import gather
+
+    states, problem = gather(cfg, nodes, "jobs")
+    out = rows(jobs, states)
+    warn_unlive("squeue", problem, any(r["live"] is None and r["gpus"] is not None for r in out))
+    return out
+
+
+def warn_unlive(view: str, problem: Optional[str], missing: bool) -> None:
+    """One line on stderr when the coordinator could not be asked and numbers are missing for it."""
+    if problem and missing:
+        print(f"antman {view}: no live numbers from the coordinator: {problem}", file=sys.stderr)
 
 
 def _task_key(j: Job) -> int:

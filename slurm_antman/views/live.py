@@ -1,0 +1,106 @@
+"""Where the views get their live numbers: the coordinator's query endpoint first (any user, any host
+that reaches it: each user sees the details of their own jobs), then this host's sidecar control
+sockets for nodes the coordinator said nothing about (root on the node: the sockets are root's).
+
+Both sources become :class:`LiveNode`: one shape for the views, with ``visible`` false on a job
+whose details the caller may not see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..coordinator import query_client
+
+COORDINATOR = "coordinator"
+SIDECAR = "sidecar"
+
+
+@dataclass
+class LiveJob:
+    job_id: str
+    job_class: str
+    gpus: list[int]
+    visible: bool
+    mem_limit_bytes: Optional[int]
+    mem_used_bytes: Optional[int]
+    compute_share: Optional[float]
+    iteration_ms: Optional[float]
+    paused: Optional[bool]
+
+
+@dataclass
+class LiveGpu:
+    index: int
+    memory_used_bytes: int
+    memory_total_bytes: int
+    utilization: float
+    utilization_avg: float
+    jobs: list[str]
+
+
+@dataclass
+class LiveNode:
+    node: str
+    source: str                 # COORDINATOR or SIDECAR
+    telemetry: Optional[str]
+    gpus: list[LiveGpu]
+    jobs: list[LiveJob]
+
+
+def from_sidecar(st: Any) -> LiveNode:
+    """A ``node_state_reply`` (root on the node: every job's details)."""
+    return LiveNode(
+        node=st.node, source=SIDECAR, telemetry=st.telemetry,
+        gpus=[LiveGpu(g.index, g.memory_used_bytes, g.memory_total_bytes, g.utilization, g.utilization_avg,
+                      list(g.jobs)) for g in st.gpus],
+        jobs=[LiveJob(js.job_id, js.job_class, list(js.gpus), True, js.mem_limit_bytes, js.mem_used_bytes,
+                      js.compute_share, js.iteration_ms, bool(getattr(js, "paused", False))) for js in st.jobs])
+
+
+def _job(q: Any) -> LiveJob:
+    return LiveJob(q.job_id, q.job_class, list(q.gpus), q.visible, q.mem_limit_bytes, q.mem_used_bytes,
+                   q.compute_share, q.iteration_ms, q.paused)
+
+
+def from_query_node(n: Any) -> LiveNode:
+    """A ``query_nodes_reply`` node. The coordinator has the window's average utilisation only: both
+    utilisation fields carry it."""
+    return LiveNode(node=n.node, source=COORDINATOR, telemetry=n.telemetry,
+                    gpus=[LiveGpu(g.index, g.memory_used_bytes, g.memory_total_bytes, g.utilization, g.utilization,
+                                  list(g.jobs)) for g in n.gpus],
+                    jobs=[_job(j) for j in n.jobs])
+
+
+def from_query_jobs(rows: list) -> dict[str, LiveNode]:
+    out: dict[str, LiveNode] = {}
+    for q in rows:
+        out.setdefault(q.node, LiveNode(q.node, COORDINATOR, None, [], [])).jobs.append(_job(q))
+    return out
+
+
+def gather(cfg: Any, nodes: list[str], want: str = "jobs") -> tuple[dict[str, LiveNode], Optional[str]]:
+    """Live numbers of ``nodes`` by node, and why the coordinator could not give them (None when it did,
+    or is not configured). ``want``: ``jobs`` (what squeue needs) or ``nodes`` (GPUs too)."""
+    from .squeue import sidecar_states
+
+    if cfg is None:
+        return {}, None
+    out: dict[str, LiveNode] = {}
+    problem = None
+    address = query_client.address_of(cfg)
+    if address is not None and nodes:
+        try:
+            if want == "nodes":
+                _, got = query_client.nodes(address)
+                out = {n.node: from_query_node(n) for n in got}
+            else:
+                _, rows = query_client.jobs(address)
+                out = from_query_jobs(rows)
+        except query_client.QueryError as e:
+            problem = str(e)
+    missing = [n for n in dict.fromkeys(nodes) if n not in out]
+    for node, st in sidecar_states(cfg, missing).items():
+        out[node] = from_sidecar(st)
+    return out, problem
