@@ -42,6 +42,19 @@ class DevclusterError(AntmanError):
 DEV_USER = "antman-dev"
 
 
+def let_users_through(path: Path) -> None:
+    """o+x on ``path`` and the directories above it up to /tmp (or /): the cluster's ordinary user must
+    reach its slurm.conf, the emulated GPUs and the sidecar sockets under a cluster directory that may
+    sit in a private temporary directory (pytest makes its own 0700; it puts the mode back on its next run)."""
+    for p in [path, *path.parents]:
+        if p == Path("/tmp") or p == p.parent:
+            break
+        try:
+            p.chmod(p.stat().st_mode | 0o055)
+        except OSError:
+            break
+
+
 def ensure_user(name: str = DEV_USER) -> tuple[int, int]:
     """(uid, gid) of the devcluster's unprivileged user, made on first use (a home directory of its
     own: PyTorch and pip write caches there)."""
@@ -394,7 +407,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     # The user's jobs open the GPUs in dev/ and their agents the sidecar sockets in run/, as on a
     # site's /dev and /run: the directories on the way must let them through (read and write stays
     # root's).
-    for path in (d, d / "dev", d / "run", d / "etc"):
+    let_users_through(d)
+    for path in (d / "dev", d / "run", d / "etc"):
         path.chmod(0o755)
     make_gpu_devices(d / "dev", gpus)
 

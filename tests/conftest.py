@@ -29,17 +29,7 @@ def _require_slurm() -> None:
 ClusterHandle = ClusterJobs
 
 
-def let_jobs_through(path: Path) -> None:
-    """Jobs run as the devcluster's ordinary user (devcluster.DEV_USER): the directories above a
-    cluster or a test's files must let it pass (o+x; pytest makes its own 0700). pytest puts the
-    mode of its per-user directory back on its next run."""
-    for p in [path, *path.parents]:
-        if p == Path("/tmp") or p == p.parent:
-            break
-        try:
-            p.chmod(p.stat().st_mode | 0o055)
-        except OSError:
-            break
+let_jobs_through = dc.let_users_through
 
 
 @pytest.fixture(autouse=True)
