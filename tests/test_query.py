@@ -36,7 +36,8 @@ def _report(node: str, jobs: list[p.ReportJob], at: float) -> NodeReport:
             gpu_jobs.setdefault(g, []).append(j.job_id)
     gpus = [p.ReportGpu(index=i, mem_total_bytes=16 * GiB, mem_used_bytes=3 * GiB, util=0.25, jobs=gpu_jobs.get(i, []))
             for i in range(2)]
-    return NodeReport(node, at, p.NodeReport(node=node, telemetry="emulated", gpus=gpus, jobs=jobs, preempt_requests=[]))
+    body = p.NodeReport(node=node, telemetry="emulated", gpus=gpus, jobs=jobs, preempt_requests=[])
+    return NodeReport(node, at, body)
 
 
 def view(now: float | None = None, admins: frozenset = frozenset()) -> q.QueryView:
@@ -457,3 +458,24 @@ def test_a_newer_coordinator_is_a_clear_error_not_a_crash(munged):
         with pytest.raises(qc.QueryError, match="speaks antman protocol v2, this antman v1"):
             qc.jobs(f"tcp://127.0.0.1:{port}")
         t.join()
+
+
+def test_slurms_word_on_an_owner_is_asked_once():
+    from slurm_antman.slurm import SlurmUnavailable
+
+    asked: list[int] = []
+
+    class Backend:
+        def job_user(self, job_id: int):
+            asked.append(job_id)
+            if job_id == 3:
+                raise SlurmUnavailable("slurmctld is down", ["scontrol"])
+            return {1: "alice"}.get(job_id)
+
+    clock = [0.0]
+    lookup = q.slurm_owner(Backend(), monotonic=lambda: clock[0], retry_s=60)
+    assert [lookup("1"), lookup("1"), lookup("2"), lookup("2"), lookup("3"), lookup("3")] == [
+        "alice", "alice", None, None, None, None]
+    assert asked == [1, 2, 3]
+    clock[0] = 61.0
+    assert lookup("2") is None and lookup("1") == "alice" and asked == [1, 2, 3, 2]

@@ -98,7 +98,9 @@ def test_squeue_and_nodes_read_live_numbers_from_the_sidecar(backend, plain_clus
     assert nodes["node1"]["sidecar"] is True and nodes["node1"]["telemetry"] == "emulated"
     gpu = nodes["node1"]["gpus"][job.gpus[0]]
     assert gpu["index"] == job.gpus[0] and gpu["memory_total_bytes"] == 16384 * 2**20
-    assert {"job_id": jid, "class": "guaranteed"} in gpu["jobs"]
+    # Each GPU's jobs carry more (their numbers, for their owners: issue 26); id and class as ever.
+    on_gpu = next(j for j in gpu["jobs"] if j["job_id"] == jid)
+    assert (on_gpu["job_id"], on_gpu["class"]) == (jid, "guaranteed")
     assert nodes["node2"]["sidecar"] is False and nodes["node2"]["gpus"] is None
     assert nodes["node1"]["gres"]["gpu"] == 4
     client.retire_job(sidecar_node1, str(jid))

@@ -329,15 +329,33 @@ class QueryHandler:
                                                 records=kept, omitted=omitted))
 
 
-def slurm_owner(backend: Any) -> Callable[[str], Optional[str]]:
-    """Slurm's word on whose a job is: slurmctld while it remembers the job, then accounting."""
+def slurm_owner(backend: Any, monotonic: Callable[[], float] = time.monotonic,
+                retry_s: float = 60.0) -> Callable[[str], Optional[str]]:
+    """Slurm's word on whose a job is: slurmctld while it remembers the job, then accounting. Each
+    answer is kept (a job's user never changes), and a job Slurm could not place is not asked about
+    again for ``retry_s``: a user asking about many old jobs costs Slurm one call per job."""
     from slurm_antman.slurm import SlurmError
 
+    known: dict[str, str] = {}
+    unknown: dict[str, float] = {}
+
     def lookup(job_id: str) -> Optional[str]:
-        try:
-            return backend.job_user(int(job_id))
-        except (SlurmError, ValueError):
+        if job_id in known:
+            return known[job_id]
+        if monotonic() - unknown.get(job_id, -retry_s) < retry_s:
             return None
+        try:
+            user = backend.job_user(int(job_id))
+        except (SlurmError, ValueError):
+            user = None
+        for memo in (known, unknown):
+            if len(memo) > 10_000:
+                memo.clear()
+        if user:
+            known[job_id] = user
+        else:
+            unknown[job_id] = monotonic()
+        return user
     return lookup
 
 

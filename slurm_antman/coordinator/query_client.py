@@ -13,6 +13,7 @@ import time
 from typing import Callable, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from slurm_antman import munge
 from slurm_antman import protocol as p
@@ -52,6 +53,13 @@ def request(address: str, body: p.Body, timeout_s: float = DEFAULT_TIMEOUT_S,
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_MESSAGE_BYTES + 4096)
+    # A refused connection (no coordinator, or none serving queries) is known at once: say so rather
+    # than wait out the deadline, since views ask on every call (a plain cluster has no coordinator).
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    connected = False
     try:
         try:
             sock.connect(address)
@@ -62,8 +70,16 @@ def request(address: str, body: p.Body, timeout_s: float = DEFAULT_TIMEOUT_S,
             deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+            ready = dict(poller.poll(left * 1000)) if left > 0 else {}
+            if not ready:
                 raise CoordinatorUnreachable(f"the coordinator does not answer at {address} (waited {timeout_s:g} s)")
+            if monitor in ready:
+                event = recv_monitor_message(monitor)["event"]
+                connected = connected or event == zmq.EVENT_CONNECTED
+                if event == zmq.EVENT_CONNECT_RETRIED and not connected:
+                    raise CoordinatorUnreachable(f"the coordinator does not answer at {address} (connection refused)")
+            if sock not in ready:
+                continue
             frames = sock.recv_multipart()
             try:
                 got = p.decode(frames, p.QUERY_REPLIES)
@@ -80,6 +96,8 @@ def request(address: str, body: p.Body, timeout_s: float = DEFAULT_TIMEOUT_S,
                 raise QueryRefused(got.body.code, got.body.message, address)
             return got.body
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
 
 
