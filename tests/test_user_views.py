@@ -15,7 +15,6 @@ import pytest
 import yaml
 
 from slurm_antman import config as cfgmod
-from slurm_antman import protocol as p
 from slurm_antman.coordinator import query as q
 from slurm_antman.coordinator import query_client as qc
 from slurm_antman.slurm.models import Job
