@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 from pathlib import Path
 
 import yaml
@@ -91,6 +92,73 @@ class Proc:
             return False
 
 
+HOSTS_SUBNET = "10.231.0"  # inside the cluster's own network namespaces only: nothing else sees it
+NETNS_DIR = Path("/run/netns")
+
+
+@dataclass
+class Hosts:
+    """Every node a host of its own: its slurmd and sidecar in a network namespace with one interface
+    and one address; slurmctld, slurmdbd, MariaDB and the coordinator in the controller's namespace,
+    which holds the bridge that joins them. Every message between a node and the controller crosses a
+    real interface, to an address only the cluster's own namespaces have. (The file system, munge's
+    socket and the UTS name are shared: what a site shares through its configuration management.)"""
+
+    prefix: str
+    nodes: list[str]
+
+    def ns(self, host: str) -> str:
+        return f"{self.prefix}-{host}"
+
+    def addr(self, host: str) -> str:
+        return f"{HOSTS_SUBNET}.1" if host == "ctl" else f"{HOSTS_SUBNET}.{11 + self.nodes.index(host)}"
+
+    def enter(self, host: str) -> list[str]:
+        # nsenter switches the network namespace only; `ip netns exec` would also remount /sys and hide
+        # the cgroup hierarchies slurmd's task/cgroup needs.
+        return ["nsenter", f"--net={NETNS_DIR / self.ns(host)}", "--"]
+
+    def to_json(self) -> dict:
+        return {"prefix": self.prefix, "nodes": self.nodes}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Hosts":
+        return cls(str(data["prefix"]), list(data["nodes"]))
+
+    def create(self) -> None:
+        self.remove()  # what a killed run left behind
+        ctl = self.ns("ctl")
+        _ip("netns", "add", ctl)
+        _ip("-n", ctl, "link", "set", "lo", "up")
+        _ip("-n", ctl, "link", "add", "br0", "type", "bridge")
+        _ip("-n", ctl, "addr", "add", f"{self.addr('ctl')}/24", "dev", "br0")
+        _ip("-n", ctl, "link", "set", "br0", "up")
+        for i, node in enumerate(self.nodes):
+            ns = self.ns(node)
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            # Both ends are made inside the cluster's namespaces: nothing appears in the host's own.
+            _ip("-n", ctl, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("-n", ctl, "link", "set", f"v{i}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.addr(node)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+
+    def remove(self) -> None:
+        for host in ["ctl", *self.nodes]:
+            if (NETNS_DIR / self.ns(host)).exists():
+                subprocess.run(["ip", "netns", "del", self.ns(host)], capture_output=True)
+
+    def link(self, node: str, up: bool) -> None:
+        """Connect or cut ``node``'s cable (its port on the controller's bridge): a network failure."""
+        _ip("-n", self.ns("ctl"), "link", "set", f"v{self.nodes.index(node)}", "up" if up else "down")
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode:
+        raise DevclusterError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
+
+
 @dataclass
 class Cluster:
     dir: Path
@@ -101,6 +169,7 @@ class Cluster:
     procs: list[Proc] = field(default_factory=list)
     accounting: bool = False  # slurmdbd and MariaDB run beside slurmctld (devcluster_accounting)
     user: str = DEV_USER  # the unprivileged user jobs are submitted as
+    hosts: Optional["Hosts"] = None  # each node a network namespace of its own (``up(hosts=True)``)
 
     @property
     def slurm_conf(self) -> Path:
@@ -120,8 +189,16 @@ class Cluster:
         return {"SLURM_CONF": str(self.slurm_conf), "ANTMAN_CONFIG": str(self.config_path)}
 
     def run(self, args: list[str], check: bool = False, timeout: float = 60, env: dict | None = None,
-            **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(args, env=env or self.env, capture_output=True, text=True, check=check,
+            as_user: tuple[int, int] | None = None, host: str = "ctl", **kw) -> subprocess.CompletedProcess:
+        """A command on the cluster: Slurm's clients reach slurmctld from the controller's host (its
+        network namespace, when the nodes are hosts of their own). ``as_user``: (uid, gid) to run it as."""
+        argv = list(args)
+        if as_user is not None:
+            # setpriv, not subprocess's user=: nsenter must still be root when it runs.
+            argv = ["setpriv", f"--reuid={as_user[0]}", f"--regid={as_user[1]}", "--clear-groups", "--", *argv]
+        if self.hosts is not None:
+            argv = self.hosts.enter(host) + argv
+        return subprocess.run(argv, env=env or self.env, capture_output=True, text=True, check=check,
                               timeout=timeout, **kw)
 
     def to_json(self) -> dict:
@@ -129,13 +206,14 @@ class Cluster:
             "dir": str(self.dir), "nodes": self.nodes, "gpus": self.gpus, "port_base": self.port_base,
             "plain": self.plain, "slurm_conf": str(self.slurm_conf),
             "procs": [p.__dict__ for p in self.procs], "accounting": self.accounting, "user": self.user,
+            "hosts": self.hosts.to_json() if self.hosts else None,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "Cluster":
         return cls(Path(data["dir"]), data["nodes"], data["gpus"], data["port_base"], data["plain"],
                    [Proc(**p) for p in data["procs"]], bool(data.get("accounting", False)),
-                   str(data.get("user", DEV_USER)))
+                   str(data.get("user", DEV_USER)), Hosts.from_json(data["hosts"]) if data.get("hosts") else None)
 
 
 def _state_file(d: Path) -> Path:
@@ -227,14 +305,17 @@ def first_job_id(port_base: int) -> int:
 
 
 def _base_slurm_conf(d: Path, port_base: int, with_antman: bool, accounting: list[str] | None = None,
-                     version: tuple[int, int, int] = (22, 5, 0), cgroups: bool = True) -> str:
+                     version: tuple[int, int, int] = (22, 5, 0), cgroups: bool = True,
+                     ctl_addr: Optional[str] = None) -> str:
     """``accounting``: the slurm.conf lines that point slurmctld at the devcluster's slurmdbd;
     ``version``: the installed Slurm's (what differs by version comes from slurm_antman.slurm.version);
     ``cgroups``: confine jobs to their devices (task/cgroup, ConstrainDevices=yes), as GPU sites do."""
     lines = [
         "# Generated by `antman devcluster up`: a real Slurm cluster on loopback for development.",
         "ClusterName=antmandev",
-        "SlurmctldHost=localhost",
+        # "localhost" is the name slurmctld takes as its own; on a cluster of hosts the address in
+        # brackets is where the nodes and clients reach it.
+        f"SlurmctldHost=localhost({ctl_addr})" if ctl_addr else "SlurmctldHost=localhost",
         f"SlurmctldPort={port_base}",
         "SlurmUser=root",
         "SlurmdUser=root",
@@ -361,23 +442,42 @@ def _ensure_munged(procs: list[Proc]) -> None:
     raise DevclusterError("munged started but wrote no pid file")
 
 
-def _spawn(name: str, argv: list[str], env: dict, log: Path) -> Proc:
+def _spawn(name: str, argv: list[str], env: dict, log: Path, enter: Optional[list[str]] = None) -> Proc:
+    """Start a daemon; ``enter``: the command that puts it on its host (nsenter into a network
+    namespace), which execs the daemon in the same process."""
+    exe = os.path.realpath(argv[0])
     with open(log, "ab") as out:
-        p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
-    return Proc(name, p.pid, os.path.realpath(argv[0]))
+        p = subprocess.Popen([*(enter or []), *argv], env=env, stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    if enter:
+        # Until nsenter has exec'd it, the PID is nsenter's: Proc.alive() would read it as gone.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                if os.readlink(f"/proc/{p.pid}/exe") == exe:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.01)
+    return Proc(name, p.pid, exe)
+
+
+def _enter(cluster: "Cluster", host: str) -> Optional[list[str]]:
+    return cluster.hosts.enter(host) if cluster.hosts is not None else None
 
 
 def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port_base: int = DEFAULT_PORT_BASE,
        plain: bool = False, timeout: float = 90, sidecars: bool = True, extra_slurm_conf: str = "",
        extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
-       overrides: dict | None = None, accounting: bool = True, cgroups: bool = True) -> Cluster:
+       overrides: dict | None = None, accounting: bool = True, cgroups: bool = True,
+       hosts: bool = False) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
     slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
     ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
     ``overrides``: antman.yaml fields on top of the devcluster's (see ``dev_config``); ``accounting``:
     run slurmdbd on a MariaDB of its own, the tenants as accounts (see devcluster_accounting);
-    ``cgroups``: task/cgroup with ConstrainDevices=yes (cgroup.conf), on by default as at GPU sites."""
+    ``cgroups``: task/cgroup with ConstrainDevices=yes (cgroup.conf), on by default as at GPU sites;
+    ``hosts``: every node a host of its own, in its own network namespace (see ``Hosts``)."""
     d = Path(d).resolve()
     existing = load(d)
     if existing and all(p.alive() for p in existing.procs if p.name != "munged"):
@@ -413,20 +513,33 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     make_gpu_devices(d / "dev", gpus)
 
     antman_command = f"{sys.executable} -m slurm_antman.cli"
+    if hosts:
+        host_names = config_mod.NodeGroup(name=f"node[1-{nodes}]" if nodes > 1 else "node1", gpus=1).hosts
+        the_hosts = Hosts(f"antman{port_base}", host_names)
+        # The sidecars report across the bridge, to the coordinator's address in the controller's namespace.
+        overrides = _merge({"coordinator": {
+            "endpoint": f"tcp://{the_hosts.addr('ctl')}:{port_base + COORDINATOR_PORT_OFFSET}"}}, overrides or {})
     raw = dev_config(d, nodes, gpus, cpus, antman_command, port_base, overrides)
     (d / "antman.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     cfg = config_mod.load(d / "antman.yaml")
-    cluster = Cluster(d, cfg.nodes[0].hosts, gpus, port_base, plain, accounting=accounting)
-    node_params = {h: f"Port={port_base + 1 + i} NodeHostname=localhost" for i, h in enumerate(cluster.nodes)}
+    cluster = Cluster(d, cfg.nodes[0].hosts, gpus, port_base, plain, accounting=accounting,
+                      hosts=the_hosts if hosts else None)
+    if cluster.hosts is not None:
+        node_params = {h: f"Port={port_base + 1 + i} NodeAddr={cluster.hosts.addr(h)} NodeHostname={h}"
+                       for i, h in enumerate(cluster.nodes)}
+    else:
+        node_params = {h: f"Port={port_base + 1 + i} NodeHostname=localhost" for i, h in enumerate(cluster.nodes)}
     opts = RenderOptions(config_path=str(d / "antman.yaml"), hook_dir=str(d / "etc"),
                          slurm_conf=str(cluster.slurm_conf), with_antman=not plain, node_params=node_params)
     write_all(cfg, d / "etc", opts)
     acct_lines = None
     if accounting:
         acct.prepare(d, port_base)
-        acct_lines = acct.slurm_conf_lines(port_base, (cfg.slurm.gpu_gres, cfg.slurm.opportunistic_gres))
-    (d / "etc" / "slurm.conf").write_text(_base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups)
-                                          + extra_slurm_conf)
+        acct_lines = acct.slurm_conf_lines(port_base, (cfg.slurm.gpu_gres, cfg.slurm.opportunistic_gres),
+                                           cluster.hosts.addr("ctl") if cluster.hosts is not None else "localhost")
+    ctl_addr = cluster.hosts.addr("ctl") if cluster.hosts is not None else None
+    (d / "etc" / "slurm.conf").write_text(_base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups,
+                                                           ctl_addr) + extra_slurm_conf)
     cgroup_conf = d / "etc" / "cgroup.conf"
     if cgroups:
         cgroup_conf.write_text(CGROUP_CONF)
@@ -448,13 +561,15 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     _ensure_munged(cluster.procs)
     try:
         _record(cluster, None)
+        if cluster.hosts is not None:
+            cluster.hosts.create()
         if accounting:
             _record(cluster, acct.start_mariadb(cluster, env))
             _record(cluster, acct.start_slurmdbd(cluster, env))
         _record(cluster, start_slurmctld(cluster, env, clear_state=True))
         for h in cluster.nodes:
             _record(cluster, _spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
-                                    d / "log" / f"slurmd-{h}.out"))
+                                    d / "log" / f"slurmd-{h}.out", _enter(cluster, h)))
         if accounting:
             acct.add_tenants(cluster, cfg.tenants, cfg.slurm.gpu_gres)
         if not plain and (sidecars or coordinator):
@@ -493,14 +608,15 @@ def start_slurmctld(cluster: Cluster, env: dict | None = None, clear_state: bool
     its jobs from StateSaveLocation, as a site's slurmctld does."""
     env = env if env is not None else _daemon_env(cluster)
     argv = [_which("slurmctld"), "-D", *(["-c"] if clear_state else []), "-i"]
-    return _spawn("slurmctld", argv, env, cluster.dir / "log" / "slurmctld.out")
+    return _spawn("slurmctld", argv, env, cluster.dir / "log" / "slurmctld.out", _enter(cluster, "ctl"))
 
 
 def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:
     """Start (or, after a kill, restart) the coordinator daemon; its log goes to log/coordinator.log."""
     env = env if env is not None else _daemon_env(cluster)
     return _spawn("coordinator", [sys.executable, "-m", "slurm_antman.coordinator.daemon", "--config",
-                                  str(cluster.config_path)], env, cluster.dir / "log" / "coordinator.log")
+                                  str(cluster.config_path)], env, cluster.dir / "log" / "coordinator.log",
+                  _enter(cluster, "ctl"))
 
 
 def start_sidecar(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
@@ -508,7 +624,7 @@ def start_sidecar(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
     env = env if env is not None else _daemon_env(cluster)
     return _spawn(f"sidecar:{node}", [sys.executable, "-m", "slurm_antman.cli", "sidecar", "--config",
                                       str(cluster.config_path), "--node", node],
-                  env, cluster.dir / "log" / f"sidecar-{node}.log")
+                  env, cluster.dir / "log" / f"sidecar-{node}.log", _enter(cluster, node))
 
 
 def replace_proc(cluster: Cluster, proc: Proc) -> None:
@@ -590,6 +706,9 @@ def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:
                 stopped.append(f"slurmstepd-tree ({victim})")
             except ProcessLookupError:
                 pass
+    if cluster.hosts is not None:
+        cluster.hosts.remove()
+        stopped.append(f"network namespaces {cluster.hosts.prefix}-*")
     _state_file(d).unlink(missing_ok=True)
     return stopped
 

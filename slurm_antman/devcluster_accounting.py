@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .devcluster import Cluster, DevclusterError, Proc, _reap, _spawn
+from .devcluster import Cluster, DevclusterError, Proc, _enter, _reap, _spawn
 
 MARIADB_PORT_OFFSET = 91
 SLURMDBD_PORT_OFFSET = 92
@@ -40,10 +40,11 @@ def _socket(d: Path) -> Path:
     return d / "run" / "mariadb.sock"
 
 
-def slurm_conf_lines(port_base: int, gres_names: Iterable[str]) -> list[str]:
+def slurm_conf_lines(port_base: int, gres_names: Iterable[str], host: str = "localhost") -> list[str]:
+    """``host``: where slurmctld and every client (sacct on a node, submitit in a job) reach slurmdbd."""
     return [
         "AccountingStorageType=accounting_storage/slurmdbd",
-        "AccountingStorageHost=localhost",
+        f"AccountingStorageHost={host}",
         f"AccountingStoragePort={port_base + SLURMDBD_PORT_OFFSET}",
         # gres/gpu must be a TRES for GrpTRES=gres/gpu=N (the quotas) and for sacct to show GPUs.
         "AccountingStorageTRES=" + ",".join(f"gres/{g}" for g in gres_names),
@@ -95,7 +96,7 @@ def start_mariadb(cluster: Cluster, env: dict, timeout: float = 60) -> Proc:
             f"--socket={_socket(d)}", f"--pid-file={d}/run/mariadb.pid", "--bind-address=127.0.0.1",
             f"--port={port}", "--skip-log-bin", "--innodb-buffer-pool-size=128M", "--innodb-log-file-size=64M",
             "--innodb-lock-wait-timeout=900", f"--log-error={d}/log/mariadb.log"]
-    proc = _spawn("mariadb", argv, env, d / "log" / "mariadb.out")
+    proc = _spawn("mariadb", argv, env, d / "log" / "mariadb.out", _enter(cluster, "ctl"))
     deadline = time.monotonic() + timeout
     while True:
         r = _sql(d, "SELECT 1", check=False)
@@ -137,7 +138,8 @@ def start_slurmdbd(cluster: Cluster, env: dict, timeout: float = 60) -> Proc:
             if proc is not None:
                 _reap(proc.pid)
                 log.replace(log.with_name(f"slurmdbd.log.{starts}"))  # kept, for whoever wonders
-            proc = _spawn("slurmdbd", [_bin("slurmdbd"), "-D"], env, cluster.dir / "log" / "slurmdbd.out")
+            proc = _spawn("slurmdbd", [_bin("slurmdbd"), "-D"], env, cluster.dir / "log" / "slurmdbd.out",
+                          _enter(cluster, "ctl"))
             starts += 1
         r = sacctmgr(cluster, "-n", "-P", "show", "cluster", check=False)
         if r.returncode == 0:

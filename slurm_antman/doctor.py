@@ -271,6 +271,77 @@ def check_sidecar(cfg: cfgmod.AntmanConfig, node: str) -> Check:
     return ok("sidecar", f"sidecar for {node} answers on {sock}")
 
 
+def _endpoint_host_port(endpoint: str) -> tuple[str, str]:
+    m = re.match(r"^tcp://\[?([^\]]*?)\]?:(\d+)$", endpoint)
+    return (m.group(1), m.group(2)) if m else (endpoint, "")
+
+
+def check_coordinator(cfg: cfgmod.AntmanConfig, node: str, timeout_s: float = 5.0) -> Check:
+    """Whether this node's sidecar can report: a TCP connection to ``coordinator.endpoint`` and the
+    CURVE handshake with this node's key, watched on a ZeroMQ socket monitor. Nothing is sent: a
+    message in this node's name would route the coordinator's next messages for the node to this
+    probe instead of its sidecar."""
+    if node not in cfg.node_groups_by_host():
+        return skip("coordinator_link", f"{node} is not a GPU node in antman.yaml: no sidecar reports from here")
+    c = cfg.coordinator
+    secret = c.secret_key_path(node)
+    if c.key_dir is None or secret is None:
+        return fail("coordinator_link", "coordinator.key_dir is not set: this node's sidecar reports to nobody",
+                    "antman keys init --config antman.yaml on the coordinator's host, then copy the node keys")
+    import zmq
+    import zmq.utils.monitor as zmon
+
+    from . import curve_keys
+
+    try:
+        server = curve_keys.load_server_public(c.key_dir)
+        public, secret_key = curve_keys.load_keypair(secret)
+    except curve_keys.KeysError as e:
+        return fail("coordinator_link", f"no CURVE keys for node {node}: {e}",
+                    f"copy this node's keys from the coordinator's host ({c.key_dir}) as `antman keys init` says")
+    host, port = _endpoint_host_port(c.endpoint)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server, public, secret_key
+    mon = sock.get_monitor_socket()
+    connected = False
+    outcome = None
+    try:
+        sock.connect(c.endpoint)
+        deadline = time.monotonic() + timeout_s
+        while outcome is None and time.monotonic() < deadline:
+            if not mon.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                break
+            ev = zmon.recv_monitor_message(mon)["event"]
+            if ev == zmq.EVENT_CONNECTED:
+                connected = True
+            elif ev == getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", -1):
+                outcome = "ok"
+            elif ev in (getattr(zmq, "EVENT_HANDSHAKE_FAILED_AUTH", -2),
+                        getattr(zmq, "EVENT_HANDSHAKE_FAILED_PROTOCOL", -3),
+                        getattr(zmq, "EVENT_HANDSHAKE_FAILED_NO_DETAIL", -4)):
+                outcome = "refused"
+    finally:
+        sock.disable_monitor()
+        mon.close(0)
+        sock.close(0)
+    where = f"{host} port {port}" if port else c.endpoint
+    if outcome == "ok":
+        return ok("coordinator_link", f"reached the coordinator at {c.endpoint} and passed its CURVE handshake "
+                  f"as node {node}")
+    if outcome == "refused" or connected:
+        return fail("coordinator_link", f"reached {c.endpoint}, but the CURVE handshake as node {node} failed "
+                    f"{'(key refused)' if outcome else f'(no answer in {timeout_s:g} s)'}",
+                    f"the coordinator admits the keys in {curve_keys.sidecars_dir(c.key_dir)}: this node's public "
+                    "key must be there, and this node's copy of the server key current (antman keys init)")
+    return fail("coordinator_link", f"cannot reach the coordinator at {c.endpoint}: no TCP connection in "
+                f"{timeout_s:g} s",
+                f"on the coordinator's host let this node in on TCP {where} (firewall), check that "
+                "coordinator.endpoint names an address of that host this node can route to, and that the "
+                "coordinator runs (systemctl status antman-coordinator)")
+
+
 def check_nvml() -> Check:
     try:
         import pynvml
@@ -452,6 +523,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     checks.append(check_quota_file(cfg, sconf) if cfg else skip("quota_file", need_cfg))
     checks.append(check_hooks(sconf) if sconf else skip("prolog_epilog", need_slurm))
     checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
+    checks.append(check_coordinator(cfg, node) if cfg else skip("coordinator_link", need_cfg))
     checks.append(check_nvml())
     checks.append(check_enforcement(cfg, sconf) if cfg else skip("enforcement", need_cfg))
     checks.append(check_quotas(cfg, sconf) if cfg and sconf else skip("quotas", need_cfg if not cfg else need_slurm))
