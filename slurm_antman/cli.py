@@ -22,10 +22,14 @@ def _cmd_devcluster(a: argparse.Namespace) -> int:
     d = Path(a.dir)
     if a.action == "up":
         cluster = dc.up(d, nodes=a.nodes, gpus=a.gpus, cpus=a.cpus, port_base=a.port_base, plain=a.plain,
-                        accounting=not a.no_accounting)
+                        accounting=not a.no_accounting, hosts=a.hosts, cgroups=not a.no_cgroups)
         sys.stdout.write(dc.export_lines(cluster))
-        print(f"# devcluster up in {cluster.dir}: nodes {','.join(cluster.nodes)}, {cluster.gpus} GPUs each",
-              file=sys.stderr)
+        print(f"# devcluster up in {cluster.dir}: nodes {','.join(cluster.nodes)}, {cluster.gpus} GPUs each; "
+              f"submit as its ordinary user: runuser -u {cluster.user} -- sbatch ...", file=sys.stderr)
+        if cluster.hosts is not None:
+            print(f"# the nodes are hosts of their own: Slurm answers on the controller's host, "
+                  f"{cluster.hosts.addr('ctl')}; a shell there: {' '.join(cluster.hosts.enter('ctl'))} bash",
+                  file=sys.stderr)
     elif a.action == "down":
         stopped = dc.down(d)
         print("stopped: " + (", ".join(stopped) if stopped else "nothing (no cluster recorded in %s)" % d))
@@ -127,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     dc = sub.add_parser("devcluster", help="a real local Slurm cluster on loopback")
     dc.add_argument("action", choices=["up", "down", "status"])
-    dc.add_argument("--dir", default=os.environ.get("ANTMAN_DEVCLUSTER_DIR", "/tmp/antman-devcluster"))
+    dc.add_argument("--dir", default=os.environ.get("ANTMAN_DEVCLUSTER_DIR", "/tmp/antman-devcluster"),
+                    help="the cluster's directory: configuration, state, logs (default: $ANTMAN_DEVCLUSTER_DIR "
+                         "or /tmp/antman-devcluster)")
     dc.add_argument("--nodes", type=int, default=2)
     dc.add_argument("--gpus", type=int, default=4, help="fake GPUs per node")
     dc.add_argument("--cpus", type=int, default=4, help="CPUs each node claims")
@@ -135,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--plain", action="store_true", help="plain Slurm, without the slurm-antman stack")
     dc.add_argument("--no-accounting", action="store_true",
                     help="no slurmdbd and MariaDB (sacct then fails; quotas come from antman.yaml)")
+    dc.add_argument("--hosts", action="store_true",
+                    help="every node a host of its own: a network namespace and address per node, the controller "
+                         "and coordinator in another")
+    dc.add_argument("--no-cgroups", action="store_true",
+                    help="no device cgroups (TaskPlugin=task/none): every job can open every emulated GPU")
     dc.add_argument("--json", action="store_true")
     dc.set_defaults(func=_cmd_devcluster)
 

@@ -90,6 +90,14 @@ def test_a_job_runs_on_a_node_host_and_its_sidecar_reports_across_the_bridge(hos
                   if '"placed"' in l and f'"{jid}"' in l] if audit.exists() else []
         time.sleep(0.5)
     assert placed and placed[0]["node"] == "node2", placed
+    # Its user, on another host (node1's), sees its live state: asked of the coordinator across the
+    # bridge, with a munge credential.
+    env = dict(c.env, PYTHONPATH=str(REPO), HOME=f"/home/{c.c.user}")
+    r = c.c.run([sys.executable, "-m", "slurm_antman.cli", "squeue", "--json"], host="node1", env=env,
+                as_user=(c.uid, c.gid), cwd=c.workdir, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    row = {x["job_id"]: x for x in json.loads(r.stdout)}[jid]
+    assert row["live"] == "coordinator" and row["gpus"] == [int(text.split("GPUS=")[1].split()[0])], row
     c.run(["scancel", str(jid)])
 
 

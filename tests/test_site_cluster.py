@@ -8,8 +8,11 @@ which GPUs Slurm (or, for an opportunistic job, slurm-antman) let it use.
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +22,7 @@ from slurm_antman.slurm import CliBackend
 pytestmark = pytest.mark.cluster
 
 GPUS_PER_NODE = 4
+REPO = Path(__file__).resolve().parent.parent
 
 # One line per process: what it may open, and what it was told.
 PROBE = """python3 - <<'EOF'
@@ -91,6 +95,9 @@ def test_requeued_opportunistic_job_opens_only_its_new_gpu(clean_cluster):
     again = [l for l in lines(text, "PROBE") if l["restart"] == "1"]
     assert again, text
     assert allowed(again[0]) == gpus(again[0]) and len(gpus(again[0])) == 1, again[0]
+    # Slurm's record shows where it runs now, not also where it ran before the requeue.
+    tag = parse_tag(CliBackend(env=c.env).job(jid).admin_comment)
+    assert tag is not None and tag.gpus == {again[0]["node"]: gpus(again[0])}, tag
 
 
 ARRAY_TASK = """#!/bin/bash
@@ -99,7 +106,11 @@ sleep 3
 """
 
 
-@pytest.mark.parametrize("job_class", ["opportunistic", "guaranteed", "auto"])
+# Every class in CI; make test keeps one of each kind (its 15 minutes), make test-slow has the rest.
+CLASSES = ["opportunistic", pytest.param("guaranteed", marks=pytest.mark.slow), pytest.param("auto", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("job_class", CLASSES)
 def test_array_every_task_runs_once_managed_on_its_own_placement(clean_cluster, job_class):
     c = clean_cluster
     out = c.workdir / f"array-{job_class}-%A_%a.out"
@@ -159,6 +170,24 @@ def test_requeue_of_the_task_that_carries_the_array_id_touches_that_task_only(cl
     assert after[carrier.array_task].restarts == 1
     assert all(j.restarts == 0 and j.state == "RUNNING" for t, j in after.items() if t != carrier.array_task), after
     assert b.job(carrier.slurm_id).job_id == array_id  # the task's record, not the first line printed
+    # antman squeue and antman explain take the task as squeue shows it.
+    other = next(j for j in tasks if j.job_id != array_id)
+    r = c.run_as_user([sys.executable, "-m", "slurm_antman.cli", "squeue", "--json", "-j", other.display_id],
+                      env=dict(c.env, PYTHONPATH=str(REPO)), cwd=c.workdir)
+    assert r.returncode == 0, r.stderr
+    assert [row["display_id"] for row in json.loads(r.stdout)] == [other.display_id]
+    r = c.run([sys.executable, "-m", "slurm_antman.cli", "explain", other.display_id], env=dict(c.env, PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and f"job {other.display_id} (raw id {other.job_id})" in r.stdout, (r.stdout, r.stderr)
+    assert "placed on" in r.stdout
+
+
+def test_explain_of_a_job_that_does_not_exist_says_so(clean_cluster):
+    c = clean_cluster
+    for job in ("99999", "99999_3"):
+        r = c.run([sys.executable, "-m", "slurm_antman.cli", "explain", job], env=dict(c.env, PYTHONPATH=str(REPO)))
+        assert r.returncode == 1 and r.stderr.strip() == f"job {job} does not exist (neither slurmctld nor " \
+            "accounting knows it)", r.stderr
+        assert "Traceback" not in r.stderr
 
 
 STEPS = """#!/bin/bash
@@ -173,7 +202,7 @@ echo STEPS-DONE
 """
 
 
-@pytest.mark.parametrize("job_class", ["opportunistic", "guaranteed", "auto"])
+@pytest.mark.parametrize("job_class", CLASSES)
 def test_srun_steps_with_gpus_in_a_batch_job(clean_cluster, job_class):
     c = clean_cluster
     steps = {k: f"bash {probe_file(c, 'STEP' + k.upper())}" for k in "abcde"}

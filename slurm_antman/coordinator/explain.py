@@ -121,6 +121,16 @@ def _readable(path: str) -> bool:
     return os.path.isfile(path) and os.access(path, os.R_OK)
 
 
+def _task_raw_id(task: str, gres: str) -> Optional[str]:
+    """The raw id of array task ``task`` (ARRAY_TASK), or None after saying why there is none."""
+    known, asked = _known_to_slurm(task, gres)
+    if known is None:
+        print(f"job {task} does not exist (neither slurmctld nor accounting knows it)" if asked else
+              f"antman explain: cannot reach Slurm to find array task {task}; give its raw job id "
+              "(squeue -o %A)", file=sys.stderr)
+    return known
+
+
 def run(a: argparse.Namespace) -> int:
     if not _JOB_ARG.match(a.job_id):
         print(f"antman explain: job id {a.job_id!r} is not a job: give JOBID or, for an array task, "
@@ -145,13 +155,9 @@ def run(a: argparse.Namespace) -> int:
                 print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)", file=sys.stderr)
                 return 1
     else:
-        known, asked = _known_to_slurm(a.job_id, gres)
-        if known is None:
-            print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)" if asked else
-                  f"antman explain: cannot reach Slurm to find array task {a.job_id}; give its raw job id "
-                  "(squeue -o %A)", file=sys.stderr)
+        raw = _task_raw_id(a.job_id, gres)
+        if raw is None:
             return 1
-        raw = known
     text, rc = explain(raw, path, a.json)
     if raw != a.job_id and not a.json:
         text = text.replace(f"job {raw}:", f"job {a.job_id} (raw id {raw}):", 1)
@@ -163,15 +169,9 @@ def _run_remote(a: argparse.Namespace, address: str, path: str, gres: str) -> in
     """explain through the coordinator: this host has no audit log the caller may read."""
     from . import query_client
 
-    raw = a.job_id
-    if not a.job_id.isdigit():
-        known, asked = _known_to_slurm(a.job_id, gres)
-        if known is None:
-            print(f"job {a.job_id} does not exist (neither slurmctld nor accounting knows it)" if asked else
-                  f"antman explain: cannot reach Slurm to find array task {a.job_id}; give its raw job id "
-                  "(squeue -o %A)", file=sys.stderr)
-            return 1
-        raw = known
+    raw = a.job_id if a.job_id.isdigit() else _task_raw_id(a.job_id, gres)
+    if raw is None:
+        return 1
     try:
         reply = query_client.explain(address, raw)
     except query_client.QueryRefused as e:
