@@ -51,7 +51,8 @@ class ClusterJobs:
 
     def run_as_user(self, args, **kw) -> subprocess.CompletedProcess:
         """A command as the cluster's ordinary user, with the cluster's SLURM_CONF."""
-        env = dict(self.c.env, HOME=f"/home/{self.c.user}", USER=self.c.user, LOGNAME=self.c.user)
+        env = dict(kw.pop("env", None) or self.c.env, HOME=f"/home/{self.c.user}", USER=self.c.user,
+                   LOGNAME=self.c.user)
         return self.c.run(args, env=env, as_user=(self.uid, self.gid), **kw)
 
     @property
