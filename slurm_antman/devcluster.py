@@ -245,6 +245,13 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def sidecar_socket_dir(port_base: int) -> Path:
+    """Where the cluster's sidecars put their sockets: under /run, as a site's do, and short. A Unix
+    socket path holds at most 107 bytes, and DIR/NODE/jobs/JOBID/agent.sock under a deep cluster
+    directory (a test's temporary one) with 7-digit job ids (``first_job_id``) does not fit."""
+    return Path("/run") / f"antman-dev-{port_base}"
+
+
 def dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: str,
                port_base: int = DEFAULT_PORT_BASE, overrides: dict | None = None) -> dict:
     """The antman.yaml of a devcluster: same model as a site's, paths under the cluster directory.
@@ -267,7 +274,7 @@ def _base_dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: 
         "state_dir": str(d / "antman-state"),
         "plugin_path": str(d / "lib" / "antman_spank.so"),
         "antman_command": antman_command,
-        "sidecar": {"socket_dir": str(d / "run" / "sidecar"), "telemetry": "emulated"},
+        "sidecar": {"socket_dir": str(sidecar_socket_dir(port_base)), "telemetry": "emulated"},
         "nodes": [{
             "name": f"node[1-{nodes}]" if nodes > 1 else "node1",
             "gpus": gpus, "cpus": cpus, "memory_mb": 4000, "gpu_memory_mb": 16384,
@@ -501,6 +508,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     # would be told as this cluster's jobs' story.
     for sub in ("state", "run", "antman-state", "log"):
         shutil.rmtree(d / sub, ignore_errors=True)
+    shutil.rmtree(sidecar_socket_dir(port_base), ignore_errors=True)
     for sub in ("etc", "dev", "state/ctld", "log", "run", "lib", "antman-state"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     ensure_user()
@@ -709,6 +717,9 @@ def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:
     if cluster.hosts is not None:
         cluster.hosts.remove()
         stopped.append(f"network namespaces {cluster.hosts.prefix}-*")
+    sockets = sidecar_socket_dir(cluster.port_base)
+    if sockets.is_dir() and not os.path.ismount(sockets):
+        shutil.rmtree(sockets, ignore_errors=True)
     _state_file(d).unlink(missing_ok=True)
     return stopped
 

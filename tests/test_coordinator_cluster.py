@@ -52,7 +52,7 @@ def cc(tmp_path_factory):
     try:
         yield ClusterHandle(c, work)
     finally:
-        c.run(["scancel", "--user", "root"])
+        ClusterHandle(c, work).cancel_all()  # the jobs are the cluster's ordinary user's
         dc.down(d)
 
 

@@ -427,10 +427,10 @@ def _fill(mount: Path) -> Path:
     return path
 
 
-def _mount_state_dirs(d: Path) -> list[Path]:
-    """Small tmpfs mounts where the node keeps state (antman-state, the sidecar's run directory),
+def _mount_state_dirs(d: Path, port_base: int) -> list[Path]:
+    """Small tmpfs mounts where the node keeps state (antman-state, the sidecar's socket directory),
     made before the cluster starts so its daemons use them; [] where this process cannot mount."""
-    targets = [d / "antman-state", d / "run" / "sidecar"]
+    targets = [d / "antman-state", dc.sidecar_socket_dir(port_base)]
     done: list[Path] = []
     for t in targets:
         t.mkdir(parents=True, exist_ok=True)
@@ -454,7 +454,7 @@ def run(d: Path, port_base: int, only: Optional[set[str]] = None,
     d.mkdir(parents=True, exist_ok=True)
     for sub in ("run", "antman-state"):
         shutil.rmtree(d / sub, ignore_errors=True)
-    mounts = _mount_state_dirs(d)
+    mounts = _mount_state_dirs(d, port_base)
     results: list[FaultResult] = []
     try:
         cluster = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=port_base, overrides={
@@ -477,10 +477,10 @@ def run(d: Path, port_base: int, only: Optional[set[str]] = None,
                 progress(f"{scenario.__name__}: {'ok' if res.ok else 'FAILED' if not res.skipped else 'skipped'}")
                 sc._reset()
         finally:
-            cluster.run(["scancel", "--user", "root"])
-            dc.down(d)
+            dc.down(d)  # cancels every job first, whoever submitted it
     finally:
         _unmount(mounts)
+        shutil.rmtree(dc.sidecar_socket_dir(port_base), ignore_errors=True)
     return results
 
 
