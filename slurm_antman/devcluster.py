@@ -245,11 +245,20 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def sidecar_socket_dir(port_base: int) -> Path:
-    """Where the cluster's sidecars put their sockets: under /run, as a site's do, and short. A Unix
-    socket path holds at most 107 bytes, and DIR/NODE/jobs/JOBID/agent.sock under a deep cluster
-    directory (a test's temporary one) with 7-digit job ids (``first_job_id``) does not fit."""
+def run_dir(port_base: int) -> Path:
+    """The cluster's sockets live under /run, as a site's do, and short: a Unix socket path holds at
+    most 107 bytes, and slurmstepd's (SPOOL/NODE_JOBID.STEP) or the sidecar's (DIR/NODE/jobs/JOBID/
+    agent.sock) under a deep cluster directory (a test's temporary one) with 7-digit job ids
+    (``first_job_id``) do not fit."""
     return Path("/run") / f"antman-dev-{port_base}"
+
+
+def sidecar_socket_dir(port_base: int) -> Path:
+    return run_dir(port_base) / "sidecar"
+
+
+def slurmd_spool_dir(port_base: int, node: str) -> Path:
+    return run_dir(port_base) / f"slurmd-{node}"
 
 
 def dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: str,
@@ -329,7 +338,7 @@ def _base_slurm_conf(d: Path, port_base: int, with_antman: bool, accounting: lis
         "AuthType=auth/munge",
         slurm_version.cred_type_line(version),
         f"StateSaveLocation={d}/state/ctld",
-        f"SlurmdSpoolDir={d}/state/slurmd-%n",
+        f"SlurmdSpoolDir={slurmd_spool_dir(port_base, '%n')}",
         f"SlurmctldPidFile={d}/run/slurmctld.pid",
         f"SlurmdPidFile={d}/run/slurmd-%n.pid",
         f"SlurmctldLogFile={d}/log/slurmctld.log",
@@ -508,7 +517,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     # would be told as this cluster's jobs' story.
     for sub in ("state", "run", "antman-state", "log"):
         shutil.rmtree(d / sub, ignore_errors=True)
-    shutil.rmtree(sidecar_socket_dir(port_base), ignore_errors=True)
+    shutil.rmtree(run_dir(port_base), ignore_errors=True)
+    run_dir(port_base).mkdir(parents=True, exist_ok=True)  # a tmpfs the fault bench mounted stays
+    run_dir(port_base).chmod(0o755)  # the jobs' agents reach their sockets below
     for sub in ("etc", "dev", "state/ctld", "log", "run", "lib", "antman-state"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     ensure_user()
@@ -554,7 +565,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     else:
         cgroup_conf.unlink(missing_ok=True)
     for h in cluster.nodes:  # 24.11's slurmd does not make its spool directory (22.05's does)
-        (d / "state" / f"slurmd-{h}").mkdir(parents=True, exist_ok=True)
+        slurmd_spool_dir(port_base, h).mkdir(parents=True, exist_ok=True)
     for name, text in (extra_etc_files or {}).items():
         (d / "etc" / name).write_text(text)
     if plain:
@@ -717,9 +728,8 @@ def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:
     if cluster.hosts is not None:
         cluster.hosts.remove()
         stopped.append(f"network namespaces {cluster.hosts.prefix}-*")
-    sockets = sidecar_socket_dir(cluster.port_base)
-    if sockets.is_dir() and not os.path.ismount(sockets):
-        shutil.rmtree(sockets, ignore_errors=True)
+    if not any(os.path.ismount(p) for p in (run_dir(cluster.port_base), sidecar_socket_dir(cluster.port_base))):
+        shutil.rmtree(run_dir(cluster.port_base), ignore_errors=True)
     _state_file(d).unlink(missing_ok=True)
     return stopped
 

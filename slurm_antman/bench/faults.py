@@ -480,7 +480,7 @@ def run(d: Path, port_base: int, only: Optional[set[str]] = None,
             dc.down(d)  # cancels every job first, whoever submitted it
     finally:
         _unmount(mounts)
-        shutil.rmtree(dc.sidecar_socket_dir(port_base), ignore_errors=True)
+        shutil.rmtree(dc.run_dir(port_base), ignore_errors=True)
     return results
 
 
