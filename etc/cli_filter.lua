@@ -119,16 +119,17 @@ end
 
 -- Every way srun asks for GPUs, as one per-node count of opportunistic slots in --gres.
 local function to_opportunistic(options, s)
-  local kept, per_node, prefix = {}, 0, nil
+  -- Entries are written back as a user types them (NAME:N): srun's setter adds the TRES prefix of its
+  -- own version ("gres:" in 22.05, "gres/" in 24.11, which refuses the other).
+  local kept, per_node = {}, 0
   for _, e in ipairs(split(set(options.gres) and options.gres or "", ",")) do
-    prefix = prefix or e:match("^gres[:/]")
     local body = e:gsub("^gres[:/]", "")
     local parts = split(body, ":")
     if parts[1] == s.gpu_gres or parts[1] == s.opp_gres then
       local last = parts[#parts]
       per_node = per_node + ((#parts >= 2 and last:match("^%d+$")) and tonumber(last) or 1)
     else
-      kept[#kept + 1] = e
+      kept[#kept + 1] = body
     end
   end
   if set(options["gpus-per-socket"]) then
@@ -150,8 +151,7 @@ local function to_opportunistic(options, s)
       options[opt] = ""
     end
   end
-  -- 22.05 keeps --gres as "gres:NAME:N", 24.11 as "gres/NAME:N": write back what the option held.
-  kept[#kept + 1] = string.format("%s%s:%d", prefix or "gres:", s.opp_gres, per_node)
+  kept[#kept + 1] = string.format("%s:%d", s.opp_gres, per_node)
   options.gres = table.concat(kept, ",")
 end
 

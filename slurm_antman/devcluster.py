@@ -129,19 +129,19 @@ class Hosts:
         self.remove()  # what a killed run left behind
         ctl = self.ns("ctl")
         _ip("netns", "add", ctl)
-        _ip("-n", ctl, "link", "set", "lo", "up")
-        _ip("-n", ctl, "link", "add", "br0", "type", "bridge")
-        _ip("-n", ctl, "addr", "add", f"{self.addr('ctl')}/24", "dev", "br0")
-        _ip("-n", ctl, "link", "set", "br0", "up")
+        _ip_in(ctl, "link", "set", "lo", "up")
+        _ip_in(ctl, "link", "add", "br0", "type", "bridge")
+        _ip_in(ctl, "addr", "add", f"{self.addr('ctl')}/24", "dev", "br0")
+        _ip_in(ctl, "link", "set", "br0", "up")
         for i, node in enumerate(self.nodes):
             ns = self.ns(node)
             _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip_in(ns, "link", "set", "lo", "up")
             # Both ends are made inside the cluster's namespaces: nothing appears in the host's own.
-            _ip("-n", ctl, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("-n", ctl, "link", "set", f"v{i}", "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr(node)}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip_in(ctl, "link", "add", f"v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip_in(ctl, "link", "set", f"v{i}", "master", "br0", "up")
+            _ip_in(ns, "addr", "add", f"{self.addr(node)}/24", "dev", "eth0")
+            _ip_in(ns, "link", "set", "eth0", "up")
 
     def remove(self) -> None:
         for host in ["ctl", *self.nodes]:
@@ -150,13 +150,19 @@ class Hosts:
 
     def link(self, node: str, up: bool) -> None:
         """Connect or cut ``node``'s cable (its port on the controller's bridge): a network failure."""
-        _ip("-n", self.ns("ctl"), "link", "set", f"v{self.nodes.index(node)}", "up" if up else "down")
+        _ip_in(self.ns("ctl"), "link", "set", f"v{self.nodes.index(node)}", "up" if up else "down")
 
 
-def _ip(*args: str) -> None:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+def _ip(*args: str, enter: Optional[list[str]] = None) -> None:
+    r = subprocess.run([*(enter or []), "ip", *args], capture_output=True, text=True)
     if r.returncode:
         raise DevclusterError(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
+
+
+def _ip_in(ns: str, *args: str) -> None:
+    """``ip`` inside network namespace ``ns``. Not ``ip -n``: like ``ip netns exec`` it remounts /sys,
+    which fails where / is no mount point (make test-slurm24's chroot)."""
+    _ip(*args, enter=["nsenter", f"--net={NETNS_DIR / ns}", "--"])
 
 
 @dataclass

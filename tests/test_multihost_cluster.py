@@ -71,8 +71,8 @@ def test_a_job_runs_on_a_node_host_and_its_sidecar_reports_across_the_bridge(hos
     jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", wrap=(
         f"echo GPUS=$ANTMAN_GPUS NODE=$SLURMD_NODENAME; {sys.executable} -c "
         f"\"import os; os.open('{c.c.dir}/dev/nvidia' + os.environ['ANTMAN_GPUS'], os.O_RDWR)\" 2>&1 | tail -1; "
-        "sleep 30"))
-    text = c.wait_output(jid, r"^GPUS=\d", timeout=60)
+        "echo PROBED; sleep 30"))
+    text = c.wait_output(jid, r"^PROBED", timeout=60)
     assert "NODE=node2" in text and "No such device or address" in text, text  # its GPU, opened (ENXIO)
     # node2's sidecar holds a TCP connection from node2's address to the coordinator's, in node2's namespace.
     sidecar = next(p for p in c.c.procs if p.name == "sidecar:node2")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman.jobtag import parse_tag
-from slurm_antman.slurm import CliBackend
+from slurm_antman.slurm import CliBackend, JobNotFound
 
 pytestmark = pytest.mark.cluster
 
@@ -119,13 +119,25 @@ def test_array_every_task_runs_once_managed_on_its_own_placement(clean_cluster, 
     assert r.returncode == 0, r.stderr
     array_id = int(r.stdout.strip().split(";")[0])
     b = CliBackend(env=c.env)
+
+    def tasks() -> dict:
+        # Each task by ARRAY_TASK: 24.11's squeue --json no longer lists finished jobs, scontrol does.
+        out = {}
+        for t in range(8):
+            try:
+                j = b.job(f"{array_id}_{t}")
+            except JobNotFound:
+                continue
+            out[j.array_task] = j
+        return out
+
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
-        mine = [j for j in b.jobs() if j.array_job_id == array_id]
-        if mine and all(j.finished for j in mine) and len(mine) == 8:
+        mine = tasks()
+        if len(mine) == 8 and all(j.finished for j in mine.values()):
             break
         time.sleep(1)
-    mine = {j.array_task: j for j in b.jobs() if j.array_job_id == array_id}
+    mine = tasks()
     assert sorted(mine, key=int) == [str(t) for t in range(8)], sorted(mine)
     assert {j.state for j in mine.values()} == {"COMPLETED"}, {t: (j.state, j.reason) for t, j in mine.items()}
     assert {j.restarts for j in mine.values()} == {0}, "a task was requeued"
