@@ -134,6 +134,7 @@ class Scenarios:
         self.node = self.c.nodes[0]
         self.ckpt_dir = jobs.workdir / "ckpt"
         self.ckpt_dir.mkdir(exist_ok=True)
+        os.chown(self.ckpt_dir, jobs.uid, jobs.gid)  # the jobs' user writes the checkpoints
         # Requeues before the fault (a Prolog refusing a job for want of room, the normal wait path)
         # are not the fault's doing: each scenario counts from here.
         self.restarts_before: dict[int, int] = {}
