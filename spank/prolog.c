@@ -80,6 +80,18 @@ static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class,
 		snprintf(buf, sizeof(buf), "%u", nodeid);
 		prolog_env_add(e, "ANTMAN_JOB_NODEID", buf);
 	}
+	/*
+	 * An array task's own id for a refusal made before the hook has read the job's record: the raw
+	 * id of the task that carries its array's id names every task to scontrol requeue.
+	 */
+	uint32_t array_id = 0, array_task = 0;
+	if (spank_get_item(sp, S_JOB_ARRAY_ID, &array_id) == ESPANK_SUCCESS && array_id &&
+	    spank_get_item(sp, S_JOB_ARRAY_TASK_ID, &array_task) == ESPANK_SUCCESS) {
+		snprintf(buf, sizeof(buf), "%u", array_id);
+		prolog_env_add(e, "SLURM_ARRAY_JOB_ID", buf);
+		snprintf(buf, sizeof(buf), "%u", array_task);
+		prolog_env_add(e, "SLURM_ARRAY_TASK_ID", buf);
+	}
 	prolog_env_add(e, "SPANK_ANTMAN_CLASS", job_class);
 	/* The node's own slurm.conf, where slurmd was not started with the default one. */
 	prolog_env_add(e, "SLURM_CONF", getenv("SLURM_CONF"));
