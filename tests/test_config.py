@@ -101,3 +101,94 @@ def test_cli_check_ok_and_errors(tmp_path):
     assert "sidecar.telemetry: 'magic' is not allowed" in r.stderr
     r = _check(tmp_path, "nodes: [\n  - name: a\n")
     assert r.returncode == 2 and "not valid YAML" in r.stderr and "line" in r.stderr
+
+
+# Strict configuration (issue 27): what YAML or pydantic would convert silently is an error naming the
+# field and the line it is on.
+
+STRICT_BASE = """\
+cluster_name: c1
+grace_time_s: 30
+opportunistic:
+  utilization_threshold: 0.5
+nodes:
+  - name: gpu[1-2]
+    gpus: 8
+"""
+
+
+def _load_error(tmp_path: Path, text: str) -> config.ConfigError:
+    f = tmp_path / "antman.yaml"
+    f.write_text(text)
+    with pytest.raises(config.ConfigError) as e:
+        config.load(f)
+    return e.value
+
+
+def _by_field(err: config.ConfigError) -> dict[str, tuple[int | None, str]]:
+    return {path: (line, msg) for (path, msg), line in zip(err.problems, err.lines)}
+
+
+def test_strict_base_file_loads_and_ints_stand_for_floats(tmp_path):
+    f = tmp_path / "antman.yaml"
+    f.write_text(STRICT_BASE + "sidecar:\n  heartbeat_s: 2\ndefault_class: opportunistic\n")
+    cfg = config.load(f)
+    assert cfg.nodes[0].gpus == 8 and cfg.grace_time_s == 30
+    # int -> float loses nothing, so it stays allowed; the enum is read from its name.
+    assert cfg.sidecar.heartbeat_s == 2.0 and isinstance(cfg.sidecar.heartbeat_s, float)
+    assert cfg.default_class is config.DefaultClass.opportunistic
+
+
+def test_duplicate_key_names_field_and_both_lines(tmp_path):
+    err = _load_error(tmp_path, STRICT_BASE + "    gpus: 2\n")
+    assert _by_field(err) == {"nodes.0.gpus": (8, "duplicate key 'gpus' (first at line 7)")}
+    assert "line 8: nodes.0.gpus: duplicate key 'gpus' (first at line 7)" in str(err)
+    err = _load_error(tmp_path, STRICT_BASE + "grace_time_s: 10\n")
+    assert _by_field(err) == {"grace_time_s": (8, "duplicate key 'grace_time_s' (first at line 2)")}
+
+
+@pytest.mark.parametrize("old, new, field, line, words", [
+    ("grace_time_s: 30", "grace_time_s: true", "grace_time_s", 2, "expected an integer, got a boolean (true)"),
+    ("utilization_threshold: 0.5", "utilization_threshold: false", "opportunistic.utilization_threshold", 4,
+     "expected a number, got a boolean (false)"),
+    ("cluster_name: c1", "cluster_name: 123", "cluster_name", 1, "expected a string, got a number (123)"),
+    ("name: gpu[1-2]", "name: 1.0", "nodes.0.name", 6, "expected a string, got a number (1.0)"),
+    ("gpus: 8", 'gpus: "8"', "nodes.0.gpus", 7, "expected an integer, got a string ('8')"),
+    ("gpus: 8", "gpus: 8.0", "nodes.0.gpus", 7, "expected an integer, got a number (8.0)"),
+    ("gpus: 8", "gpus: 010", "nodes.0.gpus", 7, "YAML reads '010' as 8"),
+    ("grace_time_s: 30", "grace_time_s: 1:30", "grace_time_s", 2, "YAML reads '1:30' as 90"),
+    ("cluster_name: c1", "cluster_name: yes", "cluster_name", 1, "YAML 1.1 reads 'yes' as the boolean true"),
+])
+def test_wrong_type_names_field_and_line(tmp_path, old, new, field, line, words):
+    assert old in STRICT_BASE
+    err = _load_error(tmp_path, STRICT_BASE.replace(old, new))
+    problems = _by_field(err)
+    assert field in problems, problems
+    assert problems[field][0] == line and words in problems[field][1], problems[field]
+    assert f"line {line}: {field}: " in str(err)
+
+
+def test_yaml_11_booleans_must_be_written_true_or_false(tmp_path):
+    err = _load_error(tmp_path, STRICT_BASE.replace("opportunistic:\n", "opportunistic:\n  upgrade_running: on\n"))
+    assert _by_field(err)["opportunistic.upgrade_running"][0] == 4
+    assert "YAML 1.1 reads 'on' as the boolean true; write true or false" in str(err)
+    # The text 'off' (query_endpoint's way to turn it off) is fine once quoted.
+    f = tmp_path / "ok.yaml"
+    f.write_text(STRICT_BASE + "coordinator:\n  query_endpoint: 'off'\nsidecar:\n  enforce: false\n")
+    cfg = config.load(f)
+    assert cfg.coordinator.query_address() is None and cfg.sidecar.enforce is False
+
+
+def test_merge_key_may_override_what_it_merges(tmp_path):
+    f = tmp_path / "antman.yaml"
+    f.write_text("nodes:\n  - &g {name: a1, gpus: 2}\n  - <<: *g\n    name: b1\n")
+    assert [(g.name, g.gpus) for g in config.load(f).nodes] == [("a1", 2), ("b1", 2)]
+
+
+def test_cli_check_refuses_the_issue_cases(tmp_path):
+    r = _check(tmp_path, STRICT_BASE.replace("grace_time_s: 30", "grace_time_s: true") + "    gpus: 2\n")
+    assert r.returncode == 2
+    assert "line 8: nodes.0.gpus: duplicate key 'gpus' (first at line 7)" in r.stderr
+    r = _check(tmp_path, STRICT_BASE.replace("grace_time_s: 30", "grace_time_s: true"))
+    assert r.returncode == 2
+    assert "line 2: grace_time_s: expected an integer, got a boolean (true)" in r.stderr
