@@ -122,6 +122,7 @@ _PASSTHROUGH = {
     "coordinator": ("slurm_antman.coordinator.daemon", "the cluster coordinator (beside slurmctld)"),
     "keys": ("slurm_antman.curve_keys", "CURVE keys for the sidecar-coordinator link"),
     "doctor": ("slurm_antman.doctor", "check a node or the controller and name what is missing or wrong"),
+    "agent-bundle": ("slurm_antman.agent_bundle", "build the directory a job's own Python loads the agent from"),
 }
 
 

@@ -365,6 +365,13 @@ class AntmanConfig(_Strict):
         description="Installed SPANK plugin, as plugstack.conf should name it.",
     )
     antman_command: str = Field(default="/usr/local/bin/antman", description="The antman CLI on nodes.")
+    agent_path: Optional[str] = Field(
+        default="/opt/slurm-antman/agent", pattern=r"^/\S*$",
+        description="The agent bundle on every node (`antman agent-bundle`, made by `make install`): the SPANK "
+                    "plugin puts it first on a managed job's PYTHONPATH, so a job's own Python (a venv with "
+                    "only torch, conda, a container that mounts it) gets the agent. null: only Pythons with "
+                    "slurm-antman installed get it.",
+    )
     slurm: SlurmNames = SlurmNames()
     opportunistic: Opportunistic = Opportunistic()
     sidecar: Sidecar = Sidecar()

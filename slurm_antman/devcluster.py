@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from . import agent_bundle
 from . import config as config_mod
 from .errors import AntmanError
 from .render import RenderOptions, write_all
@@ -289,6 +290,9 @@ def _base_dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: 
         "state_dir": str(d / "antman-state"),
         "plugin_path": str(d / "lib" / "antman_spank.so"),
         "antman_command": antman_command,
+        # Built at up() from this checkout, so every job (in this venv or its own) loads the agent
+        # the way a site's jobs do: from the bundle the SPANK plugin puts on PYTHONPATH.
+        "agent_path": str(d / "lib" / "agent"),
         "sidecar": {"socket_dir": str(sidecar_socket_dir(port_base)), "telemetry": "emulated"},
         "nodes": [{
             "name": f"node[1-{nodes}]" if nodes > 1 else "node1",
@@ -581,6 +585,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         shutil.copy2(REPO / "etc" / "job_submit.lua", d / "etc" / "job_submit.lua")
         shutil.copy2(REPO / "etc" / "cli_filter.lua", d / "etc" / "cli_filter.lua")
         build_spank(d / "lib" / "antman_spank.so")
+        if cfg.agent_path:
+            agent_bundle.build(Path(cfg.agent_path))
 
     env = _daemon_env(cluster)
     _ensure_munged(cluster.procs)

@@ -139,6 +139,8 @@ def plugstack_conf(cfg: AntmanConfig, opts: RenderOptions) -> str:
         note = (f"# no prolog=: hook_dir {hook_dir!r} is not an absolute path without spaces, so a preempted job"
                 " restarting on the same node runs without its env file\n")
     args.append(f"opp_partition={cfg.slurm.opportunistic_partition}")
+    if cfg.agent_path:
+        args.append(f"agent_path={cfg.agent_path}")
     return HEADER.format(src=opts.config_path) + note + f"required {cfg.plugin_path} {' '.join(args)}\n"
 
 

@@ -1,5 +1,5 @@
 /*
- * The plugin's arguments: the plugstack.conf line (state_dir=, prolog=, opp_partition=) and the
+ * The plugin's arguments: the plugstack.conf line (state_dir=, prolog=, opp_partition=, agent_path=) and the
  * --antman=CLASS option with its validation. The option callback runs in sbatch, salloc and srun
  * before they contact slurmctld, so a bad class fails the command there; in slurmstepd it runs
  * again with the value the submission carried.
@@ -12,7 +12,7 @@
 
 #define ANTMAN_DEFAULT_STATE_DIR "/var/lib/slurm-antman"
 #define ANTMAN_ALLOWED_CLASSES "guaranteed, opportunistic, auto"
-#define ANTMAN_ALLOWED_ARGS "state_dir=PATH, prolog=PATH, opp_partition=NAME"
+#define ANTMAN_ALLOWED_ARGS "state_dir=PATH, prolog=PATH, opp_partition=NAME, agent_path=PATH"
 
 static const char *const valid_classes[] = {"guaranteed", "opportunistic", "auto", NULL};
 
@@ -108,6 +108,9 @@ int antman_args_parse(int ac, char **av)
 				return -1;
 		} else if (strncmp(av[i], "prolog=", 7) == 0) {
 			if (path_arg(args.prolog, sizeof(args.prolog), "prolog", av[i] + 7) < 0)
+				return -1;
+		} else if (strncmp(av[i], "agent_path=", 11) == 0) {
+			if (path_arg(args.agent_path, sizeof(args.agent_path), "agent_path", av[i] + 11) < 0)
 				return -1;
 		} else if (strncmp(av[i], "opp_partition=", 14) == 0) {
 			const char *name = av[i] + 14;

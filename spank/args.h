@@ -17,6 +17,7 @@ struct antman_args {
 	char state_dir[PATH_MAX];
 	char prolog[PATH_MAX];                    /* hook to run when the env file is missing, "" = never */
 	char opp_partition[ANTMAN_PARTITION_MAX]; /* a job in this partition is a slurm-antman job */
+	char agent_path[PATH_MAX];                /* the agent bundle put on a managed job's PYTHONPATH, "" = none */
 	char job_class[ANTMAN_CLASS_MAX];         /* validated --antman value, "" when not given */
 };
 

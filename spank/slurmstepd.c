@@ -96,6 +96,37 @@ int antman_stepd_task_init_privileged(spank_t sp)
 	return 0;
 }
 
+/*
+ * A managed job's own Python (a venv with torch only, a conda environment) has never heard of
+ * slurm-antman: the site's agent bundle goes first on its PYTHONPATH, where the bundle's
+ * sitecustomize loads the agent (and then the sitecustomize it shadows). First, because
+ * Python imports the first sitecustomize on sys.path. The path is the admin's (plugstack.conf),
+ * never the job's; a job that wants no agent sets ANTMAN_AGENT_DISABLE=1.
+ */
+static void add_agent_path(spank_t sp, uint32_t job_id)
+{
+	const char *agent = antman_args_get()->agent_path;
+	/* static: task_init runs in the task's own process, once; PYTHONPATH may be long */
+	static char old[65536], value[sizeof(old) + PATH_MAX + 1];
+	spank_err_t rc;
+
+	if (agent[0] == '\0')
+		return;
+	rc = spank_getenv(sp, "PYTHONPATH", old, (int)sizeof(old));
+	if (rc == ESPANK_ENV_NOEXIST || (rc == ESPANK_SUCCESS && old[0] == '\0')) {
+		snprintf(value, sizeof(value), "%s", agent);
+	} else if (rc == ESPANK_SUCCESS) {
+		snprintf(value, sizeof(value), "%s:%s", agent, old);
+	} else {
+		/* the job's own PYTHONPATH is never cut short for the agent's sake */
+		slurm_error("antman: job %u: PYTHONPATH unreadable (%s); the agent bundle is not added",
+			    job_id, spank_strerror(rc));
+		return;
+	}
+	if (spank_setenv(sp, "PYTHONPATH", value, 1) != ESPANK_SUCCESS)
+		slurm_error("antman: job %u: cannot put the agent on PYTHONPATH", job_id);
+}
+
 int antman_stepd_task_init(spank_t sp)
 {
 	const struct env_entry *entries;
@@ -133,6 +164,8 @@ int antman_stepd_task_init(spank_t sp)
 			slurm_error("antman: cannot set %s in the task env: %s",
 				    entries[i].key, spank_strerror(rc));
 	}
+	if (n_entries > 0)
+		add_agent_path(sp, job_id);
 	return 0;
 }
 

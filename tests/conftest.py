@@ -124,3 +124,28 @@ def backend(plain_cluster, tmp_path, monkeypatch):
                 # It ended between the listing and the cancel: nothing left to clean up.
                 if "already completing or completed" not in str(e):
                     raise
+
+
+@pytest.fixture(scope="session")
+def torch_only_python() -> Path:
+    """The python of a venv with torch and nothing else: a user's own environment, which has never
+    heard of slurm-antman or pyzmq. Made once per machine (pip, about 25 s) from the system Python,
+    so that the cluster's unprivileged user can run it; kept in /var/tmp keyed by torch's version."""
+    import subprocess
+
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    venv = Path(f"/var/tmp/slurm-antman-torch-only-{version}")
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={version}"], check=True)
+        (venv / ".complete").touch()
+    probe = subprocess.run([str(python), "-c", "import importlib.util as u; print([m for m in ('zmq', "
+                            "'slurm_antman', 'torch_patch', 'pydantic') if u.find_spec(m)])"],
+                           capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert probe.stdout.strip() == "[]", f"{venv} is not torch-only: {probe.stdout}"
+    let_jobs_through(venv)
+    return python

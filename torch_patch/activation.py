@@ -21,6 +21,8 @@ from typing import Any, Optional, Sequence
 ACTIVATION_ENV = ("ANTMAN_JOB_ID", "ANTMAN_CLASS")
 # Set to 1 to keep the agent out of a job (debugging, or a script that calls install() itself).
 DISABLE_ENV = "ANTMAN_AGENT_DISABLE"
+# (directory, pyzmq builds it holds) when the agent came from a site's agent bundle (bundle_loader).
+BUNDLE: Optional[tuple[str, list[str]]] = None
 
 
 def wanted(environ: Optional[dict] = None) -> bool:
@@ -28,6 +30,32 @@ def wanted(environ: Optional[dict] = None) -> bool:
     if env.get(DISABLE_ENV, "") not in ("", "0"):
         return False
     return any(env.get(k) for k in ACTIVATION_ENV)
+
+
+def missing_zmq_line() -> str:
+    """The one line a job reads when its Python cannot load the agent's one compiled dependency."""
+    impl = sys.implementation
+    where = f"{impl.name} {sys.version_info[0]}.{sys.version_info[1]} ({sys.executable})"
+    if BUNDLE is not None:
+        got = ", ".join(BUNDLE[1]) or "none"
+        why = (f"cannot import pyzmq and the site's agent bundle {BUNDLE[0]} has no build for {impl.cache_tag} "
+               f"(it has: {got})")
+    else:
+        why = "cannot import pyzmq"
+    return (f"slurm-antman: this job's Python, {where}, {why}; the job runs without the agent. "
+            f"Add pyzmq to the job's environment (pip install pyzmq), or ask the site to add Python "
+            f"{sys.version_info[0]}.{sys.version_info[1]} to the agent bundle.\n")
+
+
+def _start_agent() -> None:
+    try:
+        from . import agent
+    except ModuleNotFoundError as e:
+        if e.name == "zmq":
+            sys.stderr.write(missing_zmq_line())
+            return
+        raise
+    agent.start_from_env()
 
 
 def report_failure(what: str) -> None:
@@ -56,9 +84,7 @@ class _AfterTorchLoader(importlib.abc.Loader):
         except AttributeError:
             pass
         try:
-            from . import agent
-
-            agent.start_from_env()
+            _start_agent()
         except Exception:
             report_failure("could not start the agent")
 
@@ -99,9 +125,7 @@ def install_hook() -> None:
         if not wanted():
             return
         if "torch" in sys.modules:
-            from . import agent
-
-            agent.start_from_env()
+            _start_agent()
             return
         if _finder is None:
             _finder = TorchImportFinder()
