@@ -331,6 +331,14 @@ class Coordinator(_Strict):
         return str(Path(self.key_dir) / "nodes" / f"{node}.key_secret")
     audit_log: str = Field(default="/var/log/slurm-antman/coordinator-audit.jsonl",
                            description="Append-only JSON-lines record of every coordinator decision.")
+    audit_max_bytes: int = Field(
+        default=64 << 20, ge=0,
+        description="Size at which the audit log is rotated: renamed AUDIT_LOG.1 (older ones shift to .2, ...) "
+                    "at the end of a decision cycle, and a new file begun with the coordinator's state. "
+                    "0: never (for logrotate, which must rename the file and send SIGHUP; never copytruncate).")
+    audit_keep: int = Field(default=5, ge=1, le=1000,
+                            description="Rotated audit log files kept (AUDIT_LOG.1 to .N); `antman explain` "
+                                        "reads them all, oldest first.")
     cycle_s: float = Field(default=1.0, gt=0, le=60, description="Seconds between decision cycles.")
     quota_file: Optional[str] = Field(
         default=None, description="antman_quota.lua next to job_submit.lua: tenant quota use, rewritten by "

@@ -47,18 +47,30 @@ SIDECAR_RECORDS = frozenset({"placed", "paused", "resumed"})
 
 def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:
     """The state a killed coordinator had: its last ``state`` record plus the preemption decisions
-    carried out after it. Returns (state, number of records replayed)."""
+    carried out after it. Returns (state, number of records replayed).
+
+    The log's files are read newest first and no further back than the newest state record: the
+    coordinator's own rotation begins each file with one, so PATH alone is read; rotated files are
+    read only when PATH has none (renamed by logrotate before the coordinator wrote its first state
+    into the new file, or a log with no state change yet), which keeps restore right either way."""
     state = CoordinatorState.empty()
     after: list[dict] = []
-    for rec in audit.read(path):
-        if rec["kind"] == "state":
-            try:
-                state = CoordinatorState.from_json(rec["state"])
-                after = []
-            except (ValueError, KeyError) as e:
-                log.warning("audit log %s: unreadable state record at %s: %s", path, rec.get("ts"), e)
-        elif rec.get("outcome") == "ok" and rec["kind"] not in SIDECAR_RECORDS:
-            after.append(rec)
+    for f in audit.files(path):
+        found: Optional[CoordinatorState] = None
+        file_after: list[dict] = []
+        for rec in audit.read_file(f):
+            if rec["kind"] == "state":
+                try:
+                    found = CoordinatorState.from_json(rec["state"])
+                    file_after = []
+                except (ValueError, KeyError) as e:
+                    log.warning("audit log %s: unreadable state record at %s: %s", f, rec.get("ts"), e)
+            elif rec.get("outcome") == "ok" and rec["kind"] not in SIDECAR_RECORDS:
+                file_after.append(rec)
+        after = file_after + after
+        if found is not None:
+            state = found
+            break
     pre = dict(state.preempting)
     req = dict(state.requeued)
     for rec in after:
@@ -115,7 +127,8 @@ class Coordinator:
         self.hub = hub
         self.clock = clock
         self.params = params_from_config(cfg)
-        self.audit = audit.AuditLog(cfg.coordinator.audit_log)
+        self.audit = audit.AuditLog(cfg.coordinator.audit_log, max_bytes=cfg.coordinator.audit_max_bytes,
+                                    keep=cfg.coordinator.audit_keep)
         self.executor = Executor(self.backend, cfg, hub, clock)
         self.tenants = TenantQuotas(cfg, self.backend, clock, background=True)
         self.state = CoordinatorState.empty()
@@ -210,6 +223,11 @@ class Coordinator:
     def reload(self) -> bool:
         """Re-read ``config_path``; the policy state, reports and audit log are kept. False: rejected."""
         self._reload_requested.clear()
+        # SIGHUP also reopens the audit log, for sites whose logrotate renames it (never copytruncate:
+        # a copy can miss lines that were fsync'd and acknowledged). The state goes first into the
+        # new file so that it alone restores the coordinator, as after a rotation of its own.
+        self.audit.reopen()
+        self._persist(force=True)
         if self.config_path is None:
             return False
         log.info("SIGHUP: re-reading %s", self.config_path)
@@ -222,6 +240,7 @@ class Coordinator:
             if getattr(new.coordinator, key) != getattr(self.cfg.coordinator, key):
                 log.warning("reload: coordinator.%s changed; it takes effect at the next restart", key)
         self.cfg = new
+        self.audit.max_bytes, self.audit.keep = new.coordinator.audit_max_bytes, new.coordinator.audit_keep
         self.params = params_from_config(new)
         self.executor.cfg = new
         self.tenants = TenantQuotas(new, self.backend, self.clock, background=True)  # quota_source may have changed
@@ -380,9 +399,11 @@ class Coordinator:
         for job_id in [k for k, node in self._paused.items() if node == rep.node and k not in gone]:
             del self._paused[job_id]
 
-    def _persist(self) -> None:
+    def _persist(self, force: bool = False) -> None:
         data = self.state.to_json()
-        if data != self._persisted:
+        # A state record is also what lets the audit log rotate (it rotates just before one), so one is
+        # written when rotation is due even if the state has not changed.
+        if force or data != self._persisted or self.audit.rotation_due:
             self.audit.append({"ts": round(self.clock(), 3), "kind": "state", "state": data})
             self._persisted = data
 

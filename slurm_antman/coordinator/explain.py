@@ -118,7 +118,8 @@ def _known_to_slurm(job: str, gres: str) -> tuple[Optional[str], bool]:
 
 
 def _readable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.R_OK)
+    # PATH itself: right after a rotation it may not exist yet while PATH.1 does.
+    return any(p.is_file() and os.access(p, os.R_OK) for p in audit.files(path))
 
 
 def _task_raw_id(task: str, gres: str) -> Optional[str]:

@@ -34,6 +34,7 @@ from slurm_antman import protocol as p
 from slurm_antman.errors import AntmanError
 from sidecar.ratelimit import RateLimitedLog
 
+from . import audit
 from .explain import records_for
 
 log = logging.getLogger("antman.coordinator.query")
@@ -181,23 +182,20 @@ def paginate(items: list, budget: int = PAGE_BYTES) -> list[list]:
 
 
 def audit_records(path: str, job_id: str) -> list[dict]:
-    """The job's records in the audit log at ``path``, as ``antman explain`` shows them. Lines are
-    matched as text before they are parsed: a log of a year holds many jobs, and this runs per request."""
+    """The job's records in the audit log at ``path`` and its rotated files (oldest first), as ``antman
+    explain`` shows them. Lines are matched as text before they are parsed: a log of a year holds many
+    jobs, and this runs per request."""
     needle = f'"job_id":"{job_id}"'
     recs = []
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if needle not in line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue  # a torn last line
-                if isinstance(rec, dict) and "kind" in rec:
-                    recs.append(rec)
-    except FileNotFoundError:
-        return []
+    for line in audit.lines(path):
+        if needle not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn last line
+        if isinstance(rec, dict) and "kind" in rec:
+            recs.append(rec)
     return records_for(job_id, recs)
 
 
