@@ -6,7 +6,7 @@ APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv
                 slurmdbd mariadb-server
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-gpu test-slurm24 spank clean gpu-proof gpu-wheels
+.PHONY: deps demo test test-gpu test-slurm24 spank clean gpu-proof gpu-wheels install uninstall rollback
 .DEFAULT_GOAL := test
 
 # System packages only when something is missing, so a warm machine does not touch apt. The
@@ -50,6 +50,27 @@ deps: .deps-apt.stamp $(VENV)/.installed spank
 
 spank: .deps-apt.stamp
 	$(MAKE) -s -C spank
+
+# Install into a prefix of its own, as a site installs an add-on (docs/admin.md, "Install"): its own
+# virtual environment per release, the antman command, the SPANK plugin, the systemd units, the Lua
+# scripts, the agent bundle, the docs. Nothing in /etc is written. AGENT_PYTHONS: further CPython
+# versions ("3.10 3.12") whose jobs get the agent without pyzmq of their own.
+PREFIX         ?= /opt/slurm-antman
+BINDIR         ?= /usr/local/bin
+UNIT_DIR       ?= /usr/local/lib/systemd/system
+PLUGIN_DIR     ?= $(or $(shell pkg-config --variable=libdir slurm 2>/dev/null | sed -e 's|$$|/slurm|' | grep .),\
+                       /usr/lib/$(or $(shell gcc -print-multiarch 2>/dev/null),x86_64-linux-gnu)/slurm-wlm)
+INSTALL_PYTHON ?= $(SYSTEM_PYTHON)
+AGENT_PYTHONS  ?=
+install: .deps-apt.stamp
+	PREFIX='$(PREFIX)' BINDIR='$(BINDIR)' UNIT_DIR='$(UNIT_DIR)' PLUGIN_DIR='$(PLUGIN_DIR)' \
+	  INSTALL_PYTHON='$(INSTALL_PYTHON)' AGENT_PYTHONS='$(AGENT_PYTHONS)' packaging/install.sh
+
+uninstall:
+	PREFIX='$(PREFIX)' packaging/uninstall.sh
+
+rollback:
+	PREFIX='$(PREFIX)' packaging/rollback.sh
 
 demo: deps
 	$(PY) -m slurm_antman.cli demo $(DEMO_ARGS)
