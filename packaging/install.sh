@@ -26,6 +26,7 @@ KEEP_RELEASES=${KEEP_RELEASES:-2}
 die() { echo "make install: $*" >&2; exit 1; }
 [[ $PREFIX = /* && $BINDIR = /* && $PLUGIN_DIR = /* && $UNIT_DIR = /* ]] ||
     die "PREFIX, BINDIR, PLUGIN_DIR and UNIT_DIR must be absolute paths"
+[[ "$PREFIX$BINDIR$PLUGIN_DIR$UNIT_DIR" != *[[:space:]]* ]] || die "install paths must not contain white space"
 [[ $PREFIX != / && $PREFIX != /usr && $PREFIX != /usr/local ]] ||
     die "PREFIX=$PREFIX: slurm-antman needs a prefix of its own (default /opt/slurm-antman); uninstall removes it whole"
 "$INSTALL_PYTHON" -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null ||

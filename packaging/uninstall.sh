@@ -28,9 +28,9 @@ while read -r kind path sum; do
     esac
 done < "$list"
 # The directories install created, deepest first, each only if nothing else has moved in.
-while read -r kind path _; do
-    [[ $kind == dir && -d $path ]] && { rmdir "$path" 2>/dev/null || kept+=("$path (not empty)"); }
-done < "$list"
+while read -r path; do
+    [[ -d $path ]] && { rmdir "$path" 2>/dev/null || kept+=("$path (not empty)"); }
+done < <(awk '$1 == "dir" {print gsub("/", "/", $2), $2}' "$list" | sort -u | sort -k1,1nr | cut -d' ' -f2-)
 rm -rf "${PREFIX:?}"
 if [[ -d /run/systemd/system ]]; then systemctl daemon-reload || true; fi
 echo "removed slurm-antman from $PREFIX"

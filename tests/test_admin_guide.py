@@ -10,9 +10,9 @@ matching the code, this test fails, so the guide cannot drift.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -44,7 +44,7 @@ def test_guide_blocks_are_found():
     blocks = guide_blocks(text)
     assert len(blocks) >= 8
     joined = "\n".join(blocks)
-    for cmd in ("make -C spank install", "antman config render", "antman keys init", "scontrol reconfigure"):
+    for cmd in ("make install", "antman config render", "antman keys init", "scontrol reconfigure"):
         assert cmd in joined, f"{cmd} is no longer among the tested blocks of docs/admin.md"
     # The guide's commands must not hard-code the paths the test redirects.
     assert "/etc/slurm-antman/" not in joined.split("\n", 3)[3]
@@ -55,16 +55,8 @@ def test_marker_without_block_is_an_error():
         guide_blocks(f"{MARKER}\n```\nplain fence\n```\n")
 
 
-def _shim_bin(d: Path) -> Path:
-    """`antman` on PATH as `pip install` would put it, running this checkout."""
-    d.mkdir()
-    (d / "antman").write_text(f"#!/bin/sh\nexec {sys.executable} -m slurm_antman.cli \"$@\"\n")
-    (d / "antman").chmod(0o755)
-    return d
-
-
 @pytest.mark.cluster
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_admin_guide_installs_on_plain_slurm(tmp_path):
     from conftest import _require_slurm
 
@@ -84,25 +76,31 @@ def test_admin_guide_installs_on_plain_slurm(tmp_path):
         # What this loopback site's node line needs beyond CPUs, memory and GRES.
         raw["nodes"][0]["slurm_params"] = f"Port={PORT_BASE + 1} NodeHostname=localhost"
         raw["coordinator"]["key_dir"] = str(antman_etc / "keys")
+        prefix, bin_dir = site / "opt" / "slurm-antman", site / "bin"
+        raw["agent_path"] = str(prefix / "agent")
+        raw["antman_command"] = str(prefix / "bin" / "antman")
         edited = tmp_path / "edited-antman.yaml"
         edited.write_text(yaml.safe_dump(raw, sort_keys=False))
 
-        env = {k: v for k, v in cluster.env.items() if k != "ANTMAN_CONFIG"}  # the guide names its file
-        bin_dir = _shim_bin(tmp_path / "bin")
+        # The guide names its own file; its `antman` is the one its `make install` links into BINDIR.
+        env = {k: v for k, v in cluster.env.items() if k not in ("ANTMAN_CONFIG", "PYTHONPATH")}
         env.update({
             "ANTMAN_ETC": str(antman_etc), "SLURM_ETC": str(etc), "PLUGIN_DIR": str(plugin_dir),
+            "PREFIX": str(prefix), "BINDIR": str(bin_dir), "UNIT_DIR": str(site / "systemd"),
             "EDITOR": f"cp {edited}",
             # This site's slurmd listens on its own port of localhost (the devcluster runs it so).
             "BUILDDIR": str(tmp_path / "spank-build"),  # the spank Makefile's ?= : leave the checkout clean
-            "PATH": f"{bin_dir}:{env['PATH']}", "PYTHONPATH": str(REPO),
+            "PATH": f"{bin_dir}:{env['PATH']}",
         })
         script = "\n".join(blocks)
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=360)
         assert r.returncode == 0, f"the guide's commands failed:\n{script}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}"
 
-        # What the steps left behind.
+        # What the steps left behind: the install, and the files Slurm reads.
         assert (plugin_dir / "antman_spank.so").is_file()
+        assert os.readlink(bin_dir / "antman") == str(prefix / "bin" / "antman")
+        assert (prefix / "agent" / "sitecustomize.py").is_file()
         assert f"include {etc}/plugstack.conf.d/*.conf" in (etc / "plugstack.conf").read_text().splitlines()
         assert (antman_etc / "rendered" / "antman-prolog").stat().st_mode & 0o111
         assert (antman_etc / "keys" / "coordinator.key").is_file()
