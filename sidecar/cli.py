@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--socket-dir", help="directory for the control and job sockets (default: sidecar.socket_dir/NODE)")
     ap.add_argument("--telemetry", choices=("auto", "nvml", "emulated"),
                     help="GPU telemetry source (default: sidecar.telemetry)")
-    ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    ap.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                    help="least severity logged (to stderr: the journal under systemd)")
     return ap
 
 

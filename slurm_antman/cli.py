@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from .devcluster_dir import DEFAULT_DIR as DEVCLUSTER_DIR
 from .errors import AntmanError
 
 
@@ -21,10 +22,17 @@ def _cmd_devcluster(a: argparse.Namespace) -> int:
 
     d = Path(a.dir)
     if a.action == "up":
-        cluster = dc.up(d, nodes=a.nodes, gpus=a.gpus, cpus=a.cpus, port_base=a.port_base, plain=a.plain,
-                        accounting=not a.no_accounting, hosts=a.hosts, cgroups=not a.no_cgroups)
+        # Only what was asked for on the line must match a cluster already running in the directory
+        # (the demo's, left with --keep): `up` alone takes the running one as it is.
+        given = {"nodes": a.nodes, "gpus": a.gpus, "cpus": a.cpus, "port_base": a.port_base,
+                 "plain": a.plain or None, "accounting": False if a.no_accounting else None,
+                 "hosts": a.hosts or None, "cgroups": False if a.no_cgroups else None}
+        given = {k: v for k, v in given.items() if v is not None}  # the rest: up()'s defaults
+        already = dc.running(d)
+        cluster = dc.up(d, **given, require=set(given))
         sys.stdout.write(dc.export_lines(cluster))
-        print(f"# devcluster up in {cluster.dir}: nodes {','.join(cluster.nodes)}, {cluster.gpus} GPUs each; "
+        state = "already running (left as it is)" if already is not None else "up"
+        print(f"# devcluster {state} in {cluster.dir}: nodes {','.join(cluster.nodes)}, {cluster.gpus} GPUs each; "
               f"submit as its ordinary user: runuser -u {cluster.user} -- sbatch ...", file=sys.stderr)
         if cluster.hosts is not None:
             print(f"# the nodes are hosts of their own: Slurm answers on the controller's host, "
@@ -56,6 +64,10 @@ def _cmd_config(a: argparse.Namespace) -> int:
     except cm.ConfigError as e:
         print(str(e), file=sys.stderr)
         return 2
+    if a.action == "merge-slurm-conf":
+        from . import site_settings
+
+        return site_settings.merge_command(cfg, a.slurm_conf, a.hook_dir, a.dry_run)
     if a.action == "check":
         hosts = sum(len(g.hosts) for g in cfg.nodes)
         gpus = sum(len(g.hosts) * g.gpus for g in cfg.nodes)
@@ -131,14 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     dc = sub.add_parser("devcluster", help="a real local Slurm cluster on loopback")
-    dc.add_argument("action", choices=["up", "down", "status"])
-    dc.add_argument("--dir", default=os.environ.get("ANTMAN_DEVCLUSTER_DIR", "/tmp/antman-devcluster"),
-                    help="the cluster's directory: configuration, state, logs (default: $ANTMAN_DEVCLUSTER_DIR "
-                         "or /tmp/antman-devcluster)")
-    dc.add_argument("--nodes", type=int, default=2)
-    dc.add_argument("--gpus", type=int, default=4, help="fake GPUs per node")
-    dc.add_argument("--cpus", type=int, default=4, help="CPUs each node claims")
-    dc.add_argument("--port-base", type=int, default=17817, help="slurmctld port; slurmd ports follow")
+    dc.add_argument("action", choices=["up", "down", "status"],
+                    help="up: start a cluster in --dir (or report the one running there); down: stop it; "
+                         "status: its daemons and nodes")
+    dc.add_argument("--dir", default=str(DEVCLUSTER_DIR),
+                    help="the cluster's directory: configuration, state, logs; the demo's too (default: "
+                         "$ANTMAN_DEVCLUSTER_DIR or /tmp/antman-devcluster)")
+    # No defaults here: `up` tells a flag given (which a running cluster must match) from one left out.
+    dc.add_argument("--nodes", type=int, help="slurmd nodes, node1 to nodeN (default 2)")
+    dc.add_argument("--gpus", type=int, help="fake GPUs per node (default 4)")
+    dc.add_argument("--cpus", type=int, help="CPUs each node claims (default 4)")
+    dc.add_argument("--port-base", type=int, help="slurmctld port; slurmd ports follow (default 17817)")
     dc.add_argument("--plain", action="store_true", help="plain Slurm, without the slurm-antman stack")
     dc.add_argument("--no-accounting", action="store_true",
                     help="no slurmdbd and MariaDB (sacct then fails; quotas come from antman.yaml)")
@@ -147,25 +162,34 @@ def build_parser() -> argparse.ArgumentParser:
                          "and coordinator in another")
     dc.add_argument("--no-cgroups", action="store_true",
                     help="no device cgroups (TaskPlugin=task/none): every job can open every emulated GPU")
-    dc.add_argument("--json", action="store_true")
+    dc.add_argument("--json", action="store_true", help="status: print it as JSON")
     dc.set_defaults(func=_cmd_devcluster)
 
     cf = sub.add_parser("config", help="validate antman.yaml or render the Slurm files from it")
-    cf.add_argument("action", choices=["check", "render"])
-    cf.add_argument("file")
+    cf.add_argument("action", choices=["check", "render", "merge-slurm-conf"],
+                    help="check: validate FILE; render: write the Slurm files made from it to --out; "
+                         "merge-slurm-conf: merge the site-wide settings slurm-antman needs into --slurm-conf "
+                         "(appended to the site's lists, the original backed up; nothing written on a conflict)")
+    cf.add_argument("file", help="the antman.yaml to read")
     cf.add_argument("--out", default="antman-rendered", help="render: output directory")
     cf.add_argument("--config-path", help="render: where antman.yaml will live on the nodes")
-    cf.add_argument("--hook-dir", help="render: where antman-prolog/epilog will live (default --out)")
-    cf.add_argument("--slurm-conf", help="render: slurm.conf the hooks use, when not in Slurm's default place")
+    cf.add_argument("--hook-dir", help="render: where antman-prolog/epilog will live (default --out); "
+                                       "merge-slurm-conf: the same directory, for Prolog= and Epilog=")
+    cf.add_argument("--slurm-conf", help="render: slurm.conf the hooks use, when not in Slurm's default place; "
+                                         "merge-slurm-conf: the slurm.conf to merge into (default: $SLURM_CONF or "
+                                         "/etc/slurm/slurm.conf)")
+    cf.add_argument("--dry-run", action="store_true", help="merge-slurm-conf: print the changes, write nothing")
     cf.set_defaults(func=_cmd_config)
 
     nd = sub.add_parser("node", help="Slurm Prolog/Epilog hooks (run by slurmd)")
-    nd.add_argument("hook", choices=["prolog", "epilog"])
-    nd.add_argument("--config", default=_default_config())
+    nd.add_argument("hook", choices=["prolog", "epilog"],
+                    help="which hook slurmd runs: prolog (before the job starts) or epilog (after it ends)")
+    nd.add_argument("--config", default=_default_config(),
+                    help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
     nd.set_defaults(func=_cmd_node)
 
     sq = sub.add_parser("squeue", help="jobs with their slurm-antman class and GPUs")
-    sq.add_argument("--json", action="store_true")
+    sq.add_argument("--json", action="store_true", help="print the jobs as JSON")
     sq.add_argument("--all", action="store_true", help="include finished jobs Slurm still remembers")
     sq.add_argument("-j", "--jobs", type=_job_ids, default=None, metavar="IDS",
                     help="only these jobs: JOBID, ARRAYID_TASKID or ARRAYID (every task), comma separated")
@@ -173,18 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
     sq.set_defaults(func=_cmd_squeue)
 
     no = sub.add_parser("nodes", help="nodes and GPUs: Slurm state, GRES, sidecar telemetry and jobs")
-    no.add_argument("--json", action="store_true")
+    no.add_argument("--json", action="store_true", help="print the nodes and GPUs as JSON")
     no.add_argument("--config", help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
     no.set_defaults(func=_cmd_nodes)
 
     de = sub.add_parser("demo", help="the guided demo on a local cluster")
     de.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
-    de.add_argument("--dir", default="/tmp/antman-demo")
-    de.add_argument("--port-base", type=int, default=17917)
+    de.add_argument("--dir", default=str(DEVCLUSTER_DIR),
+                    help="the cluster's directory, as `antman devcluster --dir`: the cluster --keep leaves is the "
+                         "one `antman devcluster up/status/down` find there (default: $ANTMAN_DEVCLUSTER_DIR or "
+                         "/tmp/antman-devcluster)")
+    de.add_argument("--port-base", type=int, default=17917, help="slurmctld port; slurmd ports follow")
     de.set_defaults(func=_cmd_demo)
 
     be = sub.add_parser("bench", help="benchmarks (results go to docs/benchmarks.md)", add_help=False)
-    be.add_argument("what")
+    be.add_argument("what", help=f"the benchmark: {', '.join(_BENCHES)} (each has its own --help)")
     be.set_defaults(func=None)
 
     ex = sub.add_parser("explain", help="why the coordinator did what it did to a job (audit log)")

@@ -18,19 +18,19 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 from pathlib import Path
 
 import yaml
 
 from . import agent_bundle
 from . import config as config_mod
+from .devcluster_dir import DEFAULT_DIR
 from .errors import AntmanError
 from .render import RenderOptions, write_all
 from .slurm import version as slurm_version
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DIR = Path(os.environ.get("ANTMAN_DEVCLUSTER_DIR", "/tmp/antman-devcluster"))
 DEFAULT_PORT_BASE = 17817
 MUNGED = "/usr/sbin/munged"
 
@@ -232,6 +232,33 @@ def load(d: Path = DEFAULT_DIR) -> Cluster | None:
     if not f.exists():
         return None
     return Cluster.from_json(json.loads(f.read_text()))
+
+
+def _shape_file(d: Path) -> Path:
+    return d / "up.json"
+
+
+def is_running(cluster: Cluster) -> bool:
+    """Every daemon ``up`` started still runs. munged may be the host's own (then not ours to watch)."""
+    return all(p.alive() for p in cluster.procs if p.name != "munged")
+
+
+def running(d: Path = DEFAULT_DIR) -> Cluster | None:
+    """The cluster running in ``d``, or None."""
+    cluster = load(Path(d).resolve())
+    return cluster if cluster is not None and is_running(cluster) else None
+
+
+def shape_differences(d: Path, asked: dict) -> list[str]:
+    """What ``asked`` (``up``'s arguments that make a cluster what it is) sets otherwise than the cluster
+    started in ``d`` was asked for, as 'name: running X, asked Y'. A cluster started before ``up`` wrote
+    its arguments down has none."""
+    try:
+        had = json.loads(_shape_file(Path(d)).read_text())
+    except (OSError, ValueError):
+        return []
+    want = json.loads(json.dumps(asked, default=str))  # as stored: tuples become lists, paths strings
+    return [f"{k}: running {had[k]!r}, asked {v!r}" for k, v in want.items() if k in had and had[k] != v]
 
 
 def _which(name: str) -> str:
@@ -496,18 +523,29 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
        plain: bool = False, timeout: float = 90, sidecars: bool = True, extra_slurm_conf: str = "",
        extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
        overrides: dict | None = None, accounting: bool = True, cgroups: bool = True,
-       hosts: bool = False) -> Cluster:
+       hosts: bool = False, require: Optional[Iterable[str]] = None) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
     slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
     ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
     ``overrides``: antman.yaml fields on top of the devcluster's (see ``dev_config``); ``accounting``:
     run slurmdbd on a MariaDB of its own, the tenants as accounts (see devcluster_accounting);
     ``cgroups``: task/cgroup with ConstrainDevices=yes (cgroup.conf), on by default as at GPU sites;
-    ``hosts``: every node a host of its own, in its own network namespace (see ``Hosts``)."""
+    ``hosts``: every node a host of its own, in its own network namespace (see ``Hosts``);
+    ``require``: the arguments a cluster already running in ``d`` must have been started with for ``up``
+    to return it (default: all of them; `antman devcluster up` names the flags given)."""
+    # Every argument but these makes the cluster what it is (first: before any other local exists).
+    shape = {k: v for k, v in locals().items() if k not in ("d", "timeout", "require")}
     d = Path(d).resolve()
     existing = load(d)
-    if existing and all(p.alive() for p in existing.procs if p.name != "munged"):
-        return existing  # `up` twice is harmless: the running cluster is the answer
+    if existing and is_running(existing):
+        # `up` on a running cluster returns it, untouched: a second cluster in the same directory would
+        # take its ports and files. Returned only as it was asked for: a caller that needs another shape
+        # (the demo's one GPU, a test's overrides) must not run on this one unawares.
+        differ = shape_differences(d, {k: v for k, v in shape.items() if require is None or k in require})
+        if differ:
+            raise DevclusterError(f"a cluster already runs in {d}, not as asked ({'; '.join(differ)}): stop it "
+                                  f"first (antman devcluster down --dir {d}) or give another directory")
+        return existing
     if existing:
         down(d)
     if nodes < 1 or gpus < 1:
@@ -532,6 +570,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     run_dir(port_base).chmod(0o755)  # the jobs' agents reach their sockets below
     for sub in ("etc", "dev", "state/ctld", "log", "run", "lib", "antman-state"):
         (d / sub).mkdir(parents=True, exist_ok=True)
+    _shape_file(d).write_text(json.dumps(shape, indent=2, default=str))
     ensure_user()
     # The user's jobs open the GPUs in dev/ and their agents the sidecar sockets in run/, as on a
     # site's /dev and /run: the directories on the way must let them through (read and write stays
@@ -743,6 +782,7 @@ def down(d: Path = DEFAULT_DIR, timeout: float = 20) -> list[str]:
     if not any(os.path.ismount(p) for p in (run_dir(cluster.port_base), sidecar_socket_dir(cluster.port_base))):
         shutil.rmtree(run_dir(cluster.port_base), ignore_errors=True)
     _state_file(d).unlink(missing_ok=True)
+    _shape_file(d).unlink(missing_ok=True)
     return stopped
 
 
@@ -809,16 +849,37 @@ def _reap(pid: int) -> None:
         pass
 
 
+NODE_FORMAT = "%N|%T|%G|%P"
+
+
+def node_lines(sinfo_out: str) -> list[str]:
+    """One line per node from ``sinfo -h -N -o NODE_FORMAT``, which gives a line per node *and partition*
+    (every devcluster node is in the guaranteed and the opportunistic partition): 'NODE STATE GRES
+    (partitions P1,P2)', in sinfo's order of nodes."""
+    nodes: dict[str, tuple[str, str, list[str]]] = {}
+    for line in sinfo_out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        name, state, gres, partition = parts
+        seen = nodes.setdefault(name, (state, gres, []))
+        if partition not in seen[2]:
+            seen[2].append(partition)
+    # Sorted: sinfo's order of one node's partitions is not the same from one call to the next.
+    return [f"{name} {state} {gres} (partitions {','.join(sorted(parts))})"
+            for name, (state, gres, parts) in nodes.items()]
+
+
 def status(d: Path = DEFAULT_DIR) -> dict:
     cluster = load(Path(d).resolve())
     if cluster is None:
         return {"running": False, "dir": str(d), "procs": []}
     procs = [{"name": p.name, "pid": p.pid, "alive": p.alive()} for p in cluster.procs]
-    info = cluster.run(["sinfo", "-h", "-N", "-o", "%N %T %G"], timeout=20) if procs[0]["alive"] or True else None
+    info = cluster.run(["sinfo", "-h", "-N", "-o", NODE_FORMAT], timeout=20)
     return {
-        "running": all(p["alive"] for p in procs),
+        "running": is_running(cluster),  # as `up` decides whether to leave it be
         "dir": str(cluster.dir), "procs": procs, "slurm_conf": str(cluster.slurm_conf),
-        "nodes": info.stdout.strip().splitlines() if info and info.returncode == 0 else [],
+        "nodes": node_lines(info.stdout) if info.returncode == 0 else [],
     }
 
 

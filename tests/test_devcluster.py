@@ -49,8 +49,20 @@ def test_up_twice_status_down_stops_only_its_processes(tmp_path):
         assert {"slurmctld", "slurmd:node1", "slurmd:node2", "sidecar:node1", "sidecar:node2"} <= set(names)
         pids = {p["name"]: p["pid"] for p in st["procs"]}
 
-        again = _antman("devcluster", "up", "--dir", str(d), "--port-base", "18517")
-        assert again.returncode == 0 and again.stdout == r.stdout
+        # Each node once, though sinfo -N gives a line per node and partition.
+        text = _antman("devcluster", "status", "--dir", str(d)).stdout
+        assert [line.split()[0] for line in text.splitlines() if line.startswith("  node")] == ["node1", "node2"]
+        assert len(st["nodes"]) == 2 and "(partitions gpu*,opportunistic)" in st["nodes"][0], st["nodes"]
+
+        # `up` on the running cluster (the demo's, after --keep) says so and leaves it be; with flags it
+        # was not started with, it refuses and names them.
+        for args in (["--port-base", "18517"], []):
+            again = _antman("devcluster", "up", "--dir", str(d), *args)
+            assert again.returncode == 0 and again.stdout == r.stdout
+            assert f"devcluster already running (left as it is) in {d.resolve()}" in again.stderr
+        other = _antman("devcluster", "up", "--dir", str(d), "--nodes", "3")
+        assert other.returncode == 1 and "nodes: running 2, asked 3" in other.stderr, other.stderr
+        assert "antman devcluster down" in other.stderr
         st2 = json.loads(_antman("devcluster", "status", "--dir", str(d), "--json").stdout)
         assert {p["name"]: p["pid"] for p in st2["procs"]} == pids  # nothing restarted, nothing doubled
 

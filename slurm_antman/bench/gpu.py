@@ -355,11 +355,13 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"total seconds for all selected parts (default: their sum, {DEFAULT_BUDGET_S:.0f} s for "
                         "all); less scales every part's budget down")
     p.add_argument("--parts", help=f"comma-separated subset of: {', '.join(BY_NAME)} (default: all)")
-    p.add_argument("--run-part", help=argparse.SUPPRESS)
-    p.add_argument("--target", help=argparse.SUPPRESS)
-    p.add_argument("--part-budget-s", type=float, help=argparse.SUPPRESS)
-    p.add_argument("--record", help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
+    # Shown, not hidden: whoever finds one in `ps` can look it up.
+    p.add_argument("--run-part", metavar="PART",
+                   help="internal, passed by the parent to each part's own process: run only this part")
+    p.add_argument("--target", metavar="MODULE:FUNCTION", help="internal (with --run-part): the part's function")
+    p.add_argument("--part-budget-s", type=float, help="internal (with --run-part): the part's seconds")
+    p.add_argument("--record", metavar="FILE", help="internal (with --run-part): where the part writes its record")
+    p.add_argument("--workdir", metavar="DIR", help="internal (with --run-part): the part's scratch directory")
     return p
 
 

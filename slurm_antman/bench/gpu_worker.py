@@ -66,14 +66,16 @@ def window(loop: Any, agent: Any, seconds: float, stall_ms: float, sync: Any, rn
 
 def worker_main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m slurm_antman.bench.gpu_worker")
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--batch", type=int)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--job-id")
-    ap.add_argument("--job-class", default="none")
-    ap.add_argument("--endpoint")
+    ap.add_argument("--model", required=True, help="the model-zoo model to train (slurm_antman.evaluation.model_zoo)")
+    ap.add_argument("--batch", type=int, help="mini-batch size (default: the model's own)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights, the synthetic data and the stalls")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="train on the GPU or on the CPU")
+    ap.add_argument("--warmup", type=int, default=3, help="mini-batches trained before the ready line")
+    ap.add_argument("--job-id", help="the job id the agent registers with the sidecar as")
+    ap.add_argument("--job-class", default="none", choices=("none", "guaranteed", "opportunistic"),
+                    help="the agent's job class")
+    ap.add_argument("--endpoint", help="sidecar endpoint the agent connects to over ZeroMQ (default: none, "
+                                       "the agent runs unconnected)")
     a = ap.parse_args(argv)
 
     import torch

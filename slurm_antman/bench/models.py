@@ -428,8 +428,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads per worker (cpu)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="write the JSON document to this file")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--stall-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    # Shown, not hidden: whoever finds one in `ps` can look it up.
+    p.add_argument("--worker", metavar="PROFILE",
+                   help="internal, passed by the parent to each worker process: train this profile and print "
+                        "its measurements as one JSON line")
+    p.add_argument("--stall-ms", type=float, default=0.0,
+                   help="internal (with --worker): mean idle milliseconds before each step (the duty's sleep)")
     return p
 
 

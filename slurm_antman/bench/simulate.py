@@ -21,9 +21,9 @@ def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: f
     p.add_argument("--trace", required=True, help="Philly (philly_pollux.csv) or openb pod list CSV")
     p.add_argument("--window", help="START:END in seconds from the trace start, or ISO START/END")
     p.add_argument("--tenants", help="comma-separated tenants (Philly virtual clusters) to keep")
-    p.add_argument("--nodes", type=int, default=nodes)
+    p.add_argument("--nodes", type=int, default=nodes, help="nodes of the cluster the trace is replayed on")
     p.add_argument("--gpus", type=int, default=gpus, help="GPUs per node")
-    p.add_argument("--gpu-mem-gib", type=float, default=32.0)
+    p.add_argument("--gpu-mem-gib", type=float, default=32.0, help="memory of each GPU in GiB")
     p.add_argument("--speedup", type=float, default=speedup, help="divide every trace time by this")
     p.add_argument("--policy", default="antman",
                    help=f"one of {', '.join(POLICIES)}, a comma-separated list, or 'all'")

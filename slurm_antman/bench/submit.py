@@ -96,9 +96,11 @@ def run(jobs_per_round: int, rounds: int, base_dir: Path, port_base: int) -> dic
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="antman bench submit", description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=50, help="jobs per variant between queue clean-ups")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--port-base", type=int, default=18617)
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="rounds of --jobs submissions per variant; the medians are over all of them")
+    ap.add_argument("--port-base", type=int, default=18617,
+                    help="slurmctld port of the plain cluster; the slurm-antman one uses +50, the empty-Lua one +100")
+    ap.add_argument("--json", action="store_true", help="print the result as JSON")
     a = ap.parse_args(argv)
     if a.jobs < 1 or a.rounds < 1:
         ap.error("--jobs and --rounds must be at least 1")

@@ -439,7 +439,8 @@ def make_hub(cfg: cfgmod.AntmanConfig) -> Any:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="antman coordinator", description="the cluster coordinator daemon")
     ap.add_argument("--config", default=None, help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
-    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    ap.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                    help="least severity logged (to stderr: the journal under systemd)")
     return ap
 
 

@@ -96,7 +96,8 @@ def render(job_id: str, recs: list[dict], audit_path: str, as_json: bool = False
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("job_id", help="Slurm job id, or ARRAYID_TASKID for an array task (as squeue shows it)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="print the job's records as JSON: decisions, placements and pauses")
     ap.add_argument("--config", default=None, help="antman.yaml (default: $ANTMAN_CONFIG or /etc/slurm-antman/antman.yaml)")
     ap.add_argument("--audit-log", default=None, help="read this audit log instead of the configured one")
 
