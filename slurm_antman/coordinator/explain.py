@@ -119,8 +119,8 @@ def _known_to_slurm(job: str, gres: str) -> tuple[Optional[str], bool]:
 
 
 def _readable(path: str) -> bool:
-    # PATH itself: right after a rotation it may not exist yet while PATH.1 does.
-    return any(p.is_file() and os.access(p, os.R_OK) for p in audit.files(path))
+    # Any of the log's files: after a logrotate rename PATH is missing until the coordinator reopens it.
+    return any(os.path.isfile(p) and os.access(p, os.R_OK) for p in audit.files(path))
 
 
 def _task_raw_id(task: str, gres: str) -> Optional[str]:
