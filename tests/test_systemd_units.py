@@ -65,7 +65,7 @@ def test_systemd_analyze_verify(name, tmp_path):
         pytest.skip("systemd-analyze is not installed (apt-get install systemd); the key checks above still ran")
     # verify insists that ExecStart exists here; the antman entry point of this checkout stands in.
     exe = shutil.which("antman") or "/bin/true"
-    text = (UNITS / name).read_text().replace("/usr/local/bin/antman", exe)
+    text = (UNITS / name).read_text().replace("/opt/slurm-antman/bin/antman", exe)
     (tmp_path / name).write_text(text)
     r = subprocess.run([tool, "verify", str(tmp_path / name)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "Unknown key" not in r.stderr and "Unknown section" not in r.stderr, r.stderr
