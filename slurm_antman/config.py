@@ -69,6 +69,11 @@ class NodeGroup(_Strict):
         default=None, pattern=r"^[A-Za-z]+=\S+( [A-Za-z]+=\S+)*$",
         description="Extra words for these nodes' NodeName= lines, e.g. 'Sockets=2 CoresPerSocket=32'.",
     )
+    gpu_type: Optional[str] = Field(
+        default=None, pattern=_SLURM_NAME,
+        description="GPU type of these nodes, e.g. h100: Gres=gpu:h100:N and gres.conf Type=h100, so jobs may ask "
+                    "for --gres=gpu:h100:N; their opportunistic slots carry the type too, so an opportunistic "
+                    "--gres=gpu:h100:1 runs on one of these nodes. null: untyped.")
 
     @field_validator("name")
     @classmethod
@@ -114,6 +119,138 @@ class Tenant(_Strict):
         return v
 
 
+# Slurm's time limits (slurm.conf(5) MaxTime=): minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit.
+_SLURM_TIME = re.compile(r"^(?:(?P<m>\d+)(?::(?P<ms>\d{1,2}))?|(?P<h>\d+):(?P<hm>\d{1,2}):(?P<hs>\d{1,2})"
+                         r"|(?P<d>\d+)-(?P<dh>\d{1,2})(?::(?P<dm>\d{1,2})(?::(?P<ds>\d{1,2}))?)?)$")
+_NO_LIMIT = ("INFINITE", "UNLIMITED")
+
+
+def slurm_time_minutes(text: str) -> Optional[int]:
+    """``7-00:00:00`` -> 10080; INFINITE/UNLIMITED -> None (no limit); seconds round up, as Slurm does.
+    ValueError naming the accepted forms for anything else."""
+    if text.upper() in _NO_LIMIT:
+        return None
+    m = _SLURM_TIME.match(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a Slurm time; use minutes ('90'), 'HH:MM:SS', 'D-HH:MM:SS' (e.g. "
+                         "'7-00:00:00') or INFINITE")
+    g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
+    seconds = (g.get("m", 0) * 60 + g.get("ms", 0) + g.get("h", 0) * 3600 + g.get("hm", 0) * 60 + g.get("hs", 0)
+               + g.get("d", 0) * 86400 + g.get("dh", 0) * 3600 + g.get("dm", 0) * 60 + g.get("ds", 0))
+    return -(-seconds // 60)
+
+
+# Keys of a PartitionName= line that slurm-antman writes itself: from typed fields, or its own to decide.
+_PARTITION_OWNED = {
+    "partitionname": "the partition's name is slurm.guaranteed_partition / opportunistic_partition",
+    "nodes": "slurm-antman puts every GPU node of antman.yaml in both partitions",
+    "prioritytier": "the two partitions' tiers are what lets guaranteed jobs preempt opportunistic ones",
+    "preemptmode": "guaranteed jobs are never preempted, opportunistic ones are requeued",
+    "gracetime": "set grace_time_s",
+    "state": "the partitions are rendered UP",
+    "default": "set default (or slurm.default_partition)",
+    "maxtime": "set max_time", "defaulttime": "set default_time",
+    "allowaccounts": "set allow_accounts", "denyaccounts": "set deny_accounts",
+    "allowgroups": "set allow_groups", "allowqos": "set allow_qos", "denyqos": "set deny_qos",
+    "qos": "set qos", "maxnodes": "set max_nodes",
+}
+
+
+def _names(v: Optional[list[str]], what: str, one: str) -> Optional[list[str]]:
+    if v is None:
+        return v
+    if not v:
+        raise ValueError(f"an empty list of {what} would let nobody in; leave it out (null) for no restriction")
+    for name in v:
+        if not re.match(_SLURM_NAME, name):
+            raise ValueError(f"{name!r} is not a Slurm {one} name (letters, digits, '_' and '-')")
+    if len(set(v)) != len(v):
+        raise ValueError(f"{what} listed twice: {', '.join(sorted({n for n in v if v.count(n) > 1}))}")
+    return v
+
+
+class PartitionOptions(_Strict):
+    """What a site sets on a partition, rendered onto its PartitionName= line; unset fields are left to Slurm."""
+
+    max_time: str = Field(default="INFINITE",
+                          description="MaxTime=: the longest time limit a job may have ('7-00:00:00', minutes, "
+                                      "INFINITE). Quote it: YAML reads 1:30 as a number.")
+    default_time: Optional[str] = Field(default=None, description="DefaultTime=: a job's time limit when it gives "
+                                                                   "none; at most max_time.")
+    default: Optional[bool] = Field(default=None, description="Default=YES/NO; null: YES for the partition named "
+                                                              "by slurm.default_partition.")
+    allow_accounts: Optional[list[str]] = Field(default=None, description="AllowAccounts=: only these accounts may "
+                                                                          "use it; null: all.")
+    deny_accounts: Optional[list[str]] = Field(default=None, description="DenyAccounts=: these accounts may not.")
+    allow_groups: Optional[list[str]] = Field(default=None, description="AllowGroups=: only these Unix groups.")
+    allow_qos: Optional[list[str]] = Field(default=None, description="AllowQos=: only these QOS; null: all.")
+    deny_qos: Optional[list[str]] = Field(default=None, description="DenyQos=: these QOS may not.")
+    qos: Optional[str] = Field(default=None, pattern=_SLURM_NAME, description="QOS=: the partition's own QOS, "
+                                                                              "whose limits apply to its jobs.")
+    max_nodes: Optional[int] = Field(default=None, ge=1, description="MaxNodes=: nodes one job may use.")
+    slurm_params: Optional[str] = Field(
+        default=None, pattern=r"^[A-Za-z]+=\S+( [A-Za-z]+=\S+)*$",
+        description="Any other words for the PartitionName= line, e.g. 'OverSubscribe=NO ExclusiveUser=YES'.")
+
+    @field_validator("max_time", "default_time")
+    @classmethod
+    def _time(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            slurm_time_minutes(v)
+        return v
+
+    @field_validator("allow_accounts", "deny_accounts")
+    @classmethod
+    def _accounts(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        return _names(v, "accounts", "account")
+
+    @field_validator("allow_groups")
+    @classmethod
+    def _groups(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        return _names(v, "groups", "group")
+
+    @field_validator("allow_qos", "deny_qos")
+    @classmethod
+    def _qos(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        return _names(v, "QOS", "QOS")
+
+    @field_validator("slurm_params")
+    @classmethod
+    def _not_owned(cls, v: Optional[str]) -> Optional[str]:
+        for word in (v or "").split():
+            key = word.split("=", 1)[0]
+            if key.lower() in _PARTITION_OWNED:
+                raise ValueError(f"{key}= is not for slurm_params: {_PARTITION_OWNED[key.lower()]}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PartitionOptions":
+        if self.allow_accounts is not None and self.deny_accounts is not None:
+            raise ValueError("allow_accounts and deny_accounts exclude each other (Slurm ignores DenyAccounts "
+                             "once AllowAccounts is set); keep one")
+        if self.allow_qos is not None and self.deny_qos is not None:
+            raise ValueError("allow_qos and deny_qos exclude each other; keep one")
+        if self.default_time is not None:
+            most, default = slurm_time_minutes(self.max_time), slurm_time_minutes(self.default_time)
+            if most is not None and (default is None or default > most):
+                raise ValueError(f"default_time {self.default_time!r} is longer than max_time {self.max_time!r}")
+        return self
+
+
+class Partitions(_Strict):
+    guaranteed: PartitionOptions = Field(default_factory=PartitionOptions,
+                                         description="Options of slurm.guaranteed_partition.")
+    opportunistic: PartitionOptions = Field(default_factory=PartitionOptions,
+                                            description="Options of slurm.opportunistic_partition.")
+
+    @model_validator(mode="after")
+    def _one_default(self) -> "Partitions":
+        if self.guaranteed.default and self.opportunistic.default:
+            raise ValueError("guaranteed.default and opportunistic.default are both true; Slurm has one default "
+                             "partition")
+        return self
+
+
 class SlurmNames(_Strict):
     gpu_gres: str = Field(default="gpu", pattern=_SLURM_NAME, description="GRES name of physical GPUs.")
     opportunistic_gres: str = Field(
@@ -126,8 +263,11 @@ class SlurmNames(_Strict):
         default=None, description="QOS given to opportunistic jobs; none keeps the job's own."
     )
     default_partition: str = Field(
-        default="gpu", pattern=_SLURM_NAME, description="Partition marked Default=YES."
-    )
+        default="gpu", pattern=_SLURM_NAME,
+        description="Partition marked Default=YES (unless partitions.*.default says otherwise); a name other "
+                    "than the two leaves both Default=NO (a partition of the site's is the default).")
+    partitions: Partitions = Field(default_factory=Partitions,
+                                   description="Options of the two partitions (time limits, who may use them).")
 
     @model_validator(mode="after")
     def _distinct(self) -> "SlurmNames":
@@ -135,7 +275,22 @@ class SlurmNames(_Strict):
             raise ValueError("gpu_gres and opportunistic_gres must differ")
         if self.guaranteed_partition == self.opportunistic_partition:
             raise ValueError("guaranteed_partition and opportunistic_partition must differ")
+        allowed = self.partitions.opportunistic.allow_qos
+        if self.opportunistic_qos is not None and allowed is not None and self.opportunistic_qos not in allowed:
+            raise ValueError(f"opportunistic_qos {self.opportunistic_qos!r} is not in partitions.opportunistic."
+                             f"allow_qos ({', '.join(allowed)}): every opportunistic job would be refused")
         return self
+
+    def partition_default(self, which: str) -> bool:
+        """Default=YES for ``which`` (guaranteed | opportunistic)."""
+        opts: PartitionOptions = getattr(self.partitions, which)
+        if opts.default is not None:
+            return opts.default
+        other: PartitionOptions = getattr(self.partitions, "opportunistic" if which == "guaranteed" else "guaranteed")
+        if other.default:
+            return False
+        name = self.guaranteed_partition if which == "guaranteed" else self.opportunistic_partition
+        return self.default_partition == name
 
 
 class Opportunistic(_Strict):

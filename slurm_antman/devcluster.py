@@ -27,6 +27,7 @@ from . import agent_bundle
 from . import config as config_mod
 from .devcluster_dir import DEFAULT_DIR
 from .errors import AntmanError
+from . import site_settings
 from .render import RenderOptions, write_all
 from .slurm import version as slurm_version
 
@@ -401,6 +402,10 @@ def _base_slurm_conf(d: Path, port_base: int, with_antman: bool, accounting: lis
         "SlurmctldTimeout=30",
         "SlurmdTimeout=60",
         f"PlugStackConfig={d}/etc/plugstack.conf",
+        # The site's own values of keys slurm-antman needs more of: up() merges its needs into them
+        # (site_settings), so every cluster shows a merge that keeps what the site had.
+        "GresTypes=gpu",
+        "SlurmctldParameters=enable_configless",
         f"Include {d}/etc/antman.slurm.conf",
     ]
     return "\n".join(lines) + "\n"
@@ -523,7 +528,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
        plain: bool = False, timeout: float = 90, sidecars: bool = True, extra_slurm_conf: str = "",
        extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
        overrides: dict | None = None, accounting: bool = True, cgroups: bool = True,
-       hosts: bool = False, require: Optional[Iterable[str]] = None) -> Cluster:
+       hosts: bool = False, require: Optional[Iterable[str]] = None, site_scripts: bool = False) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
     slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
     ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
@@ -532,7 +537,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     ``cgroups``: task/cgroup with ConstrainDevices=yes (cgroup.conf), on by default as at GPU sites;
     ``hosts``: every node a host of its own, in its own network namespace (see ``Hosts``);
     ``require``: the arguments a cluster already running in ``d`` must have been started with for ``up``
-    to return it (default: all of them; `antman devcluster up` names the flags given)."""
+    to return it (default: all of them; `antman devcluster up` names the flags given);
+    ``site_scripts``: play a site with Lua scripts of its own: etc/examples/job_submit.lua and
+    cli_filter.lua (site rules plus the one line calling slurm-antman's modules) instead of the plain ones."""
     # Every argument but these makes the cluster what it is (first: before any other local exists).
     shape = {k: v for k, v in locals().items() if k not in ("d", "timeout", "require")}
     d = Path(d).resolve()
@@ -590,7 +597,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     raw = dev_config(d, nodes, gpus, cpus, antman_command, port_base, overrides)
     (d / "antman.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     cfg = config_mod.load(d / "antman.yaml")
-    cluster = Cluster(d, cfg.nodes[0].hosts, gpus, port_base, plain, accounting=accounting,
+    # Every node of every node group (a test may give several, e.g. of two GPU types).
+    cluster = Cluster(d, [h for g in cfg.nodes for h in g.hosts], gpus, port_base, plain, accounting=accounting,
                       hosts=the_hosts if hosts else None)
     if cluster.hosts is not None:
         node_params = {h: f"Port={port_base + 1 + i} NodeAddr={cluster.hosts.addr(h)} NodeHostname={h}"
@@ -603,11 +611,18 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     acct_lines = None
     if accounting:
         acct.prepare(d, port_base)
-        acct_lines = acct.slurm_conf_lines(port_base, (cfg.slurm.gpu_gres, cfg.slurm.opportunistic_gres),
+        acct_lines = acct.slurm_conf_lines(port_base, (cfg.slurm.gpu_gres,),
                                            cluster.hosts.addr("ctl") if cluster.hosts is not None else "localhost")
     ctl_addr = cluster.hosts.addr("ctl") if cluster.hosts is not None else None
-    (d / "etc" / "slurm.conf").write_text(_base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups,
-                                                           ctl_addr) + extra_slurm_conf)
+    # The devcluster plays a site with slurm.conf settings of its own, and merges what slurm-antman needs
+    # into them as docs/admin.md tells an admin to (antman config merge-slurm-conf): never overwritten.
+    site_conf = _base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups, ctl_addr)
+    merged = site_settings.merge_text(site_conf, site_settings.needs(cfg, str(d / "etc"), with_antman=not plain),
+                                      many_prologs=slurm_version.many_prolog_lines(version))
+    if merged.conflicts:
+        raise DevclusterError("the devcluster's slurm.conf conflicts with what slurm-antman needs: "
+                              + "; ".join(merged.conflicts))
+    (d / "etc" / "slurm.conf").write_text(merged.text + extra_slurm_conf)
     cgroup_conf = d / "etc" / "cgroup.conf"
     if cgroups:
         cgroup_conf.write_text(CGROUP_CONF)
@@ -621,8 +636,12 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         (d / "etc" / "plugstack.conf").write_text("# plain Slurm: no SPANK plugins\n")
     else:
         (d / "etc" / "plugstack.conf").write_text(f"include {d}/etc/plugstack.conf.d/*.conf\n")
-        shutil.copy2(REPO / "etc" / "job_submit.lua", d / "etc" / "job_submit.lua")
-        shutil.copy2(REPO / "etc" / "cli_filter.lua", d / "etc" / "cli_filter.lua")
+        # Every one of them: the scripts and the modules they load.
+        for script in sorted((REPO / "etc").glob("*.lua")):
+            shutil.copy2(script, d / "etc" / script.name)
+        if site_scripts:  # a site's own scripts, each with the one line that calls slurm-antman's module
+            for name in ("job_submit.lua", "cli_filter.lua"):
+                shutil.copy2(REPO / "etc" / "examples" / name, d / "etc" / name)
         build_spank(d / "lib" / "antman_spank.so")
         if cfg.agent_path:
             agent_bundle.build(Path(cfg.agent_path))

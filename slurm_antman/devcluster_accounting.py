@@ -41,7 +41,9 @@ def _socket(d: Path) -> Path:
 
 
 def slurm_conf_lines(port_base: int, gres_names: Iterable[str], host: str = "localhost") -> list[str]:
-    """``host``: where slurmctld and every client (sacct on a node, submitit in a job) reach slurmdbd."""
+    """``host``: where slurmctld and every client (sacct on a node, submitit in a job) reach slurmdbd;
+    ``gres_names``: the GRES the site itself tracks (its GPUs). What slurm-antman adds to the list (its
+    opportunistic slots, for sacct and sreport) is merged in by ``up``, as at a site."""
     return [
         "AccountingStorageType=accounting_storage/slurmdbd",
         f"AccountingStorageHost={host}",

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import config as cfgmod
-from . import tenants
+from . import site_settings, tenants
 from .slurm import version as slurm_version
-from .slurm.parsing import parse_scontrol_config
 
 SKEW_WARN_S = 2.0
 SKEW_FAIL_S = 60.0  # munge credentials carry a timestamp; large skew makes slurmd reject them
@@ -72,12 +71,22 @@ def _first_error(r: subprocess.CompletedProcess) -> str:
     return lines[-1] if lines else f"exit status {r.returncode}"
 
 
-def slurm_config() -> tuple[Optional[dict[str, str]], Check]:
-    r = _run(["scontrol", "show", "config"])
-    if r.returncode != 0:
-        return None, fail("slurm", f"scontrol show config failed: {_first_error(r)}",
+def _read_config() -> dict[str, str]:
+    from .slurm.cli_backend import CliBackend
+
+    return CliBackend(timeout=COMMAND_TIMEOUT_S).config()
+
+
+def slurm_config(read: Callable[[], dict[str, str]] = _read_config) -> tuple[Optional[dict[str, str]], Check]:
+    """The running Slurm's effective configuration (``scontrol show config``, through the Slurm adapter):
+    what slurmctld runs with, whatever files it came from."""
+    from .slurm.errors import SlurmError
+
+    try:
+        conf = read()
+    except SlurmError as e:
+        return None, fail("slurm", f"scontrol show config failed: {e.message}",
                           "start slurmctld, or set SLURM_CONF to the slurm.conf this host uses")
-    conf = parse_scontrol_config(r.stdout)
     return conf, ok("slurm", f"slurmctld answers (Slurm {conf.get('SLURM_VERSION', '?')}, "
                              f"slurm.conf {conf.get('SLURM_CONF', '?')})")
 
@@ -188,17 +197,44 @@ def check_versions(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
     return ok("slurm_version", f"plugin built for {built_s}, Slurm {running}")
 
 
+JOB_SUBMIT_MODULE = "antman_job_submit.lua"
+JOB_SUBMIT_FILES = ("job_submit.lua", JOB_SUBMIT_MODULE, "antman_settings_loader.lua", "antman_settings.lua")
+CHAIN_LINE = ('dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. '
+              '"antman_job_submit.lua").chain()')
+
+
 def check_job_submit(sconf: dict[str, str]) -> Check:
+    """The Lua files next to slurm.conf, and the site's job_submit.lua calling the module (whether Slurm
+    runs job_submit/lua at all is the slurm_conf check's)."""
     etc = Path(sconf.get("SLURM_CONF", "/etc/slurm/slurm.conf")).parent
-    missing = [n for n in ("job_submit.lua", "antman_settings.lua") if not (etc / n).is_file()]
+    missing = [n for n in JOB_SUBMIT_FILES if not (etc / n).is_file()]
     if missing:
         return fail("job_submit", f"missing next to slurm.conf in {etc}: {', '.join(missing)}",
-                    "copy etc/job_submit.lua there and run `antman config render` for antman_settings.lua")
-    if "lua" not in sconf.get("JobSubmitPlugins", ""):
-        return fail("job_submit", f"JobSubmitPlugins is {sconf.get('JobSubmitPlugins') or 'unset'}, not lua",
-                    "add JobSubmitPlugins=lua to slurm.conf (the rendered antman.slurm.conf has it) and "
-                    "scontrol reconfigure")
-    return ok("job_submit", f"job_submit.lua and antman_settings.lua in {etc}, JobSubmitPlugins=lua")
+                    "copy etc/antman_job_submit.lua and etc/antman_settings_loader.lua there (and etc/job_submit.lua "
+                    "where the site has none), and run `antman config render` for antman_settings.lua")
+    try:
+        text = (etc / "job_submit.lua").read_text(errors="replace")
+    except OSError as e:
+        return fail("job_submit", f"cannot read {etc / 'job_submit.lua'}: {e.strerror}", "check its permissions")
+    code = "\n".join(line.split("--", 1)[0] for line in text.splitlines())
+    if JOB_SUBMIT_MODULE not in code:
+        return fail("job_submit", f"{etc / 'job_submit.lua'} does not load {JOB_SUBMIT_MODULE}: jobs are not "
+                                  "classified",
+                    f"add this line to it (anywhere at its top level): {CHAIN_LINE}")
+    return ok("job_submit", f"job_submit.lua in {etc} loads {JOB_SUBMIT_MODULE}; settings and loader beside it")
+
+
+def check_slurm_conf(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> list[Check]:
+    """The site-wide keys slurm-antman needs, judged on the running Slurm's values (by membership for the
+    lists): one line per key that lacks something, naming what the site has and what is needed."""
+    probs = site_settings.problems(site_settings.needs(cfg), sconf)
+    hint = ("merge the needs into slurm.conf (antman config merge-slurm-conf, or by hand from the rendered "
+            "slurm.conf.needed), then restart slurmctld and slurmd")
+    if not probs:
+        return [ok("slurm_conf", "the site-wide settings slurm-antman needs are in force (GresTypes, preemption, "
+                                 "plugins, Prolog/Epilog" + (", AccountingStorageTRES" if sconf.get(
+                                     "AccountingStorageType") == tenants.SLURMDBD else "") + ")")]
+    return [fail("slurm_conf", p.text, hint) for p in probs]
 
 
 QUOTA_FILE_NAME = "antman_quota.lua"  # the one name job_submit.lua reads, from its own directory
@@ -238,22 +274,26 @@ def check_quota_file(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]]) 
 
 
 def check_hooks(sconf: dict[str, str]) -> Check:
+    """The programs Slurm runs as Prolog/Epilog are executable here (whether one of them runs antman's
+    hook is the slurm_conf check's)."""
     problems = []
     for key in ("Prolog", "Epilog"):
-        val = sconf.get(key, "(null)")
-        if val in ("", "(null)"):
+        progs = site_settings._members(sconf.get(key))
+        if not progs:
             problems.append(f"{key} is not set")
             continue
-        path = shlex.split(val)[0]
-        if not os.access(path, os.X_OK):
-            problems.append(f"{key}={path} is not an executable file")
+        base = Path(sconf.get("SLURM_CONF", "/etc/slurm/slurm.conf")).parent
+        for prog in progs:
+            path = shlex.split(prog)[0] if prog.strip() else prog
+            path = path if path.startswith("/") else str(base / path)
+            found = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
+            for f in found or [path]:
+                if not os.access(f, os.X_OK):
+                    problems.append(f"{key}={f} is not an executable file")
     if problems:
         return fail("prolog_epilog", "; ".join(problems),
-                    "add the Prolog=/Epilog= lines from the rendered antman.slurm.conf; the hooks must be "
-                    "executable on every node")
-    if "Alloc" not in sconf.get("PrologFlags", ""):
-        return warn("prolog_epilog", "PrologFlags lacks Alloc: the GPU choice may come after the first task",
-                    "set PrologFlags=Alloc")
+                    "set Prolog=/Epilog= to the rendered antman-prolog/antman-epilog (slurm.conf.needed); the "
+                    "hooks must be executable on every node")
     return ok("prolog_epilog", f"Prolog={sconf['Prolog']}, Epilog={sconf['Epilog']}")
 
 
@@ -519,6 +559,10 @@ def run_checks(config_path: str, node: str) -> list[Check]:
         checks.append(check_versions(cfg, sconf))
     else:
         checks.append(skip("slurm_version", need_slurm if not sconf else "no plugin file to read"))
+    if cfg and sconf:
+        checks += check_slurm_conf(cfg, sconf)
+    else:
+        checks.append(skip("slurm_conf", need_cfg if not cfg else need_slurm))
     checks.append(check_job_submit(sconf) if sconf else skip("job_submit", need_slurm))
     checks.append(check_quota_file(cfg, sconf) if cfg else skip("quota_file", need_cfg))
     checks.append(check_hooks(sconf) if sconf else skip("prolog_epilog", need_slurm))

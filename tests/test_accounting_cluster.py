@@ -84,3 +84,55 @@ def test_submitit_polls_sacct_without_an_error(clean_cluster, tmp_path, monkeypa
         wait_for(lambda: job.get_info(mode="force").get("State") == "COMPLETED" or None, 30,
                  "sacct, through submitit, to report the job COMPLETED")
     assert not [r for r in caplog.records if re.search(r"sacct", r.getMessage(), re.I)], caplog.text
+
+
+def test_opportunistic_gpu_use_shows_in_sacct_and_sreport(clean_cluster):
+    """AccountingStorageTRES lists gres/antman_opp (merged into the devcluster's slurm.conf as at a site), so
+    an opportunistic job's slots are in its AllocTRES and in sreport. `sreport job SizesByAccount` reads the
+    job records themselves; the cluster reports read the hourly rollup, which `sacctmgr roll START END` makes
+    at once. sreport's periods are whole hours, and an end after now is cut back to the hour now is in
+    (start=20:00 end=23:00 at 21:03 reports 20:00-20:59), so the report asks for exactly the job's hour."""
+    import datetime
+    import time
+
+    c = clean_cluster
+    # An account of this test's own, so that the reports' numbers are this job's alone.
+    acct.sacctmgr(c.c, "-i", "add", "account", "acctprobe", "cluster=antmandev")
+    acct.sacctmgr(c.c, "-i", "add", "user", c.c.user, "account=acctprobe", "cluster=antmandev")
+    while time.localtime().tm_min == 59 and time.localtime().tm_sec >= 30:
+        time.sleep(1)  # the job must start and end within one hour: the one the reports ask for
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:2", "-A", "acctprobe", wrap="sleep 4")
+    g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "acctprobe", wrap="sleep 4")
+    for j in (opp, g):
+        c.wait_state(j, {"COMPLETED"}, timeout=90)
+
+    def sacct():
+        r = c.run(["sacct", "-n", "-P", "-X", "-j", f"{opp},{g}", "-o", "JobID,State,AllocTRES,ElapsedRaw,Start"])
+        assert r.returncode == 0, r.stderr
+        rows = {jid: (state, dict(kv.split("=", 1) for kv in tres.split(",") if kv), int(el), st)
+                for jid, state, tres, el, st in (line.split("|") for line in r.stdout.splitlines())}
+        return rows if all(rows.get(str(j), ("",))[0] == "COMPLETED" for j in (opp, g)) else None
+
+    rows = wait_for(sacct, 30, "sacct to record both jobs done")
+    _, opp_tres, opp_s, opp_start = rows[str(opp)]
+    _, g_tres, _, _ = rows[str(g)]
+    hour = datetime.datetime.fromisoformat(opp_start).replace(minute=0, second=0)
+    start, end = hour.isoformat(), (hour + datetime.timedelta(hours=1)).isoformat()
+    assert opp_tres.get("gres/antman_opp") == "2" and "gres/gpu" not in opp_tres, opp_tres
+    assert g_tres.get("gres/gpu") == "1" and "gres/antman_opp" not in g_tres, g_tres
+    assert opp_s >= 4
+
+    def report(*args: str) -> dict[str, str]:
+        r = c.run(["sreport", "-n", "-P", "-t", "seconds", "-T", "gres/antman_opp", *args, f"start={start}",
+                   f"end={end}"], timeout=60)
+        assert r.returncode == 0, r.stderr
+        return {line.split("|")[1]: line for line in r.stdout.splitlines() if line.count("|") >= 3}
+
+    # Job records, no rollup needed: 2 slots for the job's elapsed seconds, the guaranteed job adds none.
+    sizes = wait_for(lambda: report("job", "SizesByAccount", "FlatView", "grouping=1").get("acctprobe"), 30,
+                     "sreport job SizesByAccount to list the account")
+    assert sizes.split("|")[3] == str(2 * opp_s), sizes
+    # The cluster reports, from the hourly rollup, forced here.
+    assert acct.sacctmgr(c.c, "-i", "roll", start, end).returncode == 0
+    used = report("cluster", "AccountUtilizationByUser", "Accounts=acctprobe")
+    assert used["acctprobe"].split("|")[-2:] == ["gres/antman_opp", str(2 * opp_s)], used

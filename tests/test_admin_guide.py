@@ -68,6 +68,12 @@ def test_admin_guide_installs_on_plain_slurm(tmp_path):
         etc = cluster.slurm_conf.parent
         include = f"Include {etc}/antman.slurm.conf"
         assert "JobSubmitPlugins" not in (etc / "antman.slurm.conf").read_text()
+        # This site has a job_submit.lua of its own (the example's rules, before slurm-antman's line), and
+        # a SlurmctldParameters of its own (the devcluster's enable_configless): the guide must keep both.
+        site_lua = "".join(l for l in (REPO / "etc" / "examples" / "job_submit.lua").read_text().splitlines(True)
+                           if "antman_job_submit.lua" not in l)
+        (etc / "job_submit.lua").write_text(site_lua)
+        assert "SlurmctldParameters=enable_configless" in cluster.slurm_conf.read_text().splitlines()
 
         # What the admin types into $EDITOR: this cluster's nodes, the plugin where step 2 installs it.
         antman_etc, plugin_dir = site / "etc" / "slurm-antman", site / "lib" / "slurm"
@@ -106,6 +112,15 @@ def test_admin_guide_installs_on_plain_slurm(tmp_path):
         assert (antman_etc / "keys" / "coordinator.key").is_file()
         assert (antman_etc / "keys" / "sidecars" / "node1.key").is_file()
         assert cluster.slurm_conf.read_text().count(include) == 1  # the include step is idempotent
+        # Merged, never overwritten: the site's own values and script are still there, with antman's added.
+        conf = cluster.slurm_conf.read_text().splitlines()
+        assert "SlurmctldParameters=enable_configless,preempt_send_user_signal" in conf
+        assert "JobSubmitPlugins=lua" in conf and f"Prolog={antman_etc}/rendered/antman-prolog" in conf
+        assert list(etc.glob("slurm.conf.before-antman-*"))
+        lua = (etc / "job_submit.lua").read_text()
+        assert lua.endswith(site_lua) and lua.count("antman_job_submit.lua\").chain()") == 1
+        assert (etc / "job_submit.lua.before-antman").read_text() == site_lua
+        assert (etc / "cli_filter.lua").read_text() == (REPO / "etc" / "cli_filter.lua").read_text()
 
         # The checks a new admin makes.
         help_text = cluster.run(["sbatch", "--help"], env=env).stdout
@@ -114,8 +129,8 @@ def test_admin_guide_installs_on_plain_slurm(tmp_path):
         r = subprocess.run(["antman", "doctor", "--config", str(antman_etc / "antman.yaml"), "--node", "node1",
                             "--json"], env=env, capture_output=True, text=True, timeout=120)
         checks = {c["name"]: c for c in json.loads(r.stdout)}
-        for name in ("config", "spank_plugin", "plugstack", "sbatch_option", "slurm_version", "job_submit",
-                     "prolog_epilog"):
+        for name in ("config", "spank_plugin", "plugstack", "sbatch_option", "slurm_version", "slurm_conf",
+                     "job_submit", "prolog_epilog"):
             assert checks[name]["status"] == "ok", (name, checks[name])
         # No sidecar runs yet (step 8): doctor must say so rather than pass it.
         assert checks["sidecar"]["status"] == "fail"
@@ -128,6 +143,7 @@ def test_admin_guide_installs_on_plain_slurm(tmp_path):
         assert "AdminComment=antman:class=opportunistic" in show, show
         assert re.search(r"\bPartition=opportunistic\b", show), show
         assert "antman_opp" in show and "gres/gpu" not in show.replace("gres/antman_opp", ""), show
+        assert "TimeLimit=1-00:00:00" in show, show  # the site's own rule ran too, before antman's
         cluster.run(["scancel", job], env=env)
     finally:
         dc.down(cluster.dir)

@@ -237,3 +237,65 @@ def test_example_config_sets_the_quota_file():
 def test_quota_file_unset_with_accounting_in_force_warns(tmp_path):
     c = doctor.check_quota_file(_cfg(tmp_path), {"AccountingStorageType": "accounting_storage/slurmdbd"})
     assert c.status == "warn" and "GrpTRES" in c.reason and "quota_file: /etc/slurm/antman_quota.lua" in c.hint
+
+
+# --- the site-wide slurm.conf settings (issue 27: merge, never overwrite) ---------------------
+
+def _good_conf(tmp_path: Path) -> dict[str, str]:
+    hooks = {}
+    for hook in ("prolog", "epilog"):
+        f = tmp_path / f"antman-{hook}"
+        f.write_text(f"#!/bin/sh\nexec antman node {hook} --config /etc/antman.yaml\n")
+        f.chmod(0o755)
+        hooks[hook] = str(f)
+    return {"SLURM_CONF": str(tmp_path / "slurm.conf"), "GresTypes": "gpu,antman_opp",
+            "PreemptType": "preempt/partition_prio", "PreemptMode": "REQUEUE",
+            "SlurmctldParameters": "enable_configless,preempt_send_user_signal", "JobSubmitPlugins": "lua",
+            "CliFilterPlugins": "cli_filter/lua", "PrologFlags": "Alloc,Contain", "Prolog": hooks["prolog"],
+            "Epilog": hooks["epilog"], "AccountingStorageType": "accounting_storage/slurmdbd",
+            "AccountingStorageTRES": "cpu,mem,gres/gpu,gres/antman_opp"}
+
+
+def test_slurm_conf_one_fail_line_per_conflict(tmp_path):
+    cfg = _cfg(tmp_path)
+    good = _good_conf(tmp_path)
+    assert [c.status for c in doctor.check_slurm_conf(cfg, good)] == ["ok"]
+    bad = {**good, "SlurmctldParameters": "enable_configless", "PreemptType": "preempt/qos",
+           "AccountingStorageTRES": "cpu,mem,gres/gpu"}
+    checks = doctor.check_slurm_conf(cfg, bad)
+    assert [c.status for c in checks] == ["fail"] * 3
+    text = doctor.render_text(checks)
+    assert "FAIL  slurm_conf  SlurmctldParameters=enable_configless lacks preempt_send_user_signal: add it to the " \
+           "list\n" in text
+    assert "FAIL  slurm_conf  PreemptType=preempt/qos, slurm-antman needs preempt/partition_prio" in text
+    assert "FAIL  slurm_conf  AccountingStorageTRES=cpu,mem,gres/gpu lacks gres/antman_opp: add it to the list" in text
+    assert "antman config merge-slurm-conf" in checks[0].hint
+
+
+def test_slurm_config_goes_through_the_adapter_and_names_its_failure():
+    from slurm_antman.slurm.errors import SlurmUnavailable
+
+    def down():
+        raise SlurmUnavailable("Slurm controller unavailable: Unable to contact slurm controller", ["scontrol"])
+
+    conf, c = doctor.slurm_config(read=down)
+    assert conf is None and c.status == "fail"
+    assert c.reason == "scontrol show config failed: Slurm controller unavailable: Unable to contact slurm controller"
+    conf, c = doctor.slurm_config(read=lambda: {"SLURM_VERSION": "22.05.8", "SLURM_CONF": "/etc/slurm/slurm.conf"})
+    assert c.status == "ok" and "Slurm 22.05.8" in c.reason
+
+
+def test_job_submit_must_load_the_module(tmp_path):
+    conf = {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+    for name in doctor.JOB_SUBMIT_FILES:
+        (tmp_path / name).write_text("-- x\n")
+    (tmp_path / "job_submit.lua").write_text("-- the site's own; antman_job_submit.lua mentioned in a comment only\n"
+                                             "function slurm_job_submit() return 0 end\n")
+    c = doctor.check_job_submit(conf)
+    assert c.status == "fail" and "does not load antman_job_submit.lua" in c.reason
+    assert doctor.CHAIN_LINE in c.hint
+    (tmp_path / "job_submit.lua").write_text((REPO / "etc" / "examples" / "job_submit.lua").read_text())
+    assert doctor.check_job_submit(conf).status == "ok"
+    (tmp_path / "antman_settings_loader.lua").unlink()
+    c = doctor.check_job_submit(conf)
+    assert c.status == "fail" and "antman_settings_loader.lua" in c.reason

@@ -1,4 +1,6 @@
-"""etc/job_submit.lua run for real under lua5.1, with tests/lua/harness.lua standing in for slurmctld."""
+"""etc/job_submit.lua (the one line calling etc/antman_job_submit.lua) and etc/examples/job_submit.lua (a
+site's own script calling it) run for real under lua5.1, with tests/lua/harness.lua standing in for
+slurmctld."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "etc" / "job_submit.lua"
+SITE_SCRIPT = ROOT / "etc" / "examples" / "job_submit.lua"
+# What is installed next to job_submit.lua with it (the directory of slurm.conf).
+MODULE_FILES = ("antman_job_submit.lua", "antman_settings_loader.lua")
 HARNESS = ROOT / "tests" / "lua" / "harness.lua"
 LUA = shutil.which("lua5.1")
 
@@ -64,10 +69,17 @@ def desc(cls: Optional[str] = None, **fields: Any) -> dict[str, Any]:
 
 
 def _harness(tmp_path: Path, case: dict[str, Any], settings: Optional[dict[str, Any]],
-             settings_text: Optional[str]) -> dict[str, Any]:
+             settings_text: Optional[str], script: Path | str = SCRIPT) -> dict[str, Any]:
+    """``script``: the job_submit.lua to install (a path, or its text)."""
     d = tmp_path / "etc"
     d.mkdir(exist_ok=True)
-    shutil.copy(SCRIPT, d / "job_submit.lua")
+    if isinstance(script, Path):
+        shutil.copy(script, d / "job_submit.lua")
+    else:
+        (d / "job_submit.lua").write_text(script)
+    for name in MODULE_FILES:
+        if not (d / name).exists():  # a test may have put a broken one there
+            shutil.copy(ROOT / "etc" / name, d / name)
     settings_file = d / "antman_settings.lua"
     if settings_text is not None:
         settings_file.write_text(settings_text)
@@ -93,17 +105,17 @@ def _result(out: dict[str, Any]) -> dict[str, Any]:
 
 def run(tmp_path: Path, job_desc: dict[str, Any], *, settings: Optional[dict[str, Any]] = None,
         settings_text: Optional[str] = None, call: str = "submit",
-        job_rec: Optional[dict[str, Any]] = None, uid: int = 1000) -> dict[str, Any]:
+        job_rec: Optional[dict[str, Any]] = None, uid: int = 1000, script: Path | str = SCRIPT) -> dict[str, Any]:
     case = {"call": call, "job_desc": job_desc, "job_rec": job_rec or {}, "uid": uid}
-    return _result(_harness(tmp_path, case, settings, settings_text))
+    return _result(_harness(tmp_path, case, settings, settings_text, script))
 
 
 def run_steps(tmp_path: Path, steps: list[dict[str, Any]], *,
-              settings: Optional[dict[str, Any]] = None) -> list[dict[str, Any]]:
+              settings: Optional[dict[str, Any]] = None, script: Path | str = SCRIPT) -> list[dict[str, Any]]:
     """Several calls into ONE loaded script, as slurmctld keeps its Lua state between submissions.
     A step is {"job_desc": ..., "now": T} (a submit at os.time() T) or {"write": NAME, "text": ...}."""
-    out = _harness(tmp_path, {"steps": [{"call": "submit", **st} if "job_desc" in st else st for st in steps]},
-                   settings, None)
+    out = _harness(tmp_path, {"steps": [{"call": st.get("call", "submit"), **st} if "job_desc" in st else st
+                                        for st in steps]}, settings, None, script)
     return [_result(r) for r in out["results"]]
 
 
@@ -150,10 +162,63 @@ def test_class_entry_at_index_zero_is_found(tmp_path: Path) -> None:
     assert jd["tres_per_node"] == "gres:antman_opp:1"
 
 
-def test_typed_gres_drops_type_and_logs_it(tmp_path: Path) -> None:
-    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:a100:2"))
-    assert accepted(out)["tres_per_node"] == "gres:antman_opp:2"
-    assert any("a100" in m and "dropped" in m for m in out["info"])
+TYPED = {"gpu_types": {"a100": 4, "h100": 8}}
+
+
+@pytest.mark.parametrize("fields, slots", [
+    ({"tres_per_node": "gres:gpu:a100:2"}, "gres:antman_opp:a100:2"),
+    ({"tres_per_node": "gres/gpu:h100:8"}, "gres/antman_opp:h100:8"),  # the h100 nodes have 8
+    ({"tres_per_node": "gres:gpu:h100"}, "gres:antman_opp:h100:1"),
+    ({"tres_per_job": "gres:gpu:a100:3"}, "gres:antman_opp:a100:3"),
+    ({"tres_per_node": "gres:gpu:a100:1,gres:gpu:1"}, "gres:antman_opp:a100:2"),  # one node: all a100
+    # srun --antman=opportunistic --gres=gpu:h100:1 outside a job: cli_filter wrote the typed slots
+    ({"tres_per_node": "gres:antman_opp:h100:1"}, "gres:antman_opp:h100:1"),
+])
+def test_typed_gres_keeps_its_type_on_the_slots(tmp_path: Path, fields: dict[str, Any], slots: str) -> None:
+    """Only nodes of that type offer antman_opp:TYPE, so Slurm places the job on one of them."""
+    out = run(tmp_path, desc("opportunistic", **fields), settings=TYPED)
+    assert accepted(out)["tres_per_node"] == slots
+    assert any(f"-> {slots}" in m for m in out["info"]), out["info"]
+
+
+def test_typed_guaranteed_is_left_to_slurm(tmp_path: Path) -> None:
+    jd = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:h100:2"), settings=TYPED))
+    assert jd["tres_per_node"] == "gres:gpu:h100:2"
+
+
+@pytest.mark.parametrize("settings, fields, words", [
+    (TYPED, {"tres_per_node": "gres:gpu:v100:1"}, ["no GPU node of this cluster has type v100",
+                                                   "(--gres=gpu:v100:1)", "the types are: a100, h100"]),
+    ({"gpu_types": {}}, {"tres_per_node": "gres:gpu:a100:1"}, ["no GPU node of this cluster has a declared type",
+                                               "ask for --gres=gpu:N"]),
+    (TYPED, {"tres_per_node": "gres:gpu:a100:1,gres:gpu:h100:1"},
+     ["GPUs of one type", "a100 and h100", "(--gres=gpu:a100:1 --gres=gpu:h100:1)"]),
+    (TYPED, {"tres_per_node": "gres:gpu:a100:5"},
+     ["at most 4 GPUs per node (the largest a100 node has 4)", "asks for 5", "--gres=gpu:a100:N"]),
+])
+def test_typed_opportunistic_request_that_cannot_run_is_refused(tmp_path: Path, settings: dict[str, Any],
+                                                                fields: dict[str, Any], words: list[str]) -> None:
+    msg = rejected(run(tmp_path, desc("opportunistic", **fields), settings=settings))
+    for w in words:
+        assert w in msg, msg
+
+
+def test_untyped_request_on_typed_nodes_takes_the_largest_node(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:8"), settings={**TYPED, "max_node_gpus": 8})
+    assert accepted(out)["tres_per_node"] == "gres:antman_opp:8"
+
+
+@pytest.mark.parametrize("value, words", [
+    ('"h100"', "field gpu_types must be a table"),
+    ('{ h100 = 0 }', "field gpu_types.h100 must be a positive whole number of GPUs, got 0"),
+    ('{ h100 = 2.5 }', "gpu_types.h100 must be a positive whole number"),
+    ('{ ["h1:00"] = 2 }', 'field gpu_types has the key "h1:00"'),
+])
+def test_bad_gpu_types_setting_named(tmp_path: Path, value: str, words: str) -> None:
+    text = ('return { gpu_gres = "gpu", opp_gres = "antman_opp", guaranteed_partition = "gpu", '
+            f'opp_partition = "opportunistic", max_node_gpus = 4, gpu_types = {value} }}\n')
+    msg = rejected(run(tmp_path, desc(), settings_text=text))
+    assert words in msg and "every job is rejected" in msg
 
 
 def test_gres_without_count_means_one(tmp_path: Path) -> None:
@@ -449,7 +514,7 @@ def test_auto_uses_the_default_account_when_none_is_given(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("fields, option", [
     ({"tres_per_node": "gres:gpu:5"}, "--gres=gpu:5"),
-    ({"tres_per_node": "gres/gpu:a100:5"}, "--gres=gpu:a100:5"),
+    ({"tres_per_node": "gres/gpu:5"}, "--gres=gpu:5"),
     ({"tres_per_job": "gres:gpu:6"}, "--gpus=gpu:6"),
     ({"tres_per_task": "gres:gpu:2", "num_tasks": 3}, "--gpus-per-task=gpu:2 x 3"),
 ])
@@ -604,3 +669,138 @@ def test_rendered_settings_carry_the_largest_node(tmp_path: Path) -> None:
     assert accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:8"), settings_text=text))
     msg = rejected(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:9"), settings_text=text))
     assert "at most 8 GPUs per node (the largest node has 8); this one asks for 9 (--gres=gpu:9)" in msg
+
+
+# ---- a site's own job_submit.lua with the module chained in (issue 27) ----------------------
+
+DAY, WEEK = 24 * 60, 7 * 24 * 60
+ANTMAN_LINE = ('dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. '
+               '"antman_job_submit.lua").chain()\n')
+
+
+def test_the_plain_script_is_the_one_line_a_site_adds() -> None:
+    lines = [l for l in SCRIPT.read_text().splitlines() if l and not l.startswith("--")]
+    assert lines == [ANTMAN_LINE.strip()]
+    assert ANTMAN_LINE in SITE_SCRIPT.read_text()
+
+
+def test_site_example_rules_then_antman(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1", time_limit=NO_VAL), script=SITE_SCRIPT)
+    jd = accepted(out)
+    assert jd["time_limit"] == DAY  # the site's rule
+    assert jd["tres_per_node"] == "gres:antman_opp:1" and jd["partition"] == "opportunistic"  # antman's
+    assert jd["admin_comment"] == "antman:class=opportunistic"
+    jd = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:2", time_limit=60), script=SITE_SCRIPT))
+    assert jd["time_limit"] == 60 and jd["admin_comment"] == "antman:class=guaranteed"
+    jd = accepted(run(tmp_path, desc(tres_per_node="gres:gpu:1"), script=SITE_SCRIPT))
+    assert jd["time_limit"] == DAY and "admin_comment" not in jd  # plain Slurm job: the site's rule only
+
+
+def test_site_refusal_is_the_sites_and_antman_never_runs(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1", time_limit=WEEK + 1), script=SITE_SCRIPT)
+    assert out["rc"] == -1
+    assert out["user"] == [f"site policy: a job may run at most 7 days (--time=7-0); this one asks for {WEEK + 1} minutes"]
+    assert "admin_comment" not in out["job_desc"] and out["job_desc"]["tres_per_node"] == "gres:gpu:1"
+    # antman's own refusals still reach the user through the chain
+    msg = rejected(run(tmp_path, desc("guaranteed", partition="opportunistic", tres_per_node="gres:gpu:1"),
+                       script=SITE_SCRIPT))
+    assert msg.startswith("slurm-antman: guaranteed jobs cannot use the opportunistic partition")
+
+
+def test_a_job_the_site_refuses_takes_no_quota(tmp_path: Path) -> None:
+    """Why antman runs after the site: had it admitted the guaranteed job first, the site's refusal would
+    leave that admission counted against the tenant, and the next auto job would go opportunistic."""
+    too_long = auto(gpus=1, cls="guaranteed")
+    too_long["job_desc"]["time_limit"] = 2 * WEEK
+    out = run_steps(tmp_path, [{"write": "antman_quota.lua", "text": quota_text(0, quota=1, as_of=999.5)},
+                               too_long, auto()], script=SITE_SCRIPT)
+    assert out[0]["rc"] == -1 and out[0]["user"][0].startswith("site policy:")
+    assert classes(out[1:]) == ["guaranteed"]
+
+
+def test_site_modify_rule_then_antmans_guard(tmp_path: Path) -> None:
+    longer = run(tmp_path, desc(time_limit=WEEK + 60), call="modify", job_rec={"job_id": 7}, script=SITE_SCRIPT)
+    assert longer["rc"] == -1 and any("user 1000 may not raise job 7's time limit" in m for m in longer["info"])
+    as_root = run(tmp_path, desc(time_limit=WEEK + 60), call="modify", job_rec={"job_id": 7}, uid=0,
+                  script=SITE_SCRIPT)
+    assert as_root["rc"] == 0, as_root
+    # the site lets this update through; antman's guard of opportunistic jobs still refuses it
+    msg = refused(modify_with(tmp_path, SITE_SCRIPT, OPP_REC, partition="gpu"))
+    assert "job 42 is opportunistic" in msg and "cannot be moved to the gpu partition" in msg
+
+
+def modify_with(tmp_path: Path, script: Path | str, job_rec: dict[str, Any], uid: int = 1000, **changes: Any):
+    return run(tmp_path, desc(**changes), call="modify", job_rec=job_rec, uid=uid, script=script)
+
+
+SITE_AFTER = ANTMAN_LINE + '''
+-- defined after the line: chain() must still take them (a metatable on _G catches the definitions)
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  -- a site rule that sends every job to its default partition: antman routes opportunistic jobs after it
+  job_desc.partition = "gpu"
+  job_desc.comment = "site was here"
+  return slurm.SUCCESS
+end
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid) return slurm.SUCCESS end
+helper_global = 42  -- other globals of the site's script are untouched
+return slurm.SUCCESS
+'''
+
+
+def test_site_functions_defined_after_the_line_are_chained(tmp_path: Path) -> None:
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1"), script=SITE_AFTER)
+    jd = accepted(out)
+    assert jd["comment"] == "site was here"
+    assert jd["partition"] == "opportunistic" and jd["tres_per_node"] == "gres:antman_opp:1"
+    jd = accepted(run(tmp_path, desc(tres_per_node="gres:gpu:1"), script=SITE_AFTER))
+    assert jd["partition"] == "gpu" and jd["comment"] == "site was here" and "admin_comment" not in jd
+
+
+@pytest.mark.parametrize("body, rc", [
+    ('error("boom in the site rule")', -1),
+    ("local x = nil; return x.field", -1),
+])
+def test_an_error_in_the_sites_function_rejects_the_job(tmp_path: Path, body: str, rc: int) -> None:
+    script = f"function slurm_job_submit(j, p, u) {body} end\nfunction slurm_job_modify() return 0 end\n" + ANTMAN_LINE
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1"), script=script)
+    assert out["rc"] == rc
+    assert out["user"] == ["job_submit.lua failed on this job (an error in the site's own rules); job rejected, "
+                           "contact your admin"]
+    assert any("the site's slurm_job_submit raised an error" in m for m in out["error"]), out
+    assert "admin_comment" not in out["job_desc"]
+
+
+def test_site_function_returning_nothing_counts_as_success(tmp_path: Path) -> None:
+    """job_submit/lua reads a non-numeric return as success ("non-numeric return code")."""
+    script = "function slurm_job_submit(j, p, u) j.comment = 'x' end\nfunction slurm_job_modify() end\n" + ANTMAN_LINE
+    jd = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1"), script=script))
+    assert jd["comment"] == "x" and jd["admin_comment"] == "antman:class=guaranteed"
+
+
+def test_explicit_call_instead_of_chain(tmp_path: Path) -> None:
+    script = ('local antman = dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. '
+              '"antman_job_submit.lua")\n'
+              "function slurm_job_submit(j, p, u)\n"
+              "  local rc = antman.job_submit(j, p, u)\n"
+              "  if rc == slurm.SUCCESS then j.comment = 'after antman: ' .. tostring(j.admin_comment) end\n"
+              "  return rc\nend\n"
+              "function slurm_job_modify(j, r, p, u) return antman.job_modify(j, r, p, u) end\n")
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1"), script=script))
+    assert jd["comment"] == "after antman: antman:class=opportunistic"
+    assert refused(modify_with(tmp_path, script, OPP_REC, tres_per_node="gres:gpu:1"))
+
+
+def test_chain_twice_runs_the_policy_once(tmp_path: Path) -> None:
+    script = ("function slurm_job_submit(j) j.comment = (j.comment or '') .. 'site;' return 0 end\n"
+              "function slurm_job_modify() return 0 end\n" + ANTMAN_LINE + ANTMAN_LINE)
+    out = run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1"), script=script)
+    jd = accepted(out)
+    assert jd["comment"] == "site;" and jd["tres_per_node"] == "gres:antman_opp:1"
+    assert sum("class opportunistic" in m for m in out["info"]) == 1
+
+
+def test_missing_loader_rejects_every_job_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "antman_settings_loader.lua").write_text("return 42\n")
+    msg = rejected(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1")))
+    assert "antman_settings_loader.lua" in msg and "every job is rejected" in msg

@@ -80,3 +80,17 @@ def test_node_without_slurmd_nodename_comes_from_the_job(clean_cluster, monkeypa
     import os
 
     assert JobContext.from_env({"SLURM_JOB_ID": str(two)}).node == os.uname().nodename.split(".")[0]
+
+
+@pytest.mark.parametrize("tres, count", [
+    ("gres:antman_opp:2", 2), ("gres/antman_opp:3", 3), ("gres:antman_opp:h100:2", 2),
+    ("gres/nic:1,gres/antman_opp:a100:4", 4), ("gres:gpu:h100:1", None),
+])
+def test_the_prolog_reads_an_opportunistic_jobs_slots_typed_or_not(tres, count):
+    """job_submit.lua keeps a GPU type on the slots (antman_opp:h100:N): the Prolog's count must read both."""
+    import re
+
+    from slurm_antman import node_hooks
+
+    m = re.search(node_hooks._TRES_OPP.format(name="antman_opp"), tres)
+    assert (int(m.group(1)) if m else None) == count

@@ -293,3 +293,48 @@ def test_scontrol_config_of_both_versions():
     conf = parse_scontrol_config(v24)
     assert conf["Prolog"] == "/etc/antman-prolog,/etc/second" and conf["Epilog"] == "/e"
     assert conf["PrologFlags"] == "Alloc" and conf["ResvProlog"] == "(null)"
+
+
+# --- typed GPUs (issue 27: antman.yaml nodes[].gpu_type) ----------------------------------------
+
+def test_typed_gres_through_the_parsers():
+    assert gres_counts("gpu:h100:4(S:0-1),antman_opp:h100:8") == {"gpu": 4, "antman_opp": 8}
+    assert gres_indices("gres/gpu:h100:2(IDX:1,3),gres/antman_opp:h100:1", "gpu") == [1, 3]
+    assert gres_indices("gpu:h100:1(IDX:2)", "antman_opp") == []
+
+
+def test_executor_keeps_one_gpu_type_when_it_moves_a_job_between_gres():
+    from slurm_antman.coordinator.executor import gres_count, gres_types, retarget_tres
+
+    assert retarget_tres("gres:antman_opp:h100:2", ("gpu", "antman_opp"), "gpu") == "gres:gpu:h100:2"
+    assert retarget_tres("gres/gpu:h100:1,gres/nic:1", ("gpu",), "antman_opp") == "gres/nic:1,gres/antman_opp:h100:1"
+    # Two types cannot be one node's slots: untyped, as before types existed.
+    assert retarget_tres("gres:gpu:h100:1,gres:gpu:a100:1", ("gpu",), "antman_opp") == "gres:antman_opp:2"
+    assert gres_types("gres:gpu:2,gres:gpu:h100,gres:nic:a:1", ("gpu",)) == {"h100"}
+    assert gres_count("gres:antman_opp:h100:3", ("gpu", "antman_opp")) == 3
+
+
+def test_setting_a_typed_nodes_slots_keeps_the_type():
+    from slurm_antman import config
+    from slurm_antman.coordinator.executor import Executor
+    from slurm_antman.policy import SetOppSlots
+    from slurm_antman.slurm.models import Node
+
+    class Backend:
+        def __init__(self, gres: str):
+            self.node = Node("n1", "MIXED", [], gres_counts(gres), {}, ["gpu"], 8, 0, 1000, "", {"gres": gres})
+            self.calls: list[list[str]] = []
+
+        def nodes(self):
+            return [self.node]
+
+        def _run(self, argv, job_id=None):
+            self.calls.append(argv)
+
+    cfg = config.parse({"nodes": [{"name": "n1", "gpus": 4, "gpu_type": "h100"}]})
+    for raw, want in (("gpu:h100:4(S:0,1),antman_opp:h100:8", "Gres=gpu:h100:4,antman_opp:h100:3"),
+                      ("gpu:4(S:0-1),antman_opp:8", "Gres=gpu:4,antman_opp:3")):
+        b = Backend(raw)
+        out = Executor(b, cfg).execute(SetOppSlots("n1", 3), None)
+        assert out.outcome == "ok", out
+        assert b.calls == [["scontrol", "update", "NodeName=n1", want]]

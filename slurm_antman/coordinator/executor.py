@@ -20,7 +20,7 @@ from slurm_antman.policy import (CoordinatorState, HoldForQuota, KeepOff, MakeEl
                                  Requeue, SetClass, SetOppSlots, Upgrade)
 from slurm_antman.slurm import CliBackend, SlurmError
 from slurm_antman.slurm.models import REQUEUED_START_TIME, Job
-from slurm_antman.slurm.parsing import gres_prefix, tres_body
+from slurm_antman.slurm.parsing import gres_prefix, split_gres, tres_body
 
 log = logging.getLogger("antman.coordinator.executor")
 
@@ -78,12 +78,25 @@ def gres_count(tres: str, names: tuple[str, ...]) -> int:
     return total
 
 
+def gres_types(tres: str, names: tuple[str, ...]) -> set[str]:
+    """The GPU types named in a TresPerNode string's GPU-like entries (``gres:gpu:h100:2`` -> {"h100"})."""
+    types = set()
+    for entry in filter(None, tres_body(tres).split(",")):
+        parts = entry.split(":")
+        if parts[0] in names and len(parts) >= 2 and not (len(parts) == 2 and parts[1].isdigit()):
+            types.add(parts[1])
+    return types
+
+
 def retarget_tres(tres: str, from_names: tuple[str, ...], to_name: str) -> str:
-    """TresPerNode with every GPU-like entry folded into one ``gres:TO:N`` (a GPU type is dropped:
-    opportunistic slots are untyped), in the prefix form the string came in (``gres/`` in 24.11)."""
+    """TresPerNode with every GPU-like entry folded into one ``gres:TO:N``, in the prefix form the string
+    came in (``gres/`` in 24.11). One GPU type stays (``gres:TO:h100:N``): a typed node group's
+    opportunistic slots are typed too, so the job keeps to nodes of its type either way."""
     count = gres_count(tres, from_names)
     kept = [e for e in filter(None, (tres or "").split(",")) if tres_body(e).split(":")[0] not in from_names]
-    return ",".join([*kept, f"{gres_prefix(tres)}{to_name}:{max(count, 1)}"])
+    types = gres_types(tres, from_names)
+    typed = f"{next(iter(types))}:" if len(types) == 1 else ""
+    return ",".join([*kept, f"{gres_prefix(tres)}{to_name}:{typed}{max(count, 1)}"])
 
 
 def job_signal(script: str) -> Optional[tuple[str, bool]]:
@@ -226,10 +239,13 @@ class Executor:
         if current == d.slots:
             return skipped(f"{opp} already {d.slots}")
         raw = str(node.raw.get("gres") or "")
-        entries = [e for e in raw.split(",") if e and e.split(":")[0] != opp and not e.startswith("(")]
         # sinfo may append "(S:0-1)" socket info to a GPU entry; scontrol does not take it back
-        entries = [re.sub(r"\(.*?\)", "", e) for e in entries]
-        gres = ",".join([*entries, f"{opp}:{d.slots}"])
+        entries = [re.sub(r"\(.*\)$", "", e) for e in split_gres(raw)]
+        # A typed node group's slots are typed (antman_opp:h100:N): the type stays, or typed jobs lose the node.
+        mine = [e.split(":") for e in entries if e.split(":")[0] == opp]
+        typed = f"{mine[0][1]}:" if mine and len(mine[0]) == 3 else ""
+        entries = [e for e in entries if e.split(":")[0] != opp]
+        gres = ",".join([*entries, f"{opp}:{typed}{d.slots}"])
         self._scontrol("update", f"NodeName={d.node}", f"Gres={gres}")
         return ok(f"Gres={gres} (was {opp}:{current})")
 

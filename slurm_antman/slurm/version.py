@@ -108,3 +108,10 @@ def nodes_argv(v: Version) -> list[str]:
     ``sinfo --json`` groups nodes by partition and state (a ``sinfo`` list), and ``scontrol show nodes
     --json`` (23.02 on) gives the per-node list with the same field names."""
     return ["scontrol", "show", "nodes", "--json"] if tuple(v[:2]) >= (23, 11) else ["sinfo", "--json"]
+
+
+def many_prolog_lines(v: Version) -> bool:
+    """Whether slurm.conf may name several Prolog (and Epilog) programs, one ``Prolog=`` line each, all
+    run. 24.11's slurm.conf(5) says so; 22.05 keeps the last line only, so a second line would drop the
+    site's own hook. 23.02 and 23.11 are untested here: treated as one program, the safe side."""
+    return tuple(v[:2]) >= (24, 11)

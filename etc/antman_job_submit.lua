@@ -1,0 +1,715 @@
+--[[
+slurm-antman's job_submit logic as a module (Slurm job_submit/lua, Lua 5.1; Slurm 22.05 to 24.11).
+
+A site keeps its own job_submit.lua and adds ONE line to it, anywhere at its top level:
+
+  dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "antman_job_submit.lua").chain()
+
+(the directory of the calling script: Slurm loads job_submit.lua by its full path from the directory of
+slurm.conf, and this module, antman_settings_loader.lua and antman_settings.lua live beside it).
+etc/job_submit.lua is that one line alone, for a site without a script of its own;
+etc/examples/job_submit.lua is a site script with rules of its own that calls this module.
+
+chain() wraps the site's slurm_job_submit and slurm_job_modify, whether they are defined before or after
+the line: Slurm calls the wrapper, which runs the site's function first and, when that succeeded, the
+slurm-antman policy below. Why this order:
+  * antman classifies the job the site let through, as the site left it: a default account or partition
+    the site sets is what quota resolution (auto) and routing see, and a site rule that sets
+    job_desc.partition for every job cannot route an opportunistic job back into the guaranteed
+    partition, because the routing comes after it;
+  * a job the site refuses never reaches antman, so it takes no tenant quota (guaranteed admissions are
+    counted here, in slurmctld's Lua state, see `admitted`);
+  * an error in the site's function rejects the job (logged, and told to the user): letting it through
+    unclassified would put opportunistic work on guaranteed GPUs.
+A site that wants another order calls the policy itself instead of chain():
+  local antman = dofile(...)   -- the same path
+  function slurm_job_submit(job_desc, part_list, submit_uid)
+    ... ; return antman.job_submit(job_desc, part_list, submit_uid)
+  end
+(and antman.job_modify(job_desc, job_rec, part_list, modify_uid) likewise).
+
+Slurm reloads job_submit.lua when that file changes, not when this module does: after installing a new
+antman_job_submit.lua, `touch job_submit.lua` (or restart slurmctld).
+
+The policy:
+
+  * The class comes from the SPANK plugin as "ANTMAN_CLASS=<class>" in job_desc.spank_job_env
+    (guaranteed | opportunistic | auto). No flag means settings.default_class
+    (none | guaranteed | opportunistic); "none" leaves the job to plain Slurm, untagged.
+    A job that gets its class only from default_class and asks for no GPU stays untouched:
+    a CPU-only job has nothing to share.
+  * auto resolves by tenant quota: guaranteed when the job's GPUs fit in what the coordinator's
+    quota file (antman_quota.lua) leaves, less the guaranteed admissions made here since that file's
+    snapshot; opportunistic otherwise; settings.auto_class without a quota file or an entry for the
+    account. The tag records the request (antman:class=CLASS;req=auto), so the coordinator can
+    re-resolve it while the job is pending.
+  * guaranteed keeps the physical GPU GRES (with its type, --gres=gpu:h100:1) and is tagged
+    AdminComment=antman:class=guaranteed. It may not ask for the opportunistic partition.
+  * opportunistic has its GPU requests (--gres/--gpus-per-node, and on one node also --gpus,
+    --gpus-per-task, --gpus-per-socket) rewritten to the count-only settings.opp_gres with the
+    same count, is routed to settings.opp_partition (and settings.opp_qos when set), made requeueable,
+    and tagged antman:class=opportunistic. A GPU type stays: --gres=gpu:h100:1 becomes
+    opp_gres:h100:1, which only nodes whose opportunistic slots are typed h100 (antman.yaml
+    nodes[].gpu_type) offer, so Slurm itself places the job on a node of that type. One type per job;
+    a type no node group has is refused. More GPUs per node than the largest node (of that type) has
+    is refused.
+  * Heterogeneous jobs (--het-group, ':') of any slurm-antman class are refused.
+  * Only slurm-antman hands out settings.opp_gres: other classes asking for it are rejected.
+
+Settings come from antman_settings.lua next to this file (written by `antman config render`; read and
+checked by antman_settings_loader.lua). A missing or broken settings file rejects every job.
+
+Slurm's handling of a Lua error differs between versions (the job let through, or refused without a
+reason), so all logic runs under pcall and an internal error rejects the job with a message.
+
+job_modify keeps an opportunistic job (known by its AdminComment tag) off the physical
+GPU GRES and the guaranteed partition, and keeps it requeueable, since preemption needs that.
+Root may upgrade a job by setting AdminComment=antman:class=guaranteed in the same update.
+22.05 discards log_user text on modify, so a refused update returns ESLURM_ACCESS_DENIED
+("Access/permission denied") and the reason goes to the slurmctld log.
+]]
+
+local NO_VAL = 4294967294
+local NO_VAL16 = 65534
+local TAG_PREFIX = "antman:class="
+local TRES_FIELDS = { "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }
+local TRES_OPTION = {
+  tres_per_node = "--gres/--gpus-per-node",
+  tres_per_job = "--gpus",
+  tres_per_task = "--gpus-per-task",
+  tres_per_socket = "--gpus-per-socket",
+}
+local SLURM_NAME = "^[A-Za-z][A-Za-z0-9_%-]*$"
+
+-- Resolved once at load: the module is loaded by path (dofile), so the chunk source is "@/dir/antman_job_submit.lua".
+local function script_dir()
+  local src = debug.getinfo(1, "S").source or ""
+  if src:sub(1, 1) == "@" then src = src:sub(2) end
+  return src:match("^(.*)/[^/]*$") or "."
+end
+
+local DIR = script_dir()
+local SETTINGS_PATH = DIR .. "/antman_settings.lua"
+local LOADER_PATH = DIR .. "/antman_settings_loader.lua"
+
+-- A rejection the user should read, as opposed to an internal error (a bug).
+local Reject = {}
+Reject.__index = Reject
+
+local function reject(fmt, ...)
+  error(setmetatable({ msg = string.format(fmt, ...) }, Reject), 0)
+end
+
+local function info(fmt, ...)
+  slurm.log_info("%s", "slurm-antman: " .. string.format(fmt, ...))
+end
+
+local function is_set(v, unset)
+  return v ~= nil and v ~= unset and v ~= NO_VAL and v ~= 0
+end
+
+---------------------------------------------------------------------------------------------
+-- settings
+
+-- The shared loader, loaded on first use and kept; a missing one rejects jobs like missing settings.
+local loader
+
+local function load_settings()
+  if loader == nil then
+    local ok, l = pcall(dofile, LOADER_PATH)
+    if not ok or type(l) ~= "table" or type(l.load) ~= "function" then
+      return nil, string.format("cannot load %s (install it next to antman_job_submit.lua): %s", LOADER_PATH,
+        ok and "it returned no loader" or tostring(l))
+    end
+    loader = l
+  end
+  return loader.load(SETTINGS_PATH, info)
+end
+
+---------------------------------------------------------------------------------------------
+-- TRES strings: "gres:gpu:2,gres:gpu:a100:1,gres:nic:1" in Slurm 22.05, "gres/gpu:2,gres/nic:1"
+-- in 24.11; scontrol update may omit the prefix. What this script writes back uses the prefix the
+-- job came with (gres_prefix), so one code path serves both versions.
+
+local function split(s, sep)
+  local out = {}
+  for part in (s .. sep):gmatch("(.-)" .. sep) do out[#out + 1] = part end
+  return out
+end
+
+-- One entry -> {name=, type=, count=} (count nil when it is not a plain number).
+local function parse_entry(entry)
+  local body, prefix = entry, nil
+  if body:sub(1, 5) == "gres:" or body:sub(1, 5) == "gres/" then body, prefix = body:sub(6), body:sub(1, 5) end
+  local parts = split(body, ":")
+  local e = { raw = entry, name = parts[1], count = 1, prefix = prefix }
+  if #parts >= 2 then
+    local last = parts[#parts]
+    if last:match("^%d+$") then
+      e.count = tonumber(last)
+      if #parts > 2 then e.type = table.concat(parts, ":", 2, #parts - 1) end
+    elseif #parts == 2 then
+      e.type = last
+    else
+      e.count = nil
+    end
+  end
+  return e
+end
+
+local function parse_tres(value, field)
+  if value == nil or value == "" then return {} end
+  if type(value) ~= "string" then
+    error(string.format("job_desc.%s is a %s, expected a string", field, type(value)))
+  end
+  local entries = {}
+  for _, raw in ipairs(split(value, ",")) do
+    if raw ~= "" then entries[#entries + 1] = parse_entry(raw) end
+  end
+  return entries
+end
+
+-- The GRES prefix this job's TRES fields use ("gres:" from 22.05, "gres/" from 24.11).
+local function gres_prefix(job_desc)
+  for _, field in ipairs(TRES_FIELDS) do
+    for _, e in ipairs(parse_tres(job_desc[field], field)) do
+      if e.prefix then return e.prefix end
+    end
+  end
+  return "gres:"
+end
+
+local function gpu_count(entry, field)
+  if entry.count == nil then
+    reject("cannot read the GPU count in %s request %q; use --gres=gpu:N", TRES_OPTION[field], entry.raw)
+  end
+  return entry.count
+end
+
+local function mentions(entries, name)
+  for _, e in ipairs(entries) do if e.name == name then return true end end
+  return false
+end
+
+local function partitions(value)
+  if type(value) ~= "string" or value == "" then return {} end
+  return split(value, ",")
+end
+
+local function has_partition(value, name)
+  for _, p in ipairs(partitions(value)) do if p == name then return true end end
+  return false
+end
+
+---------------------------------------------------------------------------------------------
+-- classification
+
+local function class_from_env(env)
+  if env == nil then return nil end
+  if type(env) ~= "table" then error("job_desc.spank_job_env is a " .. type(env) .. ", expected a table") end
+  local found
+  -- 22.05 indexes this table from 0, so ipairs would miss the first entry
+  for _, entry in pairs(env) do
+    if type(entry) == "string" and entry:sub(1, 13) == "ANTMAN_CLASS=" then found = entry:sub(14) end
+  end
+  return found
+end
+
+local function requests_gpu(job_desc, s)
+  for _, field in ipairs(TRES_FIELDS) do
+    if mentions(parse_tres(job_desc[field], field), s.gpu_gres) then return true end
+  end
+  return false
+end
+
+local function job_label(job_desc)
+  return string.format("job %q of %s", tostring(job_desc.name or "?"),
+    tostring(job_desc.user_name or job_desc.user_id or "?"))
+end
+
+local function forbid_opp_gres(job_desc, s, class)
+  for _, field in ipairs(TRES_FIELDS) do
+    if mentions(parse_tres(job_desc[field], field), s.opp_gres) then
+      reject("the %s GRES is handed out by slurm-antman only, and this job is class %s; " ..
+        "ask for opportunistic GPUs with --antman=opportunistic --gres=%s:N", s.opp_gres, class, s.gpu_gres)
+    end
+  end
+end
+
+local function single_node(job_desc)
+  local mn, mx = job_desc.min_nodes, job_desc.max_nodes
+  return (not is_set(mn) or mn == 1) and (not is_set(mx) or mx == 1)
+end
+
+-- Converts a per-job/per-task/per-socket GPU count into the GPUs the single node must hold.
+local function per_node_equivalent(job_desc, field, count)
+  if field == "tres_per_job" then return count end
+  if field == "tres_per_task" then
+    local tasks = job_desc.num_tasks
+    if not is_set(tasks) then tasks = job_desc.ntasks_per_node end
+    if not is_set(tasks, NO_VAL16) then tasks = 1 end
+    return count * tasks
+  end
+  local sockets = job_desc.sockets_per_node
+  if not is_set(sockets, NO_VAL16) then
+    reject("--gpus-per-socket needs --sockets-per-node for an opportunistic job; or use --gres=gpu:N")
+  end
+  return count * sockets
+end
+
+-- The GPU request as the user could have typed it, for messages: "--gres=gpu:5", "--gpus-per-task=gpu:2 x 3".
+local function as_option(job_desc, field, e)
+  local body = e.prefix and e.raw:sub(6) or e.raw
+  if field == "tres_per_node" then return "--gres=" .. body end
+  local text = TRES_OPTION[field] .. "=" .. body
+  if field == "tres_per_task" or field == "tres_per_socket" then
+    text = string.format("%s x %d", text, per_node_equivalent(job_desc, field, 1))
+  end
+  return text
+end
+
+-- Replaces the GPU name in a per-GPU option (--cpus-per-gpu, --mem-per-gpu) by the opp GRES.
+local function retarget_per_gpu(value, s, prefix)
+  if type(value) ~= "string" or value == "" then return value end
+  local out = {}
+  for _, raw in ipairs(split(value, ",")) do
+    local e = parse_entry(raw)
+    if e.name == s.gpu_gres then
+      local rest = raw:sub(e.prefix and 6 or 1):sub(#s.gpu_gres + 1)
+      raw = (e.prefix or prefix) .. s.opp_gres .. rest
+    end
+    out[#out + 1] = raw
+  end
+  return table.concat(out, ",")
+end
+
+-- The one GPU type of an opportunistic request (nil: untyped). Slots of several types cannot be placed
+-- on one node (a node group has one type), and a type no node group has would never start.
+local function one_gpu_type(types, s, asked)
+  local seen, distinct = {}, {}
+  for _, t in ipairs(types) do
+    if not seen[t] then seen[t], distinct[#distinct + 1] = true, t end
+  end
+  if #distinct == 0 then return nil end
+  local known = {}
+  for t in pairs(s.gpu_types) do known[#known + 1] = t end
+  table.sort(known)
+  if #distinct > 1 then
+    reject("an opportunistic job asks for GPUs of one type; this one asks for %s (%s)",
+      table.concat(distinct, " and "), asked)
+  end
+  local t = distinct[1]
+  if s.gpu_types[t] == nil then
+    if #known == 0 then
+      reject("no GPU node of this cluster has a declared type, so an opportunistic job cannot ask for type " ..
+        "%s (%s); ask for --gres=%s:N", t, asked, s.gpu_gres)
+    end
+    reject("no GPU node of this cluster has type %s (%s); the types are: %s", t, asked, table.concat(known, ", "))
+  end
+  return t
+end
+
+local function make_opportunistic(job_desc, s)
+  if is_set(job_desc.ntasks_per_tres, NO_VAL16) then
+    reject("--ntasks-per-gpu is not supported for opportunistic jobs; use --ntasks or --ntasks-per-node")
+  end
+  local requested = {}
+  for _, field in ipairs(TRES_FIELDS) do
+    if job_desc[field] ~= nil and job_desc[field] ~= "" then
+      requested[#requested + 1] = field .. "=" .. tostring(job_desc[field])
+    end
+  end
+  local prefix = gres_prefix(job_desc)
+  local opp_total, kept, types, asked = 0, {}, {}, {}
+  local node_gpu, other_gpu_field = false, nil
+  for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
+    if e.name == s.gpu_gres then
+      opp_total = opp_total + gpu_count(e, "tres_per_node")
+      node_gpu = true
+      if e.type then types[#types + 1] = e.type end
+      asked[#asked + 1] = as_option(job_desc, "tres_per_node", e)
+    elseif e.name == s.opp_gres then
+      opp_total = opp_total + gpu_count(e, "tres_per_node")
+      -- srun --antman=opportunistic outside an allocation: cli_filter already wrote opp_gres[:TYPE]:N
+      if e.type then types[#types + 1] = e.type end
+      asked[#asked + 1] = as_option(job_desc, "tres_per_node", e)
+    else
+      kept[#kept + 1] = e.raw
+    end
+  end
+  for _, field in ipairs({ "tres_per_job", "tres_per_task", "tres_per_socket" }) do
+    local rest, changed = {}, false
+    for _, e in ipairs(parse_tres(job_desc[field], field)) do
+      if e.name == s.gpu_gres or e.name == s.opp_gres then
+        local first = other_gpu_field or (node_gpu and "tres_per_node")
+        if first and first ~= field then
+          reject("this job asks for GPUs in two ways (%s and %s); an opportunistic job asks once, " ..
+            "with --gres=%s:N", TRES_OPTION[first], TRES_OPTION[field], s.gpu_gres)
+        end
+        if not single_node(job_desc) then
+          reject("%s cannot be turned into opportunistic GPU slots for a job on more than one node; " ..
+            "use --gres=%s:N (GPUs per node) instead", TRES_OPTION[field], s.gpu_gres)
+        end
+        other_gpu_field = field
+        opp_total = opp_total + per_node_equivalent(job_desc, field, gpu_count(e, field))
+        asked[#asked + 1] = as_option(job_desc, field, e)
+        if e.type then types[#types + 1] = e.type end
+        changed = true
+      else
+        rest[#rest + 1] = e.raw
+      end
+    end
+    -- 22.05 clears a string field set to ""; nil would raise in the setter
+    if changed then job_desc[field] = table.concat(rest, ",") end
+  end
+  if opp_total == 0 then
+    reject("an opportunistic job must ask for GPUs; add --gres=%s:N", s.gpu_gres)
+  end
+  local gpu_type = one_gpu_type(types, s, table.concat(asked, " "))
+  -- Slurm itself would accept it (the opportunistic GRES counts slots, several per GPU) and the job
+  -- would be requeued forever: no node can place more GPUs than it has.
+  local most = gpu_type and s.gpu_types[gpu_type] or s.max_node_gpus
+  if opp_total > most then
+    local largest = gpu_type and string.format("the largest %s node has %d", gpu_type, most) or
+      string.format("the largest node has %d", most)
+    reject("an opportunistic job gets at most %d GPUs per node (%s); this one asks for " ..
+      "%d (%s); ask for at most %d per node with --gres=%s:N, and -N for more nodes", most,
+      largest, opp_total, table.concat(asked, " "), most, gpu_type and (s.gpu_gres .. ":" .. gpu_type) or s.gpu_gres)
+  end
+  if other_gpu_field then job_desc.max_nodes = 1 end
+  -- The type stays on the slots: only nodes of that type offer opp_gres:TYPE, so Slurm places the job
+  -- on one of them, as it would a guaranteed --gres=gpu:TYPE:N.
+  kept[#kept + 1] = gpu_type and string.format("%s%s:%s:%d", prefix, s.opp_gres, gpu_type, opp_total) or
+    string.format("%s%s:%d", prefix, s.opp_gres, opp_total)
+  job_desc.tres_per_node = table.concat(kept, ",")
+  for _, field in ipairs({ "cpus_per_tres", "mem_per_tres" }) do
+    local v = job_desc[field]
+    local nv = retarget_per_gpu(v, s, prefix)
+    if nv ~= v then job_desc[field] = nv end
+  end
+  local from_part = job_desc.partition
+  job_desc.partition = s.opp_partition
+  if s.opp_qos then job_desc.qos = s.opp_qos end
+  job_desc.requeue = 1
+  job_desc.admin_comment = TAG_PREFIX .. "opportunistic"
+  info("%s: class opportunistic; GPUs %s -> %s; partition %s -> %s%s", job_label(job_desc),
+    table.concat(requested, " "), job_desc.tres_per_node,
+    tostring(from_part or "(default)"), s.opp_partition, s.opp_qos and ("; qos " .. s.opp_qos) or "")
+end
+
+local function make_guaranteed(job_desc, s)
+  if has_partition(job_desc.partition, s.opp_partition) then
+    reject("guaranteed jobs cannot use the %s partition, which holds opportunistic jobs; " ..
+      "drop -p %s or submit with --antman=opportunistic", s.opp_partition, s.opp_partition)
+  end
+  forbid_opp_gres(job_desc, s, "guaranteed")
+  job_desc.admin_comment = TAG_PREFIX .. "guaranteed"
+  info("%s: class guaranteed", job_label(job_desc))
+end
+
+-- Tenant quota use, written by the coordinator every cycle (antman_quota.lua next to this file:
+-- return { as_of = 1767225600.25, accounts = { research = { quota = 4, used = 3 } } }). Slurm 22.05
+-- cannot move a pending job's GRES request from gpu to the opportunistic GRES (the old request stays),
+-- so auto must be resolved here, at submission.
+local QUOTA_PATH = script_dir() .. "/antman_quota.lua"
+
+local function load_quota()
+  local chunk = loadfile(QUOTA_PATH)
+  if not chunk then return nil end
+  setfenv(chunk, {})
+  local ok, q = pcall(chunk)
+  if not ok or type(q) ~= "table" or type(q.accounts) ~= "table" then return nil end
+  return q
+end
+
+-- The file's `used` comes from squeue read at as_of, so it lags by up to a coordinator cycle: six auto
+-- jobs submitted within 25 ms all saw the same free quota and all became guaranteed. This table
+-- remembers every guaranteed admission made here, { [account] = { [os.time() second] = GPUs } }, and
+-- lives as long as slurmctld's Lua state (job_submit/lua keeps one state until this file changes or
+-- slurmctld restarts; a new state forgets it, and the next quota file catches up within a cycle).
+local admitted = {}
+-- An admission in second t happened before t + 1. The snapshot may miss it unless t + 1 is earlier than
+-- as_of by more than the clock skew between the coordinator's host and slurmctld's (antman doctor warns
+-- from 2 s). Counting one twice only makes an auto job opportunistic, running at once in idle room;
+-- missing one admits a guaranteed job over quota, which then waits held by the coordinator.
+local ADMISSION_MARGIN_S = 5
+-- A quota file without as_of (a coordinator from before it) lags by at most one cycle (cycle_s is at
+-- most 60 s) plus the squeue call: every admission of the last 120 s is counted as not in it.
+local NO_AS_OF_WINDOW_S = 120
+
+-- The account the quota is kept for: -A, else the user's default account, as Slurm will choose it.
+local function quota_account(job_desc)
+  local a = job_desc.account
+  if type(a) ~= "string" or a == "" then a = job_desc.default_account end
+  if type(a) ~= "string" or a == "" then return nil end
+  return a
+end
+
+-- GPUs a job holds against its tenant's quota, counted as the coordinator counts a pending job.
+local function quota_gpus(job_desc, s)
+  local n = 0
+  for _, e in ipairs(parse_tres(job_desc.tres_per_node, "tres_per_node")) do
+    if e.name == s.gpu_gres then n = n + (e.count or 1) end
+  end
+  return n
+end
+
+-- GPUs admitted to `account` that quota file q may not count yet; forgets every admission q counts.
+local function admitted_since(q, account, now)
+  local unseen
+  if q ~= nil and type(q.as_of) == "number" then
+    unseen = function(t) return t + 1 + ADMISSION_MARGIN_S > q.as_of end
+  else
+    unseen = function(t) return t > now - NO_AS_OF_WINDOW_S end
+  end
+  local total = 0
+  for acct, seconds in pairs(admitted) do
+    for t, gpus in pairs(seconds) do
+      if not unseen(t) then
+        seconds[t] = nil
+      elseif acct == account then
+        total = total + gpus
+      end
+    end
+    if next(seconds) == nil then admitted[acct] = nil end
+  end
+  return total
+end
+
+local function record_admission(job_desc, s)
+  local account, gpus = quota_account(job_desc), quota_gpus(job_desc, s)
+  local now = os.time()
+  admitted_since(load_quota(), nil, now) -- prunes, so a site without auto jobs keeps the table small
+  if account == nil or gpus == 0 then return end
+  local seconds = admitted[account] or {}
+  admitted[account] = seconds
+  seconds[now] = (seconds[now] or 0) + gpus
+end
+
+local function resolve_auto(job_desc, s)
+  local q = load_quota()
+  if q == nil then return s.auto_class, "no quota file from the coordinator; site auto_class" end
+  local account = quota_account(job_desc)
+  local t = account and q.accounts[account] or nil
+  if t == nil or type(t.quota) ~= "number" or type(t.used) ~= "number" then
+    return s.auto_class, string.format("account %s has no quota entry; site auto_class", tostring(account))
+  end
+  local want = quota_gpus(job_desc, s)
+  if want == 0 then want = 1 end
+  local recent = admitted_since(q, account, os.time())
+  local used = t.used + recent
+  local counted = string.format("%d of %d GPUs in use (%d in the coordinator's count, %d admitted since)",
+    used, t.quota, t.used, recent)
+  if used + want <= t.quota then
+    return "guaranteed", string.format("tenant %s: %s, needs %d", account, counted, want)
+  end
+  return "opportunistic", string.format("tenant %s over quota: %s, needs %d", account, counted, want)
+end
+
+-- Slurm runs this once per component of a heterogeneous job, each a job record of its own that Slurm
+-- starts and requeues together with the others; quotas, placement and preemption here treat every
+-- record as a whole job, so one component's preemption would take the others down unannounced.
+local function forbid_het(job_desc, requested, class)
+  local offset = job_desc.het_job_offset
+  if type(offset) ~= "number" or offset == NO_VAL then return end
+  local way = requested and "submit the components as separate jobs or without --antman" or
+    string.format("submit the components as separate jobs (this site makes GPU jobs %s by default)", class)
+  reject("heterogeneous jobs are not supported by slurm-antman (component %d of a --het-group/':' job); %s",
+    offset, way)
+end
+
+local function classify(job_desc, s)
+  local requested = class_from_env(job_desc.spank_job_env)
+  local class = requested
+  if class == nil then
+    class = s.default_class
+    if class ~= "none" and not requests_gpu(job_desc, s) then class = "none" end
+  elseif class ~= "auto" and class ~= "guaranteed" and class ~= "opportunistic" then
+    reject("unknown class %q in ANTMAN_CLASS; allowed: guaranteed, opportunistic, auto", class)
+  end
+  if class == "none" then
+    forbid_opp_gres(job_desc, s, "none")
+    return
+  end
+  forbid_het(job_desc, requested, class)
+  if class == "auto" then
+    local why
+    class, why = resolve_auto(job_desc, s)
+    info("%s: class auto resolved to %s (%s)", job_label(job_desc), class, why)
+  end
+  if class == "guaranteed" then
+    make_guaranteed(job_desc, s)
+    -- explicit guaranteed jobs take quota too: an auto job right after one must see it
+    record_admission(job_desc, s)
+  else
+    make_opportunistic(job_desc, s)
+  end
+  -- the coordinator resolves auto by tenant quota; it must know the user left the choice open
+  if requested == "auto" then job_desc.admin_comment = job_desc.admin_comment .. ";req=auto" end
+end
+
+---------------------------------------------------------------------------------------------
+-- Slurm entry points
+
+-- Runs fn under pcall; a Reject or a bug both end in an error return, never in a job let through.
+-- On submit the user reads the reason (log_user). On modify 22.05 discards log_user text and
+-- logs an error for it, so the reason goes to the slurmctld log and the user gets "Access/permission
+-- denied" for a policy refusal.
+local function guarded(label, for_modify, fn)
+  local ok, err = pcall(fn)
+  if ok then return slurm.SUCCESS end
+  local reason, rc
+  if getmetatable(err) == Reject then
+    reason = err.msg
+    -- a broken site config is no permission problem of the user's
+    local policy = for_modify and not err.config
+    rc = policy and (slurm.ESLURM_ACCESS_DENIED or slurm.ERROR) or slurm.ERROR
+  else
+    reason = "internal error classifying job: " .. tostring(err) .. "; job rejected, contact your admin"
+    rc = slurm.ERROR
+  end
+  slurm.log_info("%s", "slurm-antman: rejected " .. label .. ": " .. reason)
+  if not for_modify then slurm.log_user("%s", "slurm-antman: " .. reason) end
+  return rc
+end
+
+local function safe_label(fn, ...)
+  local ok, label = pcall(fn, ...)
+  return ok and label or "job ?"
+end
+
+local function settings_or_reject()
+  local s, err = load_settings()
+  if not s then
+    error(setmetatable({ msg = err .. "; every job is rejected until an admin fixes it", config = true }, Reject), 0)
+  end
+  return s
+end
+
+local M = {}
+
+-- The policy for one submission: slurm.SUCCESS, or an error code with the reason told to the user.
+function M.job_submit(job_desc, part_list, submit_uid)
+  return guarded(safe_label(job_label, job_desc), false, function()
+    classify(job_desc, settings_or_reject())
+  end)
+end
+
+local function check_modify(job_desc, job_rec, modify_uid)
+  local tag = job_rec.admin_comment
+  local class = type(tag) == "string" and tag:match("^" .. TAG_PREFIX .. "([%w_]+)") or nil
+  -- only opportunistic jobs are guarded, so a broken settings file does not block updates
+  -- (hold, release, time limits) of every other job
+  if class ~= "opportunistic" then return end
+  local s = settings_or_reject()
+  local new_tag = job_desc.admin_comment
+  if modify_uid == 0 and type(new_tag) == "string" and new_tag:match("^" .. TAG_PREFIX .. "guaranteed") then
+    info("job %s upgraded to guaranteed by root", tostring(job_rec.job_id))
+    return
+  end
+  local who = string.format("job %s is opportunistic", tostring(job_rec.job_id))
+  for _, field in ipairs(TRES_FIELDS) do
+    if mentions(parse_tres(job_desc[field], field), s.gpu_gres) then
+      reject("%s: it cannot be moved onto the physical %s GRES (%s); " ..
+        "resubmit with --antman=guaranteed for dedicated GPUs", who, s.gpu_gres, TRES_OPTION[field])
+    end
+  end
+  if has_partition(job_desc.partition, s.guaranteed_partition) then
+    reject("%s: it cannot be moved to the %s partition; resubmit with --antman=guaranteed", who,
+      s.guaranteed_partition)
+  end
+  if job_desc.requeue == 0 then
+    reject("%s: it must stay requeueable, because slurm-antman preempts it by requeueing", who)
+  end
+end
+
+-- The policy for one update (scontrol update, by a user or the coordinator).
+function M.job_modify(job_desc, job_rec, part_list, modify_uid)
+  local label = safe_label(function() return "update of job " .. tostring(job_rec.job_id) end)
+  return guarded(label, true, function()
+    check_modify(job_desc, job_rec, modify_uid)
+  end)
+end
+
+---------------------------------------------------------------------------------------------
+-- chain(): the site's job_submit.lua first, then the policy
+
+local ENTRY = { slurm_job_submit = "submit", slurm_job_modify = "modify" }
+
+-- The site's own function, as Slurm would run it: its return code (a non-number counts as success, as
+-- job_submit/lua reads it), or an error code when it raised.
+local function run_site(name, fn, for_modify, label, ...)
+  if fn == nil then return slurm.SUCCESS end
+  local ok, rc = pcall(fn, ...)
+  if not ok then
+    slurm.log_error("%s", string.format("slurm-antman: the site's %s raised an error for %s: %s; rejected", name,
+      label, tostring(rc)))
+    if not for_modify then
+      slurm.log_user("%s", "job_submit.lua failed on this job (an error in the site's own rules); job rejected, " ..
+        "contact your admin")
+    end
+    return slurm.ERROR
+  end
+  return tonumber(rc) or slurm.SUCCESS
+end
+
+-- Makes the globals Slurm calls run the site's functions, then the policy. The site's functions are
+-- taken whether they were defined before this call or after it (a metatable on _G catches the later
+-- definitions), so the line may stand anywhere at the top level of the site's script.
+function M.chain()
+  -- Marked on _G's metatable, not in this chunk: each dofile of the line loads a new copy of the module,
+  -- and a second chain would take the entry points away from the first, with the site's functions.
+  local marked = getmetatable(_G)
+  if marked ~= nil and rawget(marked, "antman_job_submit_chained") then
+    info("chain() called again; the first call already chains the site's functions")
+    return M
+  end
+  local site = { submit = rawget(_G, "slurm_job_submit"), modify = rawget(_G, "slurm_job_modify") }
+  rawset(_G, "slurm_job_submit", nil)
+  rawset(_G, "slurm_job_modify", nil)
+  local entry = {}
+  function entry.slurm_job_submit(job_desc, part_list, submit_uid)
+    local label = safe_label(job_label, job_desc)
+    local rc = run_site("slurm_job_submit", site.submit, false, label, job_desc, part_list, submit_uid)
+    if rc ~= slurm.SUCCESS then return rc end
+    return M.job_submit(job_desc, part_list, submit_uid)
+  end
+  function entry.slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+    local label = safe_label(function() return "update of job " .. tostring(job_rec.job_id) end)
+    local rc = run_site("slurm_job_modify", site.modify, true, label, job_desc, job_rec, part_list, modify_uid)
+    if rc ~= slurm.SUCCESS then return rc end
+    return M.job_modify(job_desc, job_rec, part_list, modify_uid)
+  end
+  -- Slurm looks the entry points up with lua_getglobal, which honours __index; they stay out of _G's own
+  -- table so that a later `function slurm_job_submit` reaches __newindex and becomes the site's function.
+  local mt = getmetatable(_G)
+  if mt == nil then
+    mt = {}
+    setmetatable(_G, mt)
+  end
+  rawset(mt, "antman_job_submit_chained", true)
+  local prev_index, prev_newindex = mt.__index, mt.__newindex
+  mt.__index = function(t, k)
+    if entry[k] then return entry[k] end
+    if type(prev_index) == "function" then return prev_index(t, k) end
+    if type(prev_index) == "table" then return prev_index[k] end
+    return nil
+  end
+  mt.__newindex = function(t, k, v)
+    if ENTRY[k] then
+      site[ENTRY[k]] = v
+      return
+    end
+    if type(prev_newindex) == "function" then return prev_newindex(t, k, v) end
+    if type(prev_newindex) == "table" then
+      prev_newindex[k] = v
+      return
+    end
+    rawset(t, k, v)
+  end
+  info("job_submit.lua chained: the site's rules (%s), then slurm-antman's; settings from %s",
+    (site.submit or site.modify) and "defined before the line" or "none yet", SETTINGS_PATH)
+  return M
+end
+
+return M

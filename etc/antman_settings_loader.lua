@@ -1,0 +1,105 @@
+--[[
+slurm-antman: reads and checks antman_settings.lua (Lua 5.1). Shared by antman_job_submit.lua and
+antman_cli_filter.lua, which load it with dofile from their own directory (the directory of slurm.conf).
+
+antman_settings.lua is written by `antman config render` from antman.yaml and returns a table of plain
+data (format in docs/architecture.md). It runs with an empty environment: no access to slurm, io or os.
+
+  local loader = dofile(DIR .. "/antman_settings_loader.lua")
+  local s, err = loader.load(DIR .. "/antman_settings.lua", warn)   -- warn(fmt, ...) for unknown fields
+
+Returns the settings table with defaults filled in, or nil and one sentence naming the file and field.
+What a caller does with an error is its own policy: job_submit rejects every job (skipping the policy
+silently would let opportunistic work onto guaranteed GPUs); cli_filter leaves the command unchanged.
+]]
+
+local SLURM_NAME = "^[A-Za-z][A-Za-z0-9_%-]*$"
+local CLASS_VALUES = { none = true, guaranteed = true, opportunistic = true }
+local KNOWN_KEYS = {
+  default_class = true, auto_class = true, gpu_gres = true, opp_gres = true,
+  guaranteed_partition = true, opp_partition = true, opp_qos = true, max_node_gpus = true,
+  gpu_types = true,
+}
+
+local function quoted(v)
+  if v == nil then return "nothing" end
+  if type(v) == "string" then return string.format("%q", v) end
+  return tostring(v)
+end
+
+local function whole_positive(v)
+  return type(v) == "number" and v >= 1 and v == math.floor(v) and v < math.huge
+end
+
+local function validate(s, warn)
+  for _, key in ipairs({ "gpu_gres", "opp_gres", "guaranteed_partition", "opp_partition" }) do
+    local v = s[key]
+    if type(v) ~= "string" or not v:match(SLURM_NAME) then
+      return string.format("field %s must be a Slurm name (letters, digits, '_' and '-'), got %s", key, quoted(v))
+    end
+  end
+  if s.gpu_gres == s.opp_gres then return "gpu_gres and opp_gres must differ" end
+  if s.guaranteed_partition == s.opp_partition then
+    return "guaranteed_partition and opp_partition must differ"
+  end
+  if s.default_class == nil then s.default_class = "none" end
+  if not CLASS_VALUES[s.default_class] then
+    return string.format("field default_class is %s; allowed: none, guaranteed, opportunistic", quoted(s.default_class))
+  end
+  if s.auto_class == nil then
+    -- docs/architecture.md: auto follows the default class, or guaranteed when that is none
+    s.auto_class = (s.default_class == "none") and "guaranteed" or s.default_class
+  end
+  if s.auto_class ~= "guaranteed" and s.auto_class ~= "opportunistic" then
+    return string.format("field auto_class is %s; allowed: guaranteed, opportunistic", quoted(s.auto_class))
+  end
+  if s.opp_qos ~= nil and (type(s.opp_qos) ~= "string" or s.opp_qos == "") then
+    return "field opp_qos must be a QOS name or nil"
+  end
+  local m = s.max_node_gpus
+  if m == nil then
+    return "field max_node_gpus is missing (the file predates it); run `antman config render` and install " ..
+      "the new antman_settings.lua"
+  end
+  if not whole_positive(m) then
+    return string.format("field max_node_gpus must be a positive whole number of GPUs, got %s", quoted(m))
+  end
+  -- gpu_types: { h100 = 8, ... }: the GPU types of antman.yaml's node groups, each with the most GPUs
+  -- one node of that type has. Absent: no node group declares a type.
+  if s.gpu_types == nil then s.gpu_types = {} end
+  if type(s.gpu_types) ~= "table" then
+    return string.format("field gpu_types must be a table of GPU type = GPUs per node, got %s", quoted(s.gpu_types))
+  end
+  for t, n in pairs(s.gpu_types) do
+    if type(t) ~= "string" or not t:match(SLURM_NAME) then
+      return string.format("field gpu_types has the key %s; a GPU type is a Slurm name (letters, digits, '_' " ..
+        "and '-')", quoted(t))
+    end
+    if not whole_positive(n) then
+      return string.format("field gpu_types.%s must be a positive whole number of GPUs, got %s", t, quoted(n))
+    end
+  end
+  for key in pairs(s) do
+    if not KNOWN_KEYS[key] and warn then warn("ignoring unknown field %s", tostring(key)) end
+  end
+  return nil
+end
+
+local M = {}
+
+-- Read on every call by the callers, so an admin's re-render takes effect without touching the scripts.
+function M.load(path, warn)
+  local chunk, err = loadfile(path)
+  if not chunk then return nil, "cannot read settings: " .. tostring(err) end
+  setfenv(chunk, {}) -- settings are plain data; they get no access to slurm, io or os
+  local ok, s = pcall(chunk)
+  if not ok then return nil, string.format("error in settings %s: %s", path, tostring(s)) end
+  if type(s) ~= "table" then
+    return nil, string.format("settings %s must return a table, returned %s", path, type(s))
+  end
+  local problem = validate(s, warn and function(fmt, ...) warn("settings %s: " .. fmt, path, ...) end)
+  if problem then return nil, string.format("settings %s: %s", path, problem) end
+  return s
+end
+
+return M
