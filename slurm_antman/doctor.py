@@ -95,12 +95,40 @@ def check_config(path: str) -> tuple[Optional[cfgmod.AntmanConfig], Check]:
     try:
         cfg = cfgmod.load(path)
     except cfgmod.ConfigError as e:
-        first = f"{e.problems[0][0]}: {e.problems[0][1]}" if e.problems else str(e)
+        line = f"line {e.lines[0]}: " if e.lines and e.lines[0] is not None else ""
+        first = f"{line}{e.problems[0][0]}: {e.problems[0][1]}" if e.problems else str(e)
         more = f" (+{len(e.problems) - 1} more)" if len(e.problems) > 1 else ""
         return None, fail("config", f"{path}: {first}{more}",
                           f"fix the file; `antman config check {path}` lists every problem")
     return cfg, ok("config", f"{path} is valid ({sum(len(g.hosts) for g in cfg.nodes)} nodes, "
                              f"{len(cfg.tenants)} tenants)")
+
+
+def check_agent_bundle(cfg: cfgmod.AntmanConfig, node: str) -> Check:
+    """The agent bundle a GPU node's jobs load the agent from (agent_path): there, whole, readable
+    by every job's user, and of this release."""
+    from . import __version__, agent_bundle
+
+    name = "agent_bundle"
+    if not cfg.agent_path:
+        return ok(name, "agent_path is null: only Pythons with slurm-antman installed load the agent")
+    if node not in {h for g in cfg.nodes for h in g.hosts}:
+        return skip(name, f"{node} is not a GPU node of antman.yaml: only GPU nodes' jobs read the bundle")
+    try:
+        marker = agent_bundle.read(Path(cfg.agent_path))
+    except agent_bundle.BundleError as e:
+        return fail(name, str(e), f"make install on this node (or antman agent-bundle --out {cfg.agent_path}); "
+                                  "without it a job's own Python (a venv with only torch) runs without the agent")
+    loader = Path(cfg.agent_path) / "sitecustomize.py"
+    if not (os.stat(cfg.agent_path).st_mode & 0o005 == 0o005 and loader.is_file()
+            and loader.stat().st_mode & 0o004):
+        return fail(name, f"{cfg.agent_path} is not readable by every user (or has no sitecustomize.py)",
+                    f"antman agent-bundle --out {cfg.agent_path} builds it world-readable")
+    builds = ", ".join(marker.get("zmq_builds", [])) or "none"
+    if marker.get("version") != __version__:
+        return warn(name, f"{cfg.agent_path} is from slurm-antman {marker.get('version')}, this antman is "
+                          f"{__version__}", f"antman agent-bundle --out {cfg.agent_path} (make install does it)")
+    return ok(name, f"{cfg.agent_path}: the agent for jobs' own Pythons, with pyzmq for {builds}")
 
 
 def check_plugin_file(cfg: cfgmod.AntmanConfig) -> Check:
@@ -566,6 +594,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     checks.append(check_job_submit(sconf) if sconf else skip("job_submit", need_slurm))
     checks.append(check_quota_file(cfg, sconf) if cfg else skip("quota_file", need_cfg))
     checks.append(check_hooks(sconf) if sconf else skip("prolog_epilog", need_slurm))
+    checks.append(check_agent_bundle(cfg, node) if cfg else skip("agent_bundle", need_cfg))
     checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
     checks.append(check_coordinator(cfg, node) if cfg else skip("coordinator_link", need_cfg))
     checks.append(check_nvml())

@@ -118,3 +118,26 @@ def test_plugstack_line_names_the_bundle_only_when_configured():
     assert "agent_path" not in off
     with pytest.raises(Exception, match="agent_path"):
         AntmanConfig.model_validate({**base, "agent_path": "relative/agent"})
+
+
+def test_doctor_checks_the_bundle_on_gpu_nodes(tmp_path):
+    import os
+
+    from slurm_antman import doctor
+
+    path = agent_bundle.build(tmp_path / "agent").path
+    cfg = AntmanConfig.model_validate({"nodes": [{"name": "gpu01", "gpus": 1}], "agent_path": str(path)})
+    c = doctor.check_agent_bundle(cfg, "gpu01")
+    assert c.status == "ok" and TAG in c.reason
+    assert doctor.check_agent_bundle(cfg, "login1").status == "skip"
+    os.chmod(path, 0o700)  # the jobs' users could not read it
+    c = doctor.check_agent_bundle(cfg, "gpu01")
+    assert c.status == "fail" and "not readable by every user" in c.reason
+    os.chmod(path, 0o755)
+    marker = json.loads((path / agent_bundle.MARKER).read_text())
+    (path / agent_bundle.MARKER).write_text(json.dumps({**marker, "version": "0.0.1"}))
+    c = doctor.check_agent_bundle(cfg, "gpu01")
+    assert c.status == "warn" and "0.0.1" in c.reason and "agent-bundle --out" in c.hint
+    gone = AntmanConfig.model_validate({"nodes": [{"name": "gpu01", "gpus": 1}], "agent_path": str(tmp_path / "no")})
+    c = doctor.check_agent_bundle(gone, "gpu01")
+    assert c.status == "fail" and "no agent bundle" in c.reason and "make install" in c.hint
