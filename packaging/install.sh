@@ -42,13 +42,13 @@ if [[ $commit != nogit ]] && [[ -n $(git -C "$SRC" status --porcelain --untracke
 fi
 id="$version-$commit-$(date -u +%Y%m%dT%H%M%SZ)"
 
-# Directories this install creates outside PREFIX (deepest first), for uninstall to remove when
+# Directories this install creates outside PREFIX (PREFIX's parents too), for uninstall to remove when
 # empty; an upgrade keeps the first install's record.
 made=()
 if [[ -f $PREFIX/share/slurm-antman/installed-files ]]; then
     mapfile -t made < <(awk '$1 == "dir" {print $2}' "$PREFIX/share/slurm-antman/installed-files")
 fi
-for d in "$BINDIR" "$PLUGIN_DIR" "$UNIT_DIR"; do
+for d in "$(dirname "$PREFIX")" "$BINDIR" "$PLUGIN_DIR" "$UNIT_DIR"; do
     new=()
     while [[ ! -e $d ]]; do new+=("$d"); d=$(dirname "$d"); done
     made+=("${new[@]}")
@@ -79,7 +79,8 @@ mv -f "$PLUGIN_DIR/.antman_spank.so.new" "$PLUGIN_DIR/antman_spank.so"
 
 echo "== shared files, docs"
 share=$PREFIX/share/slurm-antman
-rm -rf "$share/lua.new" && mkdir -p "$share/lua.new" && install -m 0644 "$SRC"/etc/*.lua "$share/lua.new/"
+rm -rf "$share/lua.new" && mkdir -p "$share/lua.new/examples" && install -m 0644 "$SRC"/etc/*.lua "$share/lua.new/"
+install -m 0644 "$SRC"/etc/examples/*.lua "$share/lua.new/examples/"  # a site's own scripts calling the modules
 rm -rf "$share/lua" && mv "$share/lua.new" "$share/lua"
 install -m 0644 "$SRC/etc/antman.yaml" "$share/antman.yaml.example"
 rm -rf "$share/grafana" && cp -r "$SRC/etc/grafana" "$share/grafana"

@@ -27,11 +27,13 @@ while read -r kind path sum; do
     *) die "$list: unknown entry '$kind'" ;;
     esac
 done < "$list"
-# The directories install created, deepest first, each only if nothing else has moved in.
-while read -r path; do
-    [[ -d $path ]] && { rmdir "$path" 2>/dev/null || kept+=("$path (not empty)"); }
-done < <(awk '$1 == "dir" {print gsub("/", "/", $2), $2}' "$list" | sort -u | sort -k1,1nr | cut -d' ' -f2-)
+# The directories install created, deepest first (read now: the list lives in PREFIX), each removed
+# only if nothing else has moved in.
+mapfile -t made < <(awk '$1 == "dir" {print gsub("/", "/", $2), $2}' "$list" | sort -u | sort -k1,1nr | cut -d' ' -f2-)
 rm -rf "${PREFIX:?}"
+for path in "${made[@]}"; do
+    [[ -d $path ]] && { rmdir "$path" 2>/dev/null || kept+=("$path (not empty)"); }
+done
 if [[ -d /run/systemd/system ]]; then systemctl daemon-reload || true; fi
 echo "removed slurm-antman from $PREFIX"
 for k in "${kept[@]}"; do echo "left: $k"; done

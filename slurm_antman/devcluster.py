@@ -178,6 +178,7 @@ class Cluster:
     accounting: bool = False  # slurmdbd and MariaDB run beside slurmctld (devcluster_accounting)
     user: str = DEV_USER  # the unprivileged user jobs are submitted as
     hosts: Optional["Hosts"] = None  # each node a network namespace of its own (``up(hosts=True)``)
+    installed: Optional[str] = None  # PREFIX of a `make install` the daemons and hooks run from (``up(installed=)``)
 
     @property
     def slurm_conf(self) -> Path:
@@ -214,14 +215,15 @@ class Cluster:
             "dir": str(self.dir), "nodes": self.nodes, "gpus": self.gpus, "port_base": self.port_base,
             "plain": self.plain, "slurm_conf": str(self.slurm_conf),
             "procs": [p.__dict__ for p in self.procs], "accounting": self.accounting, "user": self.user,
-            "hosts": self.hosts.to_json() if self.hosts else None,
+            "hosts": self.hosts.to_json() if self.hosts else None, "installed": self.installed,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "Cluster":
         return cls(Path(data["dir"]), data["nodes"], data["gpus"], data["port_base"], data["plain"],
                    [Proc(**p) for p in data["procs"]], bool(data.get("accounting", False)),
-                   str(data.get("user", DEV_USER)), Hosts.from_json(data["hosts"]) if data.get("hosts") else None)
+                   str(data.get("user", DEV_USER)), Hosts.from_json(data["hosts"]) if data.get("hosts") else None,
+                   data.get("installed"))
 
 
 def _state_file(d: Path) -> Path:
@@ -528,7 +530,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
        plain: bool = False, timeout: float = 90, sidecars: bool = True, extra_slurm_conf: str = "",
        extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
        overrides: dict | None = None, accounting: bool = True, cgroups: bool = True,
-       hosts: bool = False, require: Optional[Iterable[str]] = None, site_scripts: bool = False) -> Cluster:
+       hosts: bool = False, installed: Optional[Path] = None,
+       require: Optional[Iterable[str]] = None, site_scripts: bool = False) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
     slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
     ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
@@ -536,6 +539,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     run slurmdbd on a MariaDB of its own, the tenants as accounts (see devcluster_accounting);
     ``cgroups``: task/cgroup with ConstrainDevices=yes (cgroup.conf), on by default as at GPU sites;
     ``hosts``: every node a host of its own, in its own network namespace (see ``Hosts``);
+    ``installed``: the PREFIX of a ``make install``: the daemons, the hooks, the SPANK plugin, the Lua
+    scripts and the agent bundle come from it, as at a site, instead of from this checkout;
     ``require``: the arguments a cluster already running in ``d`` must have been started with for ``up``
     to return it (default: all of them; `antman devcluster up` names the flags given);
     ``site_scripts``: play a site with Lua scripts of its own: etc/examples/job_submit.lua and
@@ -588,6 +593,11 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     make_gpu_devices(d / "dev", gpus)
 
     antman_command = f"{sys.executable} -m slurm_antman.cli"
+    install = None
+    if installed is not None:
+        install = json.loads((Path(installed) / "share" / "slurm-antman" / "install.json").read_text())
+        antman_command = install["bin"]
+        overrides = _merge({"plugin_path": install["plugin"], "agent_path": install["agent"]}, overrides or {})
     if hosts:
         host_names = config_mod.NodeGroup(name=f"node[1-{nodes}]" if nodes > 1 else "node1", gpus=1).hosts
         the_hosts = Hosts(f"antman{port_base}", host_names)
@@ -599,7 +609,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     cfg = config_mod.load(d / "antman.yaml")
     # Every node of every node group (a test may give several, e.g. of two GPU types).
     cluster = Cluster(d, [h for g in cfg.nodes for h in g.hosts], gpus, port_base, plain, accounting=accounting,
-                      hosts=the_hosts if hosts else None)
+                      hosts=the_hosts if hosts else None, installed=str(installed) if installed else None)
     if cluster.hosts is not None:
         node_params = {h: f"Port={port_base + 1 + i} NodeAddr={cluster.hosts.addr(h)} NodeHostname={h}"
                        for i, h in enumerate(cluster.nodes)}
@@ -636,15 +646,18 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         (d / "etc" / "plugstack.conf").write_text("# plain Slurm: no SPANK plugins\n")
     else:
         (d / "etc" / "plugstack.conf").write_text(f"include {d}/etc/plugstack.conf.d/*.conf\n")
-        # Every one of them: the scripts and the modules they load.
-        for script in sorted((REPO / "etc").glob("*.lua")):
+        # The Lua scripts as a site copies them beside slurm.conf: from the install, or this checkout.
+        lua = Path(installed) / "share" / "slurm-antman" / "lua" if installed else REPO / "etc"
+        # Every one of them: the scripts and the modules they load (an older install has no modules).
+        for script in sorted(lua.glob("*.lua")):
             shutil.copy2(script, d / "etc" / script.name)
         if site_scripts:  # a site's own scripts, each with the one line that calls slurm-antman's module
             for name in ("job_submit.lua", "cli_filter.lua"):
                 shutil.copy2(REPO / "etc" / "examples" / name, d / "etc" / name)
-        build_spank(d / "lib" / "antman_spank.so")
-        if cfg.agent_path:
-            agent_bundle.build(Path(cfg.agent_path))
+        if not installed:  # an install brings its own plugin and agent bundle
+            build_spank(d / "lib" / "antman_spank.so")
+            if cfg.agent_path:
+                agent_bundle.build(Path(cfg.agent_path))
 
     env = _daemon_env(cluster)
     _ensure_munged(cluster.procs)
@@ -688,8 +701,20 @@ def _record(cluster: Cluster, proc: Proc | None) -> None:
 
 def _daemon_env(cluster: Cluster) -> dict:
     env = cluster.env
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    if cluster.installed:
+        env.pop("PYTHONPATH", None)  # the install's own packages, never this checkout's
+    else:
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def daemon_python(cluster: Cluster) -> str:
+    """The interpreter the antman daemons run with: this one, or the installed release's. The
+    release is resolved now (PREFIX/current is a link an upgrade switches): a running daemon must not
+    import the next release's modules half-way."""
+    if cluster.installed:
+        return str((Path(cluster.installed) / "current").resolve() / "venv" / "bin" / "python")
+    return sys.executable
 
 
 def start_slurmctld(cluster: Cluster, env: dict | None = None, clear_state: bool = False) -> Proc:
@@ -703,7 +728,7 @@ def start_slurmctld(cluster: Cluster, env: dict | None = None, clear_state: bool
 def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:
     """Start (or, after a kill, restart) the coordinator daemon; its log goes to log/coordinator.log."""
     env = env if env is not None else _daemon_env(cluster)
-    return _spawn("coordinator", [sys.executable, "-m", "slurm_antman.coordinator.daemon", "--config",
+    return _spawn("coordinator", [daemon_python(cluster), "-m", "slurm_antman.coordinator.daemon", "--config",
                                   str(cluster.config_path)], env, cluster.dir / "log" / "coordinator.log",
                   _enter(cluster, "ctl"))
 
@@ -711,7 +736,7 @@ def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:
 def start_sidecar(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
     """Start (or, after a kill, restart) ``node``'s sidecar; its log goes to log/sidecar-NODE.log."""
     env = env if env is not None else _daemon_env(cluster)
-    return _spawn(f"sidecar:{node}", [sys.executable, "-m", "slurm_antman.cli", "sidecar", "--config",
+    return _spawn(f"sidecar:{node}", [daemon_python(cluster), "-m", "slurm_antman.cli", "sidecar", "--config",
                                       str(cluster.config_path), "--node", node],
                   env, cluster.dir / "log" / f"sidecar-{node}.log", _enter(cluster, node))
 
