@@ -24,10 +24,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "slurm_antman" / "data" / "demo_train.py"
-# The release a site upgrades from: the first commit with `make install`. Raise it at each release
+# The release a site upgrades from: the first whose `make install` records all it creates. Raise it at each release
 # whose upgrade path must be kept (the protocol's version rules are what make an older agent and a
 # newer sidecar work together).
-UPGRADE_FROM = os.environ.get("ANTMAN_UPGRADE_FROM", "95094f6c6c036b8d7a1829f47bc7cb297c5a560c")
+UPGRADE_FROM = os.environ.get("ANTMAN_UPGRADE_FROM", "09d9e5f2e3581264841bcdcdf035c937e5d8cda6")
 PORT_BASE = TEST_PORT_BASE + 1100
 
 
