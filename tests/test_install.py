@@ -149,6 +149,12 @@ def test_install_upgrade_under_running_jobs_then_uninstall(tmp_path, torch_only_
         c.cancel_all()
         dc.down(d)
 
+    # Rollback: back to the earlier release (the command everyone runs is its), its agent bundle rebuilt.
+    _make("rollback", REPO, root)
+    assert os.readlink(prefix / "current") == f"releases/{first['release']}"
+    assert str((prefix / "bin" / "antman").resolve()).startswith(str(prefix / "releases" / first["release"]))
+    assert (prefix / "agent" / "sitecustomize.py").is_file()
+
     r = _make("uninstall", REPO, root)
     assert "left:" not in r.stdout, r.stdout
     assert _tree(root) == before, sorted(_tree(root) - before)
