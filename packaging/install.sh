@@ -63,7 +63,7 @@ trap 'rm -rf "$stage"; [[ -e $rel/.complete ]] || rm -rf "$rel"' EXIT
 echo "== $id: virtual environment"
 "$INSTALL_PYTHON" -m venv "$rel/venv"
 # Built from a copy: pip's in-tree build would leave build/ and *.egg-info in the checkout.
-tar -C "$SRC" --exclude=./.venv --exclude=./.git --exclude='*/__pycache__' --exclude='./build' \
+tar -C "$SRC" --exclude=./.venv --exclude='./.venv-*' --exclude=./.git --exclude='*/__pycache__' --exclude='./build' \
     --exclude='*.egg-info' --exclude='./spank/*.o' --exclude='./spank/*.so' -cf - . | tar -C "$stage" -xf -
 "$rel/venv/bin/python" -m pip install -q --disable-pip-version-check "$stage[nvml]"
 "$rel/venv/bin/antman" --help >/dev/null || die "the new release's antman does not run"

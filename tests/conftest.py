@@ -126,26 +126,65 @@ def backend(plain_cluster, tmp_path, monkeypatch):
                     raise
 
 
+def _make_torch_only_venv(venv: Path) -> None:
+    """A venv holding torch and what torch requires, file for file as this venv's pip installed them
+    (dist RECORDs; hard links where the file system allows): no pip run, no index, no network, so the
+    same works in make test-slurm24's chroot."""
+    import re
+    import subprocess
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
+                                "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    todo, seen = ["torch"], set()
+    while todo:
+        name = todo.pop()
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        if key in seen:
+            continue
+        seen.add(key)
+        dist = metadata.distribution(name)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        for f in dist.files or []:
+            if f.parts[0] == ".." or "__pycache__" in f.parts:
+                continue  # console scripts (bin/) and byte code: not needed to import torch
+            src, dst = Path(dist.locate_file(f)), site / f
+            if not src.is_file():
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+
 @pytest.fixture(scope="session")
 def torch_only_python() -> Path:
     """The python of a venv with torch and nothing else: a user's own environment, which has never
-    heard of slurm-antman or pyzmq. Made once per machine (pip, about 25 s) from the system Python,
-    so that the cluster's unprivileged user can run it; kept in /var/tmp keyed by torch's version."""
+    heard of slurm-antman or pyzmq. Made once per checkout and torch version beside this checkout's
+    venv (the cluster's unprivileged user can run it; make test-slurm24's chroot sees it too)."""
     import subprocess
 
     import torch
 
     version = torch.__version__.split("+")[0]
-    venv = Path(f"/var/tmp/slurm-antman-torch-only-{version}")
+    venv = Path(__file__).resolve().parent.parent / f".venv-torch-only-{version}"
     python = venv / "bin" / "python"
     if not (venv / ".complete").exists():
         shutil.rmtree(venv, ignore_errors=True)
-        subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={version}"], check=True)
+        _make_torch_only_venv(venv)
         (venv / ".complete").touch()
-    probe = subprocess.run([str(python), "-c", "import importlib.util as u; print([m for m in ('zmq', "
-                            "'slurm_antman', 'torch_patch', 'pydantic') if u.find_spec(m)])"],
-                           capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}, cwd="/")
-    assert probe.stdout.strip() == "[]", f"{venv} is not torch-only: {probe.stdout}"
+    probe = subprocess.run([str(python), "-c", "import importlib.util as u, torch; print([m for m in ('zmq', "
+                            "'slurm_antman', 'torch_patch', 'pydantic', 'pip') if u.find_spec(m)])"],
+                           capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}, cwd="/")
+    assert probe.returncode == 0 and probe.stdout.strip() == "[]", \
+        f"{venv} is not a working torch-only venv: {probe.stdout} {probe.stderr[-2000:]}"
     let_jobs_through(venv)
     return python
