@@ -36,15 +36,20 @@ def _why(c, missing: list[int], jobs: dict) -> str:
     return "\n".join(parts)
 
 
-def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
+def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path, torch_only_python):
+    """The opportunistic job runs in a user's own venv that holds torch and nothing else: the SPANK plugin
+    puts the site's agent bundle first on its PYTHONPATH (the job's own entries kept after it), and its
+    agent registers as the guaranteed job's (this venv, slurm-antman installed) does."""
     c = clean_cluster
     # Long enough to outlive the wait below on a loaded machine (4000 steps of at least 50 ms).
     # One checkpoint per job: with a shared one, two saves that interleave make one job's os.replace find
     # the other's temporary file gone, and that job dies (the failure seen under 24.11 and 22.05).
-    def script(name: str) -> str:
-        return f"#!/bin/bash\nexec {sys.executable} {TRAIN} {tmp_path / name} 4000 0.05\n"
-    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=script("opp.ckpt"))
+    def script(name: str, python: str = sys.executable) -> str:
+        return f"#!/bin/bash\necho \"PYTHONPATH=$PYTHONPATH\"\nexec {python} {TRAIN} {tmp_path / name} 4000 0.05\n"
+    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", "--export=ALL,PYTHONPATH=/site/lib",
+                   script=script("opp.ckpt", str(torch_only_python)))
     g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node2", script=script("guaranteed.ckpt"))
+    plain = c.sbatch("--wrap", 'echo "PYTHONPATH=$PYTHONPATH"')
     deadline = time.monotonic() + 90
     jobs: dict[int, dict] = {}
     while time.monotonic() < deadline:
@@ -70,25 +75,6 @@ def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path):
     node2 = next(n for n in json.loads(r.stdout) if n["name"] == "node2")
     on = {j["job_id"]: gpu["index"] for gpu in node2["gpus"] for j in gpu["jobs"]}
     assert on[opp] == o["gpus"][0] and on[g] == gj["gpus"][0]
-
-
-def test_a_jobs_own_torch_only_python_gets_the_agent(clean_cluster, tmp_path, torch_only_python):
-    """A user's venv with torch and nothing else: the SPANK plugin puts the site's agent bundle first on
-    the job's PYTHONPATH (keeping the user's own entries after it), and the agent registers."""
-    c = clean_cluster
-    bundle = c.c.dir / "lib" / "agent"
-    script = (f"#!/bin/bash\necho \"PYTHONPATH=$PYTHONPATH\"\n"
-              f"exec {torch_only_python} {TRAIN} {tmp_path / 'own.ckpt'} 4000 0.05\n")
-    opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "--export=ALL,PYTHONPATH=/site/lib", script=script)
-    plain = c.sbatch("--wrap", 'echo "PYTHONPATH=$PYTHONPATH"')
-    deadline = time.monotonic() + 90
-    jobs: dict[int, dict] = {}
-    while time.monotonic() < deadline:
-        jobs = _squeue(c)
-        if jobs.get(opp, {}).get("iteration_ms") is not None:
-            break
-        time.sleep(1)
-    assert jobs.get(opp, {}).get("iteration_ms") is not None, _why(c, [opp], jobs)
-    assert jobs[opp]["class"] == "opportunistic" and jobs[opp]["mem_limit_bytes"] > 0
-    assert c.output(opp).splitlines()[0] == f"PYTHONPATH={bundle}:/site/lib"
+    assert c.output(opp).splitlines()[0] == f"PYTHONPATH={c.c.dir / 'lib' / 'agent'}:/site/lib"
     assert c.wait_output(plain, r"^PYTHONPATH=").strip() == "PYTHONPATH="  # not a slurm-antman job: untouched
+
