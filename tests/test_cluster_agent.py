@@ -76,5 +76,6 @@ def test_opportunistic_agent_reports_live_numbers(clean_cluster, tmp_path, torch
     on = {j["job_id"]: gpu["index"] for gpu in node2["gpus"] for j in gpu["jobs"]}
     assert on[opp] == o["gpus"][0] and on[g] == gj["gpus"][0]
     assert c.output(opp).splitlines()[0] == f"PYTHONPATH={c.c.dir / 'lib' / 'agent'}:/site/lib"
-    assert c.wait_output(plain, r"^PYTHONPATH=").strip() == "PYTHONPATH="  # not a slurm-antman job: untouched
+    # Not a slurm-antman job: its PYTHONPATH is the submitter's, untouched.
+    assert c.wait_output(plain, r"^PYTHONPATH=").strip() == f"PYTHONPATH={c.c.env.get('PYTHONPATH', '')}"
 
