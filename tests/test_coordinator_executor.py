@@ -51,7 +51,9 @@ def test_keep_off_sets_and_clears_a_pending_jobs_exclusions_and_it_waits_meanwhi
     info = c.wait_state(jid, {"RUNNING"}, timeout=30)
     assert info["NodeList"] == "node2"
     out = ex.execute(KeepOff(str(jid), ()))
-    assert out.outcome == "skipped" and "RUNNING" in out.detail and not out.retry, out
+    # Retried: a job seen pending and started in the same second may be a Prolog's refusal away from
+    # pending again (the core decides no KeepOff for a job it sees running).
+    assert out.outcome == "skipped" and "RUNNING" in out.detail and out.retry, out
 
 
 def test_make_eligible_and_keep_off_on_a_job_not_pending_yet_are_retried_never_on_a_running_one(clean_cluster):

@@ -320,8 +320,12 @@ class Executor:
         if job.state != "PENDING":
             # A job the Prolog refused and requeued is COMPLETING for a moment under 24.11, then pending
             # with no exclusion: retry, or it starts on the node with no room again (as make_eligible).
+            # RUNNING too: the snapshot saw it pending, Slurm started it in the same second on the node
+            # with no room, and its Prolog is about to requeue it; without a retry the core's in-flight
+            # record held the next KeepOff back for a minute (seen in make test). A job that really runs
+            # gets no KeepOff from the core, so the retry costs nothing then.
             return skipped(f"job is {job.state}; ExcNodeList can only change while it is pending", job.restarts,
-                           retry=_requeue_in_flight(job))
+                           retry=not job.finished)
         if job.antman_class != "opportunistic":
             return skipped(f"job is {job.antman_class}, not opportunistic", job.restarts)
         self.backend.update(job.slurm_id, ExcNodeList=",".join(d.nodes))
