@@ -19,6 +19,10 @@ TRACE = """timestamp,duration,num_gpus,gpu_time,cluster
 2017-10-09 07:00:00,15,1,15,aaaa01
 2017-10-09 07:00:03,5,1,5,aaaa01
 """
+# A trace replay on its own devcluster (about a minute): `make test-slow`, with the other replays, keeps
+# `make test` under its 15 minutes.
+pytestmark = pytest.mark.slow
+
 GPU_BYTES = 16 * GiB
 SEED = next(s for s in range(10_000) if assign("philly-2", s).name == "gpt2_small"
             and BY_NAME["gpt2_small"].mem_bytes + assign("philly-3", s).mem_bytes > GPU_BYTES)
