@@ -114,13 +114,13 @@ WHEEL_PY      ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-wheels:
 	@mkdir -p .whl
-	pins="$$($(WHEEL_PY) -m slurm_antman.bench.wheels list)" && \
+	pins="$$($(WHEEL_PY) -m slurm_antman.lab.bench.wheels list)" && \
 	$(WHEEL_PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 	  -d .whl $$pins
 
 gpu-proof:
-	$(GPU_PY) -m slurm_antman.bench.wheels install --wheels .whl --target .whl/site
+	$(GPU_PY) -m slurm_antman.lab.bench.wheels install --wheels .whl --target .whl/site
 	PYTHONPATH="$(CURDIR)/.whl/site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
 	  $(GPU_PY) -m slurm_antman.cli bench gpu --out $(GPU_PROOF_DIR) $(GPU_PROOF_ARGS)
 

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .devcluster_dir import DEFAULT_DIR as DEVCLUSTER_DIR
+from slurm_antman.lab.devcluster.dirs import DEFAULT_DIR as DEVCLUSTER_DIR
 from .errors import AntmanError
 
 
@@ -18,7 +18,7 @@ def _default_config() -> str:
 
 
 def _cmd_devcluster(a: argparse.Namespace) -> int:
-    from . import devcluster as dc
+    from slurm_antman.lab.devcluster import cluster as dc
 
     d = Path(a.dir)
     if a.action == "up":
@@ -83,9 +83,9 @@ def _cmd_config(a: argparse.Namespace) -> int:
 
 
 def _cmd_node(a: argparse.Namespace) -> int:
-    from . import node_hooks
+    from . import prolog_epilog
 
-    return node_hooks.main(a.hook, a.config)
+    return prolog_epilog.main(a.hook, a.config)
 
 
 def _cmd_squeue(a: argparse.Namespace) -> int:
@@ -101,14 +101,14 @@ def _cmd_nodes(a: argparse.Namespace) -> int:
 
 
 def _cmd_demo(a: argparse.Namespace) -> int:
-    from . import demo
+    from .lab import demo
 
     return demo.main(a)
 
 
-_BENCHES = {"submit": "bench.submit", "control": "bench.control", "coordinator": "bench.coordinator",
-            "simulate": "bench.simulate", "trace": "bench.trace", "models": "bench.models",
-            "gpu": "bench.gpu", "faults": "bench.faults", "pause": "bench.pause"}
+_BENCHES = {"submit": "lab.bench.submit", "control": "lab.bench.control", "coordinator": "lab.bench.coordinator",
+            "simulate": "lab.bench.simulate", "trace": "lab.bench.trace", "models": "lab.bench.models",
+            "gpu": "lab.bench.gpu", "faults": "lab.bench.faults", "pause": "lab.bench.pause"}
 
 
 def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:
@@ -130,7 +130,7 @@ def _cmd_explain(a: argparse.Namespace) -> int:
 
 # Daemons and tools with their own argument parsers: `antman NAME ARGS...` hands ARGS over untouched.
 _PASSTHROUGH = {
-    "sidecar": ("sidecar.cli", "the per-node daemon"),
+    "sidecar": ("slurm_antman.sidecar.cli", "the per-node daemon"),
     "coordinator": ("slurm_antman.coordinator.daemon", "the cluster coordinator (beside slurmctld)"),
     "keys": ("slurm_antman.curve_keys", "CURVE keys for the sidecar-coordinator link"),
     "doctor": ("slurm_antman.doctor", "check a node or the controller and name what is missing or wrong"),

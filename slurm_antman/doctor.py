@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from . import config as cfgmod
-from . import site_settings, tenants
+from . import site_settings
+from .coordinator import tenants
 from .slurm import version as slurm_version
 
 SKEW_WARN_S = 2.0
@@ -328,7 +329,7 @@ def check_hooks(sconf: dict[str, str]) -> Check:
 def check_sidecar(cfg: cfgmod.AntmanConfig, node: str) -> Check:
     if node not in cfg.node_groups_by_host():
         return skip("sidecar", f"{node} is not a GPU node in antman.yaml (controller host?)")
-    from sidecar import client
+    from .clients import sidecar_control as client
 
     sock = cfg.node_socket_dir(node)
     try:
@@ -430,8 +431,8 @@ def check_nvml() -> Check:
 
 def driver_memory_caps() -> str:
     """Whether this node's driver can cap a job's GPU memory itself (MPS v3 memory partitioning,
-    ``sidecar.driver_caps``): "" when it can, else why not."""
-    from sidecar import driver_caps
+    ``slurm_antman.sidecar.driver_caps``): "" when it can, else why not."""
+    from .sidecar import driver_caps
 
     try:
         import pynvml
@@ -454,7 +455,7 @@ def check_enforcement(cfg: cfgmod.AntmanConfig, sconf: Optional[dict[str, str]],
         return warn("enforcement", "sidecar.enforce is false: observe only, no limit reaches any job",
                     "set sidecar.enforce: true once the rollout is over")
     parts = ["limits applied by each job's agent",
-             f"jobs that ignore them requeued after {cfg.sidecar.compliance_grace_s:g} s (sidecar.compliance)"]
+             f"jobs that ignore them requeued after {cfg.sidecar.compliance_grace_s:g} s (slurm_antman.policy.node.compliance)"]
     proctrack = (sconf or {}).get("ProctrackType", "")
     telemetry = cfg.sidecar.telemetry
     if telemetry == "emulated":

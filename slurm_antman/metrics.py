@@ -62,7 +62,7 @@ class SidecarView:
 
 
 def sidecar_view(sidecar: Any) -> SidecarView:
-    """The metrics view of a running ``sidecar.daemon.Sidecar``; call it from the sidecar's loop thread."""
+    """The metrics view of a running ``slurm_antman.sidecar.daemon.Sidecar``; call it from the sidecar's loop thread."""
     proc_mem = {s.pid: s.memory_bytes for s in sidecar.proc_samples if s.memory_bytes is not None}
     gpus = tuple(GpuPoint(s.index, s.memory_used_bytes, s.memory_total_bytes, s.utilization)
                  for s in sidecar.gpu_samples)
@@ -143,7 +143,7 @@ class SidecarCollector(Collector):
         yield waits
         nc = CounterMetricFamily(f"{PREFIX}_noncompliant", "Opportunistic jobs found not keeping to their limits beside "
                                  "a guaranteed job (no agent, limits not acknowledged, memory over the limit) and "
-                                 "asked to be requeued (sidecar.compliance).", labels=["node"])
+                                 "asked to be requeued (slurm_antman.policy.node.compliance).", labels=["node"])
         nc.add_metric([v.node], v.noncompliant)
         yield nc
         sw = CounterMetricFamily(f"{PREFIX}_state_write_errors", "Job records the sidecar could not write to its "

@@ -396,7 +396,7 @@ class ReportPreemptRequest:
     gpu: int = _f(int, ge=0)
     reason: str = _text()
     since_unix: float = _f(float, ge=0.0)
-    # This very job must go (sidecar.compliance), not whichever job on the GPU loses least.
+    # This very job must go (slurm_antman.policy.node.compliance), not whichever job on the GPU loses least.
     noncompliant: bool = _f(bool, default=False)
 
 

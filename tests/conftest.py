@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman import devcluster as dc
-from slurm_antman.devcluster_jobs import ClusterJobs
+from slurm_antman.lab.devcluster import cluster as dc
+from slurm_antman.lab.devcluster.jobs import ClusterJobs
 
 TEST_PORT_BASE = int(os.environ.get("ANTMAN_TEST_PORT_BASE", "18417"))
 
@@ -24,7 +24,7 @@ def _require_slurm() -> None:
         pytest.fail("the devcluster tests run slurmctld/slurmd and must run as root")
 
 
-# The tests' name for the devcluster plus its job calls (slurm_antman.devcluster_jobs, shared with
+# The tests' name for the devcluster plus its job calls (slurm_antman.lab.devcluster.jobs, shared with
 # `antman bench faults`).
 ClusterHandle = ClusterJobs
 

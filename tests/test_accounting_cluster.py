@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from slurm_antman import devcluster_accounting as acct
-from slurm_antman.devcluster_jobs import wait_for
+from slurm_antman.lab.devcluster import accounting as acct
+from slurm_antman.lab.devcluster.jobs import wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurm_antman import devcluster as dc
+from slurm_antman.lab.devcluster import cluster as dc
 
 REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "admin.md"

@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from slurm_antman.bench.control import PeerSidecar
+from slurm_antman.lab.bench.control import PeerSidecar
 
 PTH = "slurm_antman_torch_patch.pth"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ import sys
 
 
 def test_bench_control_quick_json():
-    r = subprocess.run([sys.executable, "-c", "import sys; from slurm_antman.bench.control import main; "
+    r = subprocess.run([sys.executable, "-c", "import sys; from slurm_antman.lab.bench.control import main; "
                         "sys.exit(main(['--json', '--quick']))"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])

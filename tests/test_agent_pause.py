@@ -14,7 +14,7 @@ import torch
 
 import torch_patch
 from slurm_antman import protocol as P
-from slurm_antman.bench.control import PeerSidecar
+from slurm_antman.lab.bench.control import PeerSidecar
 from torch_patch.agent import Agent
 
 HB = 0.1

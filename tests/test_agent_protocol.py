@@ -1,6 +1,6 @@
 """The agent's protocol client against a sidecar peer over real ZeroMQ IPC, with real training loops.
 
-The peer is ``slurm_antman.bench.control.PeerSidecar``: a ROUTER speaking the sidecar side of
+The peer is ``slurm_antman.lab.bench.control.PeerSidecar``: a ROUTER speaking the sidecar side of
 docs/protocol.md (the full sidecar daemon is tested in its own files).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 import torch_patch
 from slurm_antman import protocol as P
-from slurm_antman.bench.control import PeerSidecar
+from slurm_antman.lab.bench.control import PeerSidecar
 from torch_patch.agent import Agent
 
 HB = 0.1  # heartbeat_s the peer hands out: the agent declares it lost after 5 x HB

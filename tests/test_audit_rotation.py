@@ -13,7 +13,7 @@ from slurm_antman.coordinator import audit
 from slurm_antman.coordinator.daemon import Coordinator, restore_state
 from slurm_antman.coordinator.explain import explain
 from slurm_antman.coordinator.query import audit_records
-from slurm_antman.policy import CoordinatorState, Preemption
+from slurm_antman.policy.cluster import CoordinatorState, Preemption
 from slurm_antman.slurm import CliBackend
 
 

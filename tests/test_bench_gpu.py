@@ -14,8 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from slurm_antman.bench import gpu, gpu_report, wheels
-from slurm_antman.bench.gpu import BY_NAME, PARTS, Part, Requirements, budgets, plan, run_all
+from slurm_antman.lab.bench import gpu, gpu_report, wheels
+from slurm_antman.lab.bench.gpu import BY_NAME, PARTS, Part, Requirements, budgets, plan, run_all
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is false)")
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour: every part skipped")
@@ -38,7 +38,7 @@ def test_plan_lists_every_part_in_the_issues_order_with_its_budget():
         row = next(ln for ln in lines if ln.split()[1:2] == [p.name])
         assert f"{p.budget_s:.0f} s" in row and p.what[:30] in row
     # Pause exists now (issue 16): nothing but the machine keeps its part from running.
-    from slurm_antman.bench.gpu_pause import missing
+    from slurm_antman.lab.bench.gpu_pause import missing
     assert missing() is None and "not implemented" not in text
 
 
@@ -98,7 +98,7 @@ def test_on_cpu_every_part_skips_with_its_reason_and_both_reports_are_complete(t
 
 FAKE_PARTS = '''
 import os, time
-from slurm_antman.bench.gpu_part import PartSkipped
+from slurm_antman.lab.bench.gpu_part import PartSkipped
 
 def boom(ctx):
     ctx.put("before", 1)
@@ -200,8 +200,8 @@ def test_wheel_install_is_offline_into_its_own_directory(tmp_path):
 
 
 def test_the_carried_wheels_are_what_the_gpu_code_path_imports():
-    code = ("import sys, torch_patch.agent, sidecar.daemon, slurm_antman.bench.gpu_worker, "
-            "slurm_antman.bench.gpu_node; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
+    code = ("import sys, torch_patch.agent, slurm_antman.sidecar.daemon, slurm_antman.lab.bench.gpu_worker, "
+            "slurm_antman.lab.bench.gpu_node; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))")
     env = dict(os.environ, ANTMAN_AGENT_DISABLE="1")
     mods = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env=env).stdout.split())
@@ -216,8 +216,8 @@ def test_the_carried_wheels_are_what_the_gpu_code_path_imports():
 
 def test_a_worker_takes_its_share_from_the_sidecar_over_the_protocol(tmp_path):
     from slurm_antman import protocol as P
-    from slurm_antman.bench.control import PeerSidecar
-    from slurm_antman.bench.gpu_worker import Worker, WorkerError, start, windows
+    from slurm_antman.lab.bench.control import PeerSidecar
+    from slurm_antman.lab.bench.gpu_worker import Worker, WorkerError, start, windows
 
     sock = os.path.join("/tmp", f"am-test-{os.getpid()}", "agent.sock")
     peer = PeerSidecar(sock, job_id="202", job_class="opportunistic").start()
@@ -240,13 +240,13 @@ def test_a_worker_takes_its_share_from_the_sidecar_over_the_protocol(tmp_path):
 
 
 def test_sweep_helpers():
-    from slurm_antman.bench.gpu_interference import inversions
-    from slurm_antman.bench.gpu_zoo import chunks, runs_in
+    from slurm_antman.lab.bench.gpu_interference import inversions
+    from slurm_antman.lab.bench.gpu_zoo import chunks, runs_in
 
     assert inversions([2.0, 1.5, 1.1]) == 0 and inversions([2.0, 2.1, 1.0]) == 1
     assert chunks()[0] == ["resnet50", "lstm_lm"] and runs_in(chunks()[0]) == 5
     assert sorted(n for c in chunks() for n in c) == sorted(__import__(
-        "slurm_antman.evaluation.model_zoo", fromlist=["NAMES"]).NAMES)
+        "slurm_antman.lab.evaluation.model_zoo", fromlist=["NAMES"]).NAMES)
 
 
 # --- on a GPU: the parts' claims ------------------------------------------------------------------
@@ -280,7 +280,7 @@ def test_gpu_memory_allocation_over_the_limit_fails_and_after_grow_succeeds(tmp_
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_memory_limit_changes_while_resnet50_trains_apply_at_the_next_iteration(tmp_path_factory):
-    from slurm_antman.bench.gpu_memory import SCHEDULE
+    from slurm_antman.lab.bench.gpu_memory import SCHEDULE
 
     tr = _part("memory", tmp_path_factory)["while_training"]
     assert len(tr["changes"]) == len(SCHEDULE) and not any("oom" in c for c in tr["changes"])
@@ -293,7 +293,7 @@ def test_gpu_memory_limit_changes_while_resnet50_trains_apply_at_the_next_iterat
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_spilled_run_keeps_training_with_the_unspilled_losses(tmp_path_factory):
-    from slurm_antman.bench.gpu_spill import LOSS_RTOL
+    from slurm_antman.lab.bench.gpu_spill import LOSS_RTOL
 
     r = _part("spill", tmp_path_factory)["spill"]
     assert r["spilled"]["spilled_peak_bytes"] > 0 and r["spilled"]["spill_failures"] == 0
@@ -305,7 +305,7 @@ def test_gpu_spilled_run_keeps_training_with_the_unspilled_losses(tmp_path_facto
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_spilled_process_holds_no_more_gpu_memory_than_its_limit(tmp_path_factory):
-    from slurm_antman.bench.gpu_spill import NVML_SLACK_BYTES
+    from slurm_antman.lab.bench.gpu_spill import NVML_SLACK_BYTES
 
     r = _part("spill", tmp_path_factory)["spill"]
     assert r["nvml_peak_bytes"] is not None
@@ -316,7 +316,7 @@ def test_gpu_spilled_process_holds_no_more_gpu_memory_than_its_limit(tmp_path_fa
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_throttle_protects_the_guaranteed_job_more_at_smaller_shares(tmp_path_factory):
-    from slurm_antman.bench.gpu_interference import inversions
+    from slurm_antman.lab.bench.gpu_interference import inversions
 
     for series in _part("interference", tmp_path_factory)["sweep"]["series"]:
         rows = {r["share"]: r for r in series["rows"]}
@@ -329,7 +329,7 @@ def test_gpu_throttle_protects_the_guaranteed_job_more_at_smaller_shares(tmp_pat
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_interference_formula_matches_the_measurements(tmp_path_factory):
-    from slurm_antman.bench.gpu_interference import FORMULA_TOL, REDUCED_DUTY
+    from slurm_antman.lab.bench.gpu_interference import FORMULA_TOL, REDUCED_DUTY
 
     series = _part("interference", tmp_path_factory)["sweep"]["series"]
     reduced = next(s for s in series if s["duty"] == REDUCED_DUTY)
@@ -342,7 +342,7 @@ def test_gpu_interference_formula_matches_the_measurements(tmp_path_factory):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_aimd_holds_the_guaranteed_slowdown_near_its_target(tmp_path_factory):
-    from slurm_antman.bench.gpu_interference import AIMD_BAND
+    from slurm_antman.lab.bench.gpu_interference import AIMD_BAND
 
     cl = _part("interference", tmp_path_factory)["closed_loop"]
     assert cl["target"] == 0.02 and len(cl["slices"]) >= 4
@@ -354,7 +354,7 @@ def test_gpu_aimd_holds_the_guaranteed_slowdown_near_its_target(tmp_path_factory
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_nvml_utilisation_agrees_with_the_agents_reports(tmp_path_factory):
-    from slurm_antman.bench.gpu_telemetry import UTIL_TOL
+    from slurm_antman.lab.bench.gpu_telemetry import UTIL_TOL
 
     full = _part("telemetry", tmp_path_factory)["telemetry"]["full_duty"]
     assert full["nvml_util"] is not None
@@ -364,7 +364,7 @@ def test_gpu_nvml_utilisation_agrees_with_the_agents_reports(tmp_path_factory):
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_nvml_process_memory_agrees_with_the_agents_reports(tmp_path_factory):
-    from slurm_antman.bench.gpu_telemetry import OUTSIDE_MAX_BYTES
+    from slurm_antman.lab.bench.gpu_telemetry import OUTSIDE_MAX_BYTES
 
     agents = _part("telemetry", tmp_path_factory)["telemetry"]["full_duty"]["agents"]
     assert {a["job"] for a in agents} == {"401", "402"}

@@ -12,8 +12,8 @@ from typing import Optional
 import pytest
 import torch
 
-from slurm_antman.bench import models as bm
-from slurm_antman.evaluation.memory_trace import ALLOCATOR_GRANULE, trace_step
+from slurm_antman.lab.bench import models as bm
+from slurm_antman.lab.evaluation.memory_trace import ALLOCATOR_GRANULE, trace_step
 
 
 def _r(n: int) -> int:
@@ -76,21 +76,21 @@ def test_warmup_must_create_optimizer_state():
 
 
 def test_the_model_column_is_the_workload_models_measured_pair():
-    from slurm_antman.evaluation.published import pair_slowdowns
+    from slurm_antman.lab.evaluation.published import pair_slowdowns
 
     assert bm.model_slowdown("resnet50", "transformer_nmt") == pytest.approx(pair_slowdowns()[("R50_32", "T64")])
     assert bm.model_slowdown("transformer_nmt", "resnet50") == pytest.approx(pair_slowdowns()[("T64", "R50_32")])
 
 
 def test_unknown_profile_is_a_clear_error():
-    p = subprocess.run([sys.executable, "-m", "slurm_antman.bench.models", "--profiles", "resnet50,nope"],
+    p = subprocess.run([sys.executable, "-m", "slurm_antman.lab.bench.models", "--profiles", "resnet50,nope"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "--profiles nope: unknown; allowed:" in p.stderr and "resnet50" in p.stderr
 
 
 def test_pairs_need_a_device_that_takes_time():
-    p = subprocess.run([sys.executable, "-m", "slurm_antman.bench.models", "--device", "meta",
+    p = subprocess.run([sys.executable, "-m", "slurm_antman.lab.bench.models", "--device", "meta",
                         "--profiles", "lstm_lm", "--pairs-with", "lstm_lm"], capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and "--pairs-with needs --device cuda" in p.stderr
@@ -100,7 +100,7 @@ def test_cpu_workers_run_alone_and_in_pairs(tmp_path):
     """The GPU run's machinery for real on the CPU: separate worker processes, a shared start, the
     solo and paired mini-batch times and the slowdowns computed from them."""
     out = tmp_path / "models.json"
-    p = subprocess.run([sys.executable, "-m", "slurm_antman.bench.models", "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "slurm_antman.lab.bench.models", "--device", "cpu",
                         "--profiles", "rl_ppo_atari", "--pairs-with", "rl_ppo_atari", "--batch", "8",
                         "--window-s", "1.5", "--warmup", "1", "--threads", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
@@ -140,8 +140,8 @@ def test_prediction_scales_with_the_product_of_duties():
 
 
 def test_prediction_is_the_workload_models_formula_with_gavels_pair_as_calibration():
-    from slurm_antman.evaluation import workloads
-    from slurm_antman.evaluation.published import pair_slowdowns
+    from slurm_antman.lab.evaluation import workloads
+    from slurm_antman.lab.evaluation.published import pair_slowdowns
 
     for (vk, nk), d in pair_slowdowns().items():
         if d < 1.0:
@@ -182,7 +182,7 @@ def _solo_record(duty: float, iter_ms: float, util: Optional[float] = None) -> d
 
 
 def test_pair_entry_checks_the_formula_against_the_whole_minibatch():
-    from slurm_antman.evaluation import workloads
+    from slurm_antman.lab.evaluation import workloads
 
     a, b = "resnet50", "lstm_lm"
     full_a = full_b = _solo_record(1.0, 100.0, util=0.9)
@@ -252,7 +252,7 @@ def test_gpu_formula_predicts_pairs_at_half_duty(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     out = tmp_path / "duties.json"
-    p = subprocess.run([sys.executable, "-m", "slurm_antman.bench.models", "--device", "cuda",
+    p = subprocess.run([sys.executable, "-m", "slurm_antman.lab.bench.models", "--device", "cuda",
                         "--profiles", "resnet50", "--pairs-with", "lstm_lm", "--duties", "1.0,0.5",
                         "--window-s", "5", "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr
@@ -271,7 +271,7 @@ def test_gpu_models_measured_against_the_workload_model(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     out = tmp_path / "models.json"
-    p = subprocess.run([sys.executable, "-m", "slurm_antman.bench.models", "--device", "cuda",
+    p = subprocess.run([sys.executable, "-m", "slurm_antman.lab.bench.models", "--device", "cuda",
                         "--profiles", "resnet50,lstm_lm", "--pairs-with", "resnet50", "--window-s", "5",
                         "--out", str(out)], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr

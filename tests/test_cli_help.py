@@ -1,5 +1,5 @@
 """Every command-line flag and argument of slurm-antman has help (issue 27): `antman`'s own parser with all
-its subcommands, and every other parser in slurm_antman/ and sidecar/ (the daemons, keys, doctor, the
+its subcommands, and every other parser in slurm_antman/ and slurm_antman/sidecar/ (the daemons, keys, doctor, the
 benchmarks, the bench workers). The parsers are found in the source, so a new one is checked too."""
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def _missing_help(parser: argparse.ArgumentParser, prog: str) -> list[str]:
 
 def test_the_parsers_are_found():
     # The antman command, a passthrough daemon and a bench module at least: the search itself works.
-    assert {("slurm_antman.cli", "build_parser"), ("sidecar.cli", "_parser"),
-            ("slurm_antman.bench.submit", "main")} <= set(BUILDERS)
+    assert {("slurm_antman.cli", "build_parser"), ("slurm_antman.sidecar.cli", "_parser"),
+            ("slurm_antman.lab.bench.submit", "main")} <= set(BUILDERS)
     assert len(BUILDERS) >= 15, BUILDERS
 
 

@@ -229,8 +229,9 @@ def test_opportunistic_job_without_its_sidecar_is_requeued_never_run_unmanaged(c
     import signal
     import time
 
-    from sidecar import client
-    from slurm_antman import config, devcluster as dc
+    from slurm_antman.clients import sidecar_control as client
+    from slurm_antman import config
+    from slurm_antman.lab.devcluster import cluster as dc
 
     c = clean_cluster
     side = next(p for p in c.c.procs if p.name == "sidecar:node2")
@@ -274,7 +275,7 @@ def test_opportunistic_job_without_its_sidecar_is_requeued_never_run_unmanaged(c
 def test_a_task_whose_env_file_says_refused_never_starts(clean_cluster, tmp_path):
     """The SPANK side of failing closed: when the Prolog refused a job (ANTMAN_REFUSED in its env file)
     and Slurm launches a step anyway, the plugin fails the task instead of running it unmanaged."""
-    from slurm_antman.node_hooks import write_env_file
+    from slurm_antman.prolog_epilog import write_env_file
 
     c = clean_cluster
     flag = tmp_path / "go"

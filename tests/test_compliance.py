@@ -1,11 +1,11 @@
-"""The pure non-compliance rule (sidecar.compliance): which opportunistic jobs the sidecar has requeued
+"""The pure non-compliance rule (slurm_antman.policy.node.compliance): which opportunistic jobs the sidecar has requeued
 for not keeping to their limits, and when."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from sidecar.compliance import ComplianceParams, JobCompliance, MiB, step
+from slurm_antman.policy.node.compliance import ComplianceParams, JobCompliance, MiB, step
 
 P = ComplianceParams(grace_s=60.0)
 GOOD = JobCompliance("7", shares_with_guaranteed=True, agents=1, gpu_processes=1,

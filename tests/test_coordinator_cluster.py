@@ -11,18 +11,18 @@ import signal
 import subprocess
 import sys
 import time
-from importlib import resources
+from slurm_antman.lab import jobs
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.auth
 
-from slurm_antman import devcluster as dc
+from slurm_antman.lab.devcluster import cluster as dc
 from slurm_antman import protocol as p
 from slurm_antman import curve_keys as keys
 from slurm_antman.coordinator import audit
-from slurm_antman.devcluster_jobs import wait_for as _wait
+from slurm_antman.lab.devcluster.jobs import wait_for as _wait
 
 from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm
 
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.cluster
 GRACE_S = 5
 COMPLIANCE_GRACE_S = 10  # long enough for a real agent's start-up on this loaded machine
 PAUSE_MAX_S = 20
-TRAIN = resources.files("slurm_antman") / "data" / "demo_train.py"
-HOG = resources.files("slurm_antman") / "data" / "gpu_hog.py"
+TRAIN = jobs.script("demo_train.py")
+HOG = jobs.script("gpu_hog.py")
 # HOG: a guaranteed job whose memory (RSS on CPU, which the agent reports) leaves the opportunistic
 # job less than its 1 GiB minimum on the 2 GiB GPU: shrinking cannot help, so the sidecar asks to preempt.
 
@@ -354,7 +354,7 @@ def test_a_burst_pauses_the_opportunistic_job_in_place_and_it_finishes_as_if_nev
     """Issue 16 end to end: a guaranteed job's memory burst leaves its opportunistic neighbour less than
     its minimum; the job is paused in place (PAUSED in antman squeue, explain says why), not requeued;
     when the burst is over it resumes and finishes with the loss of a run that was never paused."""
-    from sidecar import client
+    from slurm_antman.clients import sidecar_control as client
     from slurm_antman import config as cfgmod
 
     c = clean

@@ -10,7 +10,7 @@ import pytest
 from slurm_antman import config
 from slurm_antman.coordinator.executor import Executor
 from slurm_antman.jobtag import parse_tag
-from slurm_antman.policy.decisions import KeepOff, MakeEligible, SetClass
+from slurm_antman.policy.cluster.decisions import KeepOff, MakeEligible, SetClass
 from slurm_antman.slurm import CliBackend
 
 pytestmark = pytest.mark.cluster

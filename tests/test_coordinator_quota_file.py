@@ -12,7 +12,7 @@ import pytest
 
 from slurm_antman import config as cfgmod
 from slurm_antman.coordinator.daemon import Coordinator, quota_lua
-from slurm_antman.policy.model import JobView
+from slurm_antman.policy.cluster.model import JobView
 
 LUA = shutil.which("lua5.1")
 

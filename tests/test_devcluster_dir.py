@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from slurm_antman import devcluster as dc
+from slurm_antman.lab.devcluster import cluster as dc
 
 REPO = Path(__file__).resolve().parent.parent
 

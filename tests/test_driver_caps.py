@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from sidecar import driver_caps as dcap
+from slurm_antman.sidecar import driver_caps as dcap
 
 
 @pytest.mark.parametrize("kw, expect", [

@@ -1,4 +1,4 @@
-"""The emulated trace job (slurm_antman/evaluation/emulated_job.py) and its GPU board, for real: the job
+"""The emulated trace job (slurm_antman/lab/evaluation/emulated_job.py) and its GPU board, for real: the job
 runs as a subprocess under the real torch_patch agent, talking ZeroMQ IPC to
 ``control.PeerSidecar`` (the sidecar side of docs/protocol.md); the board is real files.
 
@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 
 from slurm_antman import protocol as P
-from slurm_antman.bench.control import PeerSidecar
-from slurm_antman.evaluation import emulated_job as ej
-from slurm_antman.evaluation.emulated_gpu import OK, OOM, WAIT, Board, BoardError, Entry, oom_decision, parse_entry
-from slurm_antman.evaluation.published import pair_slowdowns
-from slurm_antman.evaluation.workloads import BY_NAME
+from slurm_antman.lab.bench.control import PeerSidecar
+from slurm_antman.lab.evaluation import emulated_job as ej
+from slurm_antman.lab.evaluation.emulated_gpu import (
+    OK, OOM, WAIT, Board, BoardError, Entry, oom_decision, parse_entry,
+)
+from slurm_antman.lab.evaluation.published import pair_slowdowns
+from slurm_antman.lab.evaluation.workloads import BY_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 RESNET = BY_NAME["resnet50"]
@@ -62,7 +64,7 @@ def _env(job_id: str, peer: PeerSidecar | None, job_class: str = "opportunistic"
 
 def _start(tmp_path: Path, env: dict[str, str], *args: str, work_s: float = 1.0,
            profile: str = "resnet50") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "slurm_antman.evaluation.emulated_job", "--profile", profile,
+    cmd = [sys.executable, "-m", "slurm_antman.lab.evaluation.emulated_job", "--profile", profile,
            "--work-s", str(work_s), "--state-dir", str(tmp_path / "state"),
            "--board-dir", str(tmp_path / "board"), "--iter-scale", "0.1", *args]
     return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

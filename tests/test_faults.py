@@ -1,5 +1,5 @@
 """Issue 15's faults and attacks on a real devcluster, through ``antman bench faults`` (the scenarios
-live in slurm_antman/bench/faults.py so that a site can run the same thing): every row 0 jobs lost,
+live in slurm_antman/lab/bench/faults.py so that a site can run the same thing): every row 0 jobs lost,
 0 doubled, 0 guaranteed restarts, no problem, nothing skipped. Slow (several minutes): `make test-slow`."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import TEST_PORT_BASE, _require_slurm
-from slurm_antman.bench import faults
+from slurm_antman.lab.bench import faults
 
 @pytest.mark.cluster
 @pytest.mark.slow

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman import devcluster as dc
-from slurm_antman.devcluster_jobs import ClusterJobs, wait_for
+from slurm_antman.lab.devcluster import cluster as dc
+from slurm_antman.lab.devcluster.jobs import ClusterJobs, wait_for
 
 from conftest import TEST_PORT_BASE, let_jobs_through
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "slurm_antman" / "data" / "demo_train.py"
+TRAIN = REPO / "slurm_antman" / "lab" / "jobs" / "demo_train.py"
 # The release a site upgrades from: the first whose `make install` records all it creates. Raise it at each release
 # whose upgrade path must be kept (the protocol's version rules are what make an older agent and a
 # newer sidecar work together).

@@ -650,7 +650,7 @@ def test_the_coordinators_quota_file_is_read_with_its_as_of(tmp_path: Path) -> N
     from types import SimpleNamespace
 
     from slurm_antman.coordinator.daemon import quota_lua
-    from slurm_antman.policy.model import JobView
+    from slurm_antman.policy.cluster.model import JobView
 
     running = JobView("1", "research", "ann", "RUNNING", "guaranteed", "guaranteed", 2, "n1", 0.0, 1.0, 0, None, False)
     text = quota_lua(SimpleNamespace(jobs=(running,), quotas={"research": 4}), 1000.25)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.local_policy import (GiB, MiB, GpuInfo, JobInfo, PolicyParams, PolicyState, Snapshot,
-                                  UNLIMITED, decide)
-from sidecar.placement import GpuLoad, choose_gpus
+from slurm_antman.policy.node.core import (
+    GiB, MiB, GpuInfo, JobInfo, PolicyParams, PolicyState, Snapshot, UNLIMITED, decide,
+)
+from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
 
 P = PolicyParams()
 GPU0 = GpuInfo(0, 80 * GiB)

@@ -20,8 +20,8 @@ from slurm_antman import config as cfgmod
 from slurm_antman import metrics
 from slurm_antman import protocol as p
 from slurm_antman.coordinator.daemon import Coordinator
-from sidecar import client
-from sidecar.cli import build
+from slurm_antman.clients import sidecar_control as client
+from slurm_antman.sidecar.cli import build
 
 MiB = 1 << 20
 GPU_MB = 8192
@@ -140,7 +140,7 @@ def test_coordinator_counts_decisions_and_exposes_quota(tmp_path):
     m = metrics.CoordinatorMetrics(registry)
     server = metrics.serve(registry, "127.0.0.1", 0)
     try:
-        from slurm_antman.policy.model import JobView
+        from slurm_antman.policy.cluster.model import JobView
 
         jobs = [JobView("101", "vision", "ann", "RUNNING", "guaranteed", "guaranteed", 2, "n1", 0.0, 1.0, 0, None,
                         False),
@@ -210,7 +210,7 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     m = metrics.CoordinatorMetrics(registry)
     m.count("upgrade", "ok")
     m.cycle_seconds.observe(0.1)
-    from slurm_antman.policy.model import JobView
+    from slurm_antman.policy.cluster.model import JobView
 
     m.publish([JobView("1", "a", "u", "RUNNING", "auto", "guaranteed", 1, "n1", 0.0, 1.0, 0, None, False)],
               {"a": 2}, {"a": 1})
@@ -241,7 +241,7 @@ def test_sidecar_daemon_serves_metrics_on_configured_port(sockdir):
         yaml.safe_dump({"nodes": [{"name": "n1", "gpus": 3, "gpu_memory_mb": GPU_MB}],
                         "sidecar": {"telemetry": "emulated", "heartbeat_s": 0.2, "metrics_port": port}}, f)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar.cli", "--config", path, "--node", "n1",
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_antman.sidecar.cli", "--config", path, "--node", "n1",
                              "--socket-dir", os.path.join(sockdir, "s")], cwd=repo,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -14,8 +14,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from slurm_antman.evaluation import model_zoo as mz  # noqa: E402
-from slurm_antman.evaluation import workloads  # noqa: E402
+from slurm_antman.lab.evaluation import model_zoo as mz
+from slurm_antman.lab.evaluation import workloads
 
 
 def test_names_are_the_workload_models():

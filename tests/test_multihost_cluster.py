@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from slurm_antman import config
-from slurm_antman import devcluster as dc
-from slurm_antman.devcluster_jobs import ClusterJobs
+from slurm_antman.lab.devcluster import cluster as dc
+from slurm_antman.lab.devcluster.jobs import ClusterJobs
 
 from conftest import TEST_PORT_BASE, _require_slurm
 

@@ -8,11 +8,10 @@ import json
 import pytest
 
 from slurm_antman import config as cfgmod
-from slurm_antman.policy import (
-    CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass,
-    SetOppSlots, Upgrade, decide,
+from slurm_antman.policy.cluster import (
+    CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade, decide,
 )
-from slurm_antman.policy.builders import NOW, PARAMS, gpu, job, need, node, snap
+from slurm_antman.policy.cluster.builders import NOW, PARAMS, gpu, job, need, node, snap
 
 EMPTY = CoordinatorState.empty()
 
@@ -148,7 +147,7 @@ def test_gpu_whose_new_guaranteed_job_is_not_measured_yet_takes_no_opportunistic
     ds, _ = run(snap(jobs, [n]))
     assert ds == [SetOppSlots("n1", 2)]  # only GPU 1
     assert ds[0].inputs["gpus_qualifying"] == 1
-    from slurm_antman.policy.placement import gpu_qualifies
+    from slurm_antman.policy.cluster.placement import gpu_qualifies
     assert not gpu_qualifies(n.gpus[0], PARAMS) and gpu_qualifies(n.gpus[1], PARAMS)
 
 
@@ -247,7 +246,7 @@ def test_victim_is_the_one_losing_fewest_gpu_seconds():
 
 
 def test_a_noncompliant_job_named_by_its_sidecar_goes_at_once_whatever_it_loses():
-    """sidecar.compliance: the need names its victim; no grace (it ignored its limits, it would ignore a
+    """policy.node.compliance: the need names its victim; no grace (it ignored its limits, it would ignore a
     notice too); the compliant neighbour that would lose less is left alone."""
     import dataclasses as dc
 
@@ -455,7 +454,7 @@ def test_params_from_config():
     assert p.queue_to_opportunistic_s == 900
     assert PolicyParams.from_config(cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}]})).queue_to_opportunistic_s is None
     assert p.min_opp_mem_bytes == cfg.sidecar.min_opportunistic_memory_mb * 2 ** 20
-    from slurm_antman.policy import quotas_from_config
+    from slurm_antman.policy.cluster import quotas_from_config
     assert dict(quotas_from_config(cfg)) == {"a": 3}
 
 
@@ -464,7 +463,7 @@ def test_policy_core_is_pure():
     import ast
     import pathlib
 
-    import slurm_antman.policy as pkg
+    import slurm_antman.policy.cluster as pkg
 
     forbidden = {"os", "time", "datetime", "subprocess", "socket", "zmq", "pathlib", "shutil", "io", "logging"}
     for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from slurm_antman.policy import CoordinatorState, KeepOff, decide
-from slurm_antman.policy.builders import PARAMS, gpu, job, node, snap
+from slurm_antman.policy.cluster import CoordinatorState, KeepOff, decide
+from slurm_antman.policy.cluster.builders import PARAMS, gpu, job, node, snap
 
 WAIT = dataclasses.replace(PARAMS, keep_off_no_room=True)
 EMPTY = CoordinatorState.empty()
@@ -95,7 +95,7 @@ def test_keep_off_and_a_class_decision_for_the_same_job_are_both_issued():
 def test_a_requeued_job_is_kept_off_before_it_is_made_eligible():
     """The coordinator's own requeue: KeepOff comes before MakeEligible in the same cycle, so Slurm never
     restarts the job on the node without room."""
-    from slurm_antman.policy.model import Requeued
+    from slurm_antman.policy.cluster.model import Requeued
 
     st = dataclasses.replace(EMPTY, requeued={"7": Requeued("7", "n1", 0, "g-n1", 9_000.0, 0)})
     o = job("7", requested="opportunistic", restarts=1, begin_wait=True)

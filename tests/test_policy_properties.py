@@ -8,8 +8,10 @@ import dataclasses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from slurm_antman.policy import CoordinatorState, GpuView, JobView, NodeView, PreemptNeed, Snapshot, decide
-from slurm_antman.policy.builders import GiB, PARAMS
+from slurm_antman.policy.cluster import (
+    CoordinatorState, GpuView, JobView, NodeView, PreemptNeed, Snapshot, decide,
+)
+from slurm_antman.policy.cluster.builders import GiB, PARAMS
 
 NOW = 50_000.0
 STATES = ("PENDING", "RUNNING", "RUNNING", "COMPLETING", "COMPLETED")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from slurm_antman import munge
 from slurm_antman import protocol as p
 from slurm_antman.coordinator import query as q
-from slurm_antman.coordinator import query_client as qc
+from slurm_antman.clients import coordinator_query as qc
 from slurm_antman.coordinator.hub import NodeReport
 from test_munge import DEV_USER, as_user_python, dev_user, munged  # noqa: F401 - fixtures
 
@@ -175,11 +175,11 @@ def server(tmp_path, munged):
 
 
 def _dev_asks(endpoint: str, what: str, arg: str = "") -> dict:
-    """antman-dev's own process asks, through query_client as the CLI does; JSON of what came back."""
+    """antman-dev's own process asks, through clients.coordinator_query as the CLI does; JSON of what came back."""
     code = f"""
 import json
 from slurm_antman import protocol as p
-from slurm_antman.coordinator import query_client as qc
+from slurm_antman.clients import coordinator_query as qc
 try:
     if {what!r} == "explain":
         r = qc.explain({endpoint!r}, {arg!r})

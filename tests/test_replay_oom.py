@@ -12,8 +12,8 @@ import csv
 import pytest
 
 from conftest import TEST_PORT_BASE, _require_slurm
-from slurm_antman.bench import trace as bench_trace
-from slurm_antman.evaluation.workloads import BY_NAME, GiB, assign
+from slurm_antman.lab.bench import trace as bench_trace
+from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, assign
 
 TRACE = """timestamp,duration,num_gpus,gpu_time,cluster
 2017-10-09 07:00:00,15,1,15,aaaa01

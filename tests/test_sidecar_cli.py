@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from sidecar import client
+from slurm_antman.clients import sidecar_control as client
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = {"nodes": [{"name": "node[1-2]", "gpus": 2, "gpu_memory_mb": 8192}],
@@ -35,13 +35,13 @@ def _write(d: str, data) -> str:
 
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sidecar.cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "slurm_antman.sidecar.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 
 def test_serves_and_stops_on_sigterm(workdir):
     sock = os.path.join(workdir, "s")
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar.cli", "--config", _write(workdir, CONFIG),
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_antman.sidecar.cli", "--config", _write(workdir, CONFIG),
                              "--node", "node2", "--socket-dir", sock, "--telemetry", "emulated"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

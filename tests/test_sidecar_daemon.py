@@ -18,9 +18,9 @@ import zmq
 
 from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
-from sidecar import client
-from sidecar.cli import build
-from sidecar.local_policy import GiB, MiB
+from slurm_antman.clients import sidecar_control as client
+from slurm_antman.sidecar.cli import build
+from slurm_antman.policy.node.core import GiB, MiB
 
 NOBODY = 65534
 GPU_MB = 16384
@@ -36,7 +36,7 @@ def make_config(gpus: int = 2, window_s: float = 10.0, **sidecar):
 
 
 def wait_measured(sockdir: str, gpu: int) -> None:
-    """Until the sidecar's utilisation window shows the guaranteed job on ``gpu`` (sidecar.placement)."""
+    """Until the sidecar's utilisation window shows the guaranteed job on ``gpu`` (slurm_antman.policy.node.placement)."""
     wait_for(lambda: client.node_state(sockdir).gpus[gpu].util_measured, what=f"GPU {gpu} measured")
 
 
@@ -652,7 +652,7 @@ def test_restart_serves_reregistrations(sockdir):
 
 
 def test_second_sidecar_on_same_dir_is_refused(sidecar, sockdir):
-    from sidecar.endpoints import EndpointError
+    from slurm_antman.sidecar.endpoints import EndpointError
     other = build(make_config(), "n1", sockdir)
     with pytest.raises(EndpointError, match="another sidecar is running"):
         other.start()
@@ -699,7 +699,7 @@ def test_huge_and_nested_numbers_from_a_job_never_stop_the_sidecar(sidecar, sock
 def test_a_job_cannot_flood_its_sidecar_with_agents_or_oversized_frames(sidecar, sockdir):
     """At most MAX_AGENTS_PER_GPU agents per GPU of the job; a frame over the protocol's limit gets its
     sender disconnected unread. The job's real agent and the node keep being served."""
-    from sidecar.daemon import MAX_AGENTS_PER_GPU
+    from slurm_antman.sidecar.daemon import MAX_AGENTS_PER_GPU
 
     r = client.register_job(sockdir, "900", uid=0, user="r", job_class="opportunistic", gpus=1)
     agents = [SimAgent(r.endpoint, "900") for i in range(MAX_AGENTS_PER_GPU + 1)]
@@ -799,7 +799,7 @@ def test_driver_caps_follow_an_opportunistic_jobs_limit_and_are_lifted_when_it_l
     the cgroup comes from the agent's real pid through a /proc and cgroup tree laid out as Slurm's."""
     import pynvml
 
-    from sidecar import driver_caps
+    from slurm_antman.sidecar import driver_caps
 
     calls = []
 

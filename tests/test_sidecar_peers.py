@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from sidecar import client, peers
+from slurm_antman.clients import sidecar_control as client
+from slurm_antman.sidecar import peers
 from slurm_antman import protocol as p
 
 from test_sidecar_daemon import SimAgent, sidecar, sockdir  # noqa: F401 - fixtures

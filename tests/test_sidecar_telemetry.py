@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.telemetry import (EmulatedTelemetry, NvmlTelemetry, ReportedLoad, TelemetryError,
-                               UtilizationWindow, open_telemetry)
+from slurm_antman.sidecar.telemetry import (
+    EmulatedTelemetry, NvmlTelemetry, ReportedLoad, TelemetryError, UtilizationWindow, open_telemetry,
+)
 
 MiB = 1 << 20
 

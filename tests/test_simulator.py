@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman.bench import simulate as bench_simulate
-from slurm_antman.evaluation import traces
-from slurm_antman.evaluation.simulator import POLICIES, SimConfig, simulate
-from slurm_antman.evaluation.workloads import BY_NAME, GiB, assign
-from sidecar.local_policy import PolicyParams
+from slurm_antman.lab.bench import simulate as bench_simulate
+from slurm_antman.lab.evaluation import traces
+from slurm_antman.lab.evaluation.simulator import POLICIES, SimConfig, simulate
+from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, assign
+from slurm_antman.policy.node.core import PolicyParams
 
 PHILLY = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "philly_pollux.csv"
 HEADER = "timestamp,duration,num_gpus,gpu_time,cluster\n"
@@ -382,7 +382,7 @@ def test_new_flags_are_checked_and_named():
 
 
 def test_report_names_the_best_baseline_and_antman_against_it(tmp_path):
-    from slurm_antman.evaluation import report
+    from slurm_antman.lab.evaluation import report
     rows = [(f"2017-10-01 00:{m:02d}:00", 900.0 + 50 * m, 1, "a" if m % 3 else "b") for m in range(12)]
     jobs = trace(tmp_path, rows)
     results = [simulate(jobs, SimConfig(policy=p, nodes=1, gpus_per_node=2)) for p in POLICIES]
@@ -405,7 +405,7 @@ def test_report_names_the_best_baseline_and_antman_against_it(tmp_path):
 @pytest.mark.parametrize("window_s", [10.0, 40.0])
 def test_antman_places_no_opportunistic_job_before_a_new_guaranteed_job_shows_in_its_gpu(tmp_path, window_s):
     # The sidecar's utilisation window shows a guaranteed job only once it has iterated for a window
-    # (sidecar.placement.util_measured); before that its GPU has no opportunistic room, here as on
+    # (slurm_antman.policy.node.placement.util_measured); before that its GPU has no opportunistic room, here as on
     # the devcluster. A nearly idle guaranteed job (utilisation scaled to 2 %) then takes a neighbour.
     jobs = trace(tmp_path, [("2017-10-01 00:00:00", 1_000.0, 1, "a"), ("2017-10-01 00:00:01", 100.0, 1, "a")])
     rows = {x["job_id"]: x for x in simulate(jobs, one_gpu("antman", util_scale=0.02, cycle_s=1.0,

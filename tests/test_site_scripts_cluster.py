@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm, let_jobs_through
 from slurm_antman import config as config_mod
-from slurm_antman import devcluster as dc
+from slurm_antman.lab.devcluster import cluster as dc
 from slurm_antman.slurm.parsing import tres_body
 
 # The submission tests, as they are, on the site-script cluster (pytest collects what the module holds).
@@ -124,7 +124,7 @@ def test_the_coordinators_slot_update_keeps_a_typed_nodes_type(clean_cluster):
     """The coordinator shrinks a node's opportunistic slots at run time (scontrol update NodeName= Gres=):
     Slurm takes the typed form, and typed opportunistic jobs still find the node."""
     from slurm_antman.coordinator.executor import Executor
-    from slurm_antman.policy import SetOppSlots
+    from slurm_antman.policy.cluster import SetOppSlots
     from slurm_antman.slurm import CliBackend
 
     c = clean_cluster

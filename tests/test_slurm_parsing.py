@@ -317,7 +317,7 @@ def test_executor_keeps_one_gpu_type_when_it_moves_a_job_between_gres():
 def test_setting_a_typed_nodes_slots_keeps_the_type():
     from slurm_antman import config
     from slurm_antman.coordinator.executor import Executor
-    from slurm_antman.policy import SetOppSlots
+    from slurm_antman.policy.cluster import SetOppSlots
     from slurm_antman.slurm.models import Node
 
     class Backend:

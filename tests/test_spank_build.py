@@ -182,7 +182,7 @@ def munged():
     when none does (this file alone, on a fresh machine), and stopped again by its PID."""
     import signal
 
-    from slurm_antman import devcluster as dc
+    from slurm_antman.lab.devcluster import cluster as dc
 
     started: list = []
     dc._ensure_munged(started)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cluster
 @pytest.fixture
 def sidecar_node1(plain_cluster):
     """A real sidecar for node1 at SOCKET_DIR/node1 (the devcluster layout), emulated telemetry."""
-    from sidecar import client
+    from slurm_antman.clients import sidecar_control as client
     from slurm_antman import config
 
     cfg = config.load(plain_cluster.config_path)
@@ -81,7 +81,7 @@ def test_squeue_json_shows_gpus_of_running_job_and_nulls_without_sidecar(backend
 
 
 def test_squeue_and_nodes_read_live_numbers_from_the_sidecar(backend, plain_cluster, sidecar_node1):
-    from sidecar import client
+    from slurm_antman.clients import sidecar_control as client
 
     jid = backend.submit(wrap="sleep 30", options=["--gres=gpu:1", "-w", "node1"])
     job = backend.wait_for(jid, ["RUNNING"], timeout=30)

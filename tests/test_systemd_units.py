@@ -22,7 +22,7 @@ from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
 from slurm_antman.coordinator.daemon import Coordinator
 from slurm_antman.slurm import CliBackend
-from sidecar import client
+from slurm_antman.clients import sidecar_control as client
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "etc" / "systemd"
@@ -145,7 +145,7 @@ def test_sidecar_sighup_reloads_and_keeps_jobs(workdir):
     path = workdir / "antman.yaml"
     _write(path, conf)
     sock = str(workdir / "s")
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar.cli", "--config", str(path), "--node", "n1",
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_antman.sidecar.cli", "--config", str(path), "--node", "n1",
                              "--socket-dir", sock], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     logs = LogReader(proc)
     try:

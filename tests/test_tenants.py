@@ -12,7 +12,7 @@ from slurm_antman import config as cfgmod
 from slurm_antman.slurm.errors import SlurmOutputError, SlurmUnavailable
 from slurm_antman.slurm.models import Association
 from slurm_antman.slurm.parsing import associations_from_sacctmgr, parse_scontrol_config, parse_tres
-from slurm_antman.tenants import TenantQuotas, disagreements, quotas_from_associations
+from slurm_antman.coordinator.tenants import TenantQuotas, disagreements, quotas_from_associations
 
 # What `sacctmgr -n -P show associations format=Cluster,Account,User,ParentName,GrpTRES` printed on the
 # devcluster (22.05.8) after `sacctmgr modify account research set GrpTRES=gres/gpu=3`.

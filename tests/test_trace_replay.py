@@ -12,8 +12,8 @@ import re
 import pytest
 
 from conftest import TEST_PORT_BASE, _require_slurm
-from slurm_antman.bench import trace as bench_trace
-from slurm_antman.evaluation import replay as rp
+from slurm_antman.lab.bench import trace as bench_trace
+from slurm_antman.lab.evaluation import replay as rp
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # four minutes of devcluster: `make test-slow`
 
@@ -113,8 +113,8 @@ def test_lost_gpu_time_and_start_overhead_from_records():
 
 
 def _run_of(job_id: str = "philly-3") -> rp._Run:
-    from slurm_antman.evaluation.traces import Job
-    from slurm_antman.evaluation.workloads import assign
+    from slurm_antman.lab.evaluation.traces import Job
+    from slurm_antman.lab.evaluation.workloads import assign
 
     return rp._Run(Job(job_id, 3.0, 5.0, 1, "aaaa01"), assign(job_id), 3.0, 5.0)
 
@@ -189,6 +189,6 @@ def test_replay_config_checks_memory_and_retry():
         rp.ReplayConfig(oom_retry_s=-1)
     with pytest.raises(rp.ReplayError, match="--oom-retry-s"):
         rp.ReplayConfig(oom_retry_s=float("nan"))
-    from slurm_antman.evaluation.simulator import SimConfig
+    from slurm_antman.lab.evaluation.simulator import SimConfig
 
     assert rp.ReplayConfig().oom_retry_s == SimConfig().oom_retry_s == 60.0

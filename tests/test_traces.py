@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman.evaluation import traces
-from slurm_antman.evaluation.traces import Job, TraceError, Window, load, load_sorted, parse_window
+from slurm_antman.lab.evaluation import traces
+from slurm_antman.lab.evaluation.traces import Job, TraceError, Window, load, load_sorted, parse_window
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 PHILLY = TRACES / "philly_pollux.csv"

@@ -17,9 +17,9 @@ from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
 from slurm_antman import curve_keys as keys
 from slurm_antman.coordinator.hub import SidecarHub
-from sidecar import client
-from sidecar.cli import build
-from sidecar.local_policy import GiB, MiB
+from slurm_antman.clients import sidecar_control as client
+from slurm_antman.sidecar.cli import build
+from slurm_antman.policy.node.core import GiB, MiB
 from test_sidecar_daemon import Running, SimAgent, job_of, wait_for
 from test_uplink_hub import free_port
 

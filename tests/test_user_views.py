@@ -16,7 +16,7 @@ import yaml
 
 from slurm_antman import config as cfgmod
 from slurm_antman.coordinator import query as q
-from slurm_antman.coordinator import query_client as qc
+from slurm_antman.clients import coordinator_query as qc
 from slurm_antman.slurm.models import Job
 from slurm_antman.views import live
 from slurm_antman.views import nodes as nodes_view
@@ -178,7 +178,7 @@ def _free_port() -> int:
 
 def _dev_jobs(endpoint: str) -> dict:
     r = as_user_python(
-        "import json; from slurm_antman import protocol as p; from slurm_antman.coordinator import query_client as qc\n"
+        "import json; from slurm_antman import protocol as p; from slurm_antman.clients import coordinator_query as qc\n"
         f"c, rows = qc.jobs({endpoint!r}); print(json.dumps([p.body_dict(r) for r in rows]))")
     assert r.returncode == 0, r.stderr
     return {r["job_id"]: r for r in json.loads(r.stdout)}

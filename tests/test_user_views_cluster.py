@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from importlib import resources
+from slurm_antman.lab import jobs
 
 import pytest
 
 pytestmark = pytest.mark.cluster
 
-TRAIN = resources.files("slurm_antman") / "data" / "demo_train.py"
+TRAIN = jobs.script("demo_train.py")
 CLI = [sys.executable, "-m", "slurm_antman.cli"]
 DETAILS = ("mem_limit_bytes", "mem_used_bytes", "compute_share", "iteration_ms", "paused")
 

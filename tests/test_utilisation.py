@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurm_antman.evaluation import utilisation, workloads
-from slurm_antman.evaluation.utilisation import PAI, PHILLY, Quantiles, draw, philly_table
+from slurm_antman.lab.evaluation import utilisation, workloads
+from slurm_antman.lab.evaluation.utilisation import PAI, PHILLY, Quantiles, draw, philly_table
 
 
 def test_tables_reproduce_the_published_quantiles():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman.evaluation import published, workloads
-from slurm_antman.evaluation.workloads import MIN_GPU_MEMORY_BYTES, ZOO, assign
+from slurm_antman.lab.evaluation import published, workloads
+from slurm_antman.lab.evaluation.workloads import MIN_GPU_MEMORY_BYTES, ZOO, assign
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "workload_model.md"
 
@@ -59,7 +59,7 @@ def test_numbers_measured_on_the_same_model_are_the_measurement():
 
 
 def test_parameter_counts_are_the_built_models():
-    from slurm_antman.evaluation.model_zoo import PUBLISHED_PARAMS_M
+    from slurm_antman.lab.evaluation.model_zoo import PUBLISHED_PARAMS_M
 
     for p in ZOO:
         assert p.params_millions == pytest.approx(PUBLISHED_PARAMS_M[p.name], abs=0.05), p.name

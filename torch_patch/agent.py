@@ -12,7 +12,7 @@ without a sidecar nobody protects the guaranteed job it shares the GPU with. Bot
 and take the limits of the next ``registered``.
 
 Emulation (:meth:`Agent.emulate_device`): for trace replays on CPU-only machines, where a job stands
-in for a GPU job (slurm_antman/evaluation/emulated_job.py) and the sidecar's emulated telemetry takes
+in for a GPU job (slurm_antman/lab/evaluation/emulated_job.py) and the sidecar's emulated telemetry takes
 the GPU's memory and utilisation from the agents' reports.
 """
 

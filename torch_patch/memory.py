@@ -7,7 +7,7 @@ hands the cached, unused blocks back to the driver where the other job can take 
 On CPU there is nothing to enforce, but the limit is tracked and acknowledged like on CUDA, so the
 whole control path (sidecar -> agent -> ack at the next iteration) runs and is tested without a GPU.
 
-Emulation (trace replays on CPU, slurm_antman/evaluation/emulated_job.py): :meth:`MemoryController.emulate`
+Emulation (trace replays on CPU, slurm_antman/lab/evaluation/emulated_job.py): :meth:`MemoryController.emulate`
 makes :meth:`~MemoryController.stats` report a job's GPU footprint instead of the process RSS. Under a
 limit below the footprint, what does not fit counts as spilled to host memory, as it would under a
 real limit with host spill; the sidecar's emulated telemetry then sees the memory the job would hold.

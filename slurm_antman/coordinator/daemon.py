@@ -22,10 +22,11 @@ from typing import Any, Callable, Mapping, Optional
 
 from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
-from slurm_antman.policy import (HOLDING_STATES, CoordinatorState, PolicyParams, Preemption, Requeued,
-                                 decide)
+from slurm_antman.policy.cluster import (
+    HOLDING_STATES, CoordinatorState, PolicyParams, Preemption, Requeued, decide,
+)
 from slurm_antman.slurm import CliBackend, SlurmError
-from slurm_antman.tenants import TenantQuotas
+from .tenants import TenantQuotas
 
 from ..service import serve_until_stopped
 from . import audit, snapshot_builder

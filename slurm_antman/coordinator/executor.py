@@ -16,8 +16,9 @@ from typing import Any, Callable, Optional, Protocol
 from slurm_antman import protocol as p
 from slurm_antman.config import AntmanConfig
 from slurm_antman.jobtag import JobTag, TagError, parse_tag
-from slurm_antman.policy import (CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold,
-                                 Requeue, SetClass, SetOppSlots, Upgrade)
+from slurm_antman.policy.cluster import (
+    CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
+)
 from slurm_antman.slurm import CliBackend, SlurmError
 from slurm_antman.slurm.models import REQUEUED_START_TIME, Job
 from slurm_antman.slurm.parsing import gres_prefix, split_gres, tres_body

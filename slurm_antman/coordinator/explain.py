@@ -169,21 +169,21 @@ def run(a: argparse.Namespace) -> int:
 
 def _run_remote(a: argparse.Namespace, address: str, path: str, gres: str) -> int:
     """explain through the coordinator: this host has no audit log the caller may read."""
-    from . import query_client
+    from slurm_antman.clients import coordinator_query
 
     raw = a.job_id if a.job_id.isdigit() else _task_raw_id(a.job_id, gres)
     if raw is None:
         return 1
     try:
-        reply = query_client.explain(address, raw)
-    except query_client.QueryRefused as e:
+        reply = coordinator_query.explain(address, raw)
+    except coordinator_query.QueryRefused as e:
         if e.code == "forbidden":
             print(e.message if e.message.startswith(("job ", "cannot tell")) else
                   f"job {a.job_id} is not yours: only its owner and admins see its story", file=sys.stderr)
         else:
             print(f"antman explain: {e}", file=sys.stderr)
         return 1
-    except query_client.QueryError as e:
+    except coordinator_query.QueryError as e:
         print(f"antman explain: {e}", file=sys.stderr)
         return 1
     recs = records_for(raw, reply.records)

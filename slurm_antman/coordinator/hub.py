@@ -24,7 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
-from sidecar.ratelimit import RateLimitedLog
+from slurm_antman.ratelimit import RateLimitedLog
 
 from .. import curve_keys as keys
 

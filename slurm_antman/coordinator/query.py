@@ -32,7 +32,7 @@ import zmq
 from slurm_antman import munge
 from slurm_antman import protocol as p
 from slurm_antman.errors import AntmanError
-from sidecar.ratelimit import RateLimitedLog
+from slurm_antman.ratelimit import RateLimitedLog
 
 from . import audit
 from .explain import records_for

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from slurm_antman.config import AntmanConfig
 from slurm_antman.jobtag import TagError, parse_tag
-from slurm_antman.policy import GpuView, JobView, NodeView, PreemptNeed, Snapshot, quotas_from_config
+from slurm_antman.policy.cluster import GpuView, JobView, NodeView, PreemptNeed, Snapshot, quotas_from_config
 from slurm_antman.slurm.models import Job, Node
 
 from .executor import HELD_BY_ADMIN, gres_count

@@ -1,20 +1,4 @@
-"""The coordinator's policy core: pure functions from a cluster snapshot to decisions (no I/O, no
-clock, no Slurm, no ZeroMQ), so the daemon and the trace simulator run the same policy."""
-
-from .core import decide
-from .decisions import (
-    ALL_KINDS, Decision, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass,
-    SetOppSlots, Upgrade,
-)
-from .model import (
-    HOLDING_STATES, CoordinatorState, GpuView, Issued, JobView, NodeView, PolicyParams, Preemption,
-    PreemptNeed, Requeued, Snapshot, quotas_from_config,
-)
-from .preemption import lost_gpu_seconds
-
-__all__ = [
-    "decide", "ALL_KINDS", "Decision", "HoldForQuota", "KeepOff", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
-    "SetClass", "SetOppSlots", "Upgrade", "HOLDING_STATES", "CoordinatorState", "GpuView", "Issued", "JobView",
-    "NodeView", "PolicyParams", "Preemption", "PreemptNeed", "Requeued", "Snapshot", "quotas_from_config",
-    "lost_gpu_seconds",
-]
+"""The pure policy cores, shared by the daemons and the trace simulator (no I/O, no clock, no Slurm, no
+ZeroMQ): :mod:`.cluster` is the coordinator's (quotas, classes, opportunistic slots, preemption),
+:mod:`.node` the sidecar's (memory limits, compute shares, GPU choice, compliance). :mod:`.progress` is
+the interference model both use."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..coordinator import query_client
+from slurm_antman.clients import coordinator_query
 
 COORDINATOR = "coordinator"
 SIDECAR = "sidecar"
@@ -89,16 +89,16 @@ def gather(cfg: Any, nodes: list[str], want: str = "jobs") -> tuple[dict[str, Li
         return {}, None
     out: dict[str, LiveNode] = {}
     problem = None
-    address = query_client.address_of(cfg)
+    address = coordinator_query.address_of(cfg)
     if address is not None and nodes:
         try:
             if want == "nodes":
-                _, got = query_client.nodes(address)
+                _, got = coordinator_query.nodes(address)
                 out = {n.node: from_query_node(n) for n in got}
             else:
-                _, rows = query_client.jobs(address)
+                _, rows = coordinator_query.jobs(address)
                 out = from_query_jobs(rows)
-        except query_client.QueryError as e:
+        except coordinator_query.QueryError as e:
             problem = str(e)
     missing = [n for n in dict.fromkeys(nodes) if n not in out]
     for node, st in sidecar_states(cfg, missing).items():

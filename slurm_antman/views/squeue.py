@@ -73,7 +73,7 @@ def sidecar_states(cfg: Any, nodes: list[str], timeout_s: float = SIDECAR_TIMEOU
     """``node_state`` of each node's sidecar; nodes whose sidecar does not answer are left out."""
     if cfg is None:
         return {}
-    from sidecar import client
+    from slurm_antman.clients import sidecar_control as client
 
     out: dict[str, Any] = {}
     for node in dict.fromkeys(nodes):

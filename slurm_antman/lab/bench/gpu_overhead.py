@@ -1,0 +1,48 @@
+"""Part 5: the agent's overhead on a real model, alone on the GPU.
+
+Zoo ResNet-50 under the real agent, reporting over ZeroMQ IPC to the bench sidecar of ``antman bench
+control`` (``control.agent_with_peer``, in a process of its own as a sidecar is on a node). The
+measurement is ``control.measure_overhead``: the same loop with the agent's hooks attached and
+detached in A-B-B-A rounds (neither side always first), the ratio's median; the same rounds with both
+sides detached (A/A) give the ratio the machine's noise alone reports. Each iteration ends with a
+synchronize, so a mini-batch is timed to the end of its kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .gpu_part import PartContext
+
+MODEL, BATCH = "resnet50", 32
+# The agent's promise (docs/benchmarks.md, `antman bench control`): at most 1 % on top of the job.
+MAX_OVERHEAD = 0.01
+
+
+def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
+    import torch
+
+    from .control import agent_with_peer, measure_overhead
+    from slurm_antman.lab.evaluation.model_zoo import build
+
+    with agent_with_peer(os.path.join(workdir, "o", "agent.sock"), use_cuda=True) as (agent, _conn):
+        torch.manual_seed(0)
+        loop = build(MODEL, device="cuda", batch=BATCH)
+
+        def iteration() -> None:
+            loop.step()
+            torch.cuda.synchronize()
+
+        r = measure_overhead(agent, iters=iters, rounds=rounds, iteration=iteration)
+    return {"model": MODEL, "batch": BATCH, "iters": iters, "rounds": rounds, **r}
+
+
+def run(ctx: PartContext) -> None:
+    rounds = 6 if ctx.left() > 35 else 3
+    r = ctx.put("overhead", measure(ctx.workdir, rounds=rounds))
+    noise = abs(r["control"] - 1.0)
+    ctx.check("overhead within 1% (beyond the A/A noise)", r["ratio"] - 1.0 <= MAX_OVERHEAD + noise,
+              {"ratio": r["ratio"], "control": r["control"]},
+              f"agent/no-agent ratio - 1 <= {MAX_OVERHEAD:.0%} + |A/A ratio - 1|")
+    ctx.note(f"{MODEL} batch {BATCH}: {r['iteration_us'] / 1000:.1f} ms per step; with/without agent "
+             f"{r['ratio']:.4f}, A/A control {r['control']:.4f}; one boundary {r['boundary_us']:.0f} us")

@@ -1,0 +1,141 @@
+"""``antman bench simulate``: replay a trace window on a simulated cluster under one or more policies
+with the production policy code (see slurm_antman/lab/evaluation/simulator.py), print a table or JSON,
+and write results.json, per-job CSVs and plots with ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional
+
+from slurm_antman.lab.evaluation import report, traces, utilisation
+from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
+from slurm_antman.lab.evaluation.workloads import GiB
+
+
+def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: float) -> None:
+    """The flags ``antman bench simulate`` and ``antman bench trace`` share (their defaults differ:
+    a simulated cluster is large, the devcluster small)."""
+    p.add_argument("--trace", required=True, help="Philly (philly_pollux.csv) or openb pod list CSV")
+    p.add_argument("--window", help="START:END in seconds from the trace start, or ISO START/END")
+    p.add_argument("--tenants", help="comma-separated tenants (Philly virtual clusters) to keep")
+    p.add_argument("--nodes", type=int, default=nodes, help="nodes of the cluster the trace is replayed on")
+    p.add_argument("--gpus", type=int, default=gpus, help="GPUs per node")
+    p.add_argument("--gpu-mem-gib", type=float, default=32.0, help="memory of each GPU in GiB")
+    p.add_argument("--speedup", type=float, default=speedup, help="divide every trace time by this")
+    p.add_argument("--policy", default="antman",
+                   help=f"one of {', '.join(POLICIES)}, a comma-separated list, or 'all'")
+    p.add_argument("--quota-scale", type=float, default=1.0,
+                   help="tenant quotas: this times the cluster size times the tenant's GPU-time share")
+    p.add_argument("--seed", type=int, default=0, help="workload profile assignment seed")
+    p.add_argument("--utilisation", default=SimConfig.utilisation, choices=utilisation.MODES,
+                   help="how busy jobs keep their GPUs: production (drawn from published cluster figures, "
+                        "docs/workload_model.md) or saturated (as busy as a benchmark: the pessimistic case)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="antman bench simulate", description=__doc__)
+    add_trace_args(p, nodes=4, gpus=8, speedup=1.0)
+    p.add_argument("--cycle-s", type=float, default=SimConfig.cycle_s,
+                   help="least simulated seconds between coordinator cycles (and quota-file rewrites)")
+    p.add_argument("--slow-preempt-s", type=_seconds_or_none, default=SimConfig.slow_preempt_s,
+                   help="the sidecar's slow_preempt_s: seconds over the slowdown target at the minimum share "
+                        "before an opportunistic neighbour is preempted; 'none': throttle only")
+    p.add_argument("--pause-max-s", type=_seconds_or_none, default=SimConfig.pause_max_s,
+                   help="antman: sidecar.pause_max_s, pause an opportunistic job in place (its state to host memory) "
+                        "for at most this long before it is requeued; 'none' (default here): requeue at once")
+    p.add_argument("--resume-hold-s", type=float, default=SimConfig.resume_hold_s,
+                   help="antman: sidecar.resume_hold_s, how long its GPU must fit a paused job again before it resumes")
+    p.add_argument("--util-scale", type=float, default=SimConfig.util_scale,
+                   help="production: multiply every job's drawn utilisation by this (capped at its benchmark's)")
+    p.add_argument("--min-progress", type=float, default=SimConfig.min_progress,
+                   help="antman: opportunistic.min_progress (a GPU takes an opportunistic job only where it is "
+                        "predicted to make this fraction of its solo rate; under it a running job crawls)")
+    p.add_argument("--move-after-s", type=_seconds_or_none, default=SimConfig.move_after_s,
+                   help="antman: opportunistic.move_after_s (seconds a job may crawl before it is moved); 'none'")
+    p.add_argument("--no-room", choices=NO_ROOM, default=SimConfig.no_room,
+                   help="antman: an opportunistic job on a node where too few GPUs meet the opportunistic rules "
+                        "waits for room (wait, the default, as antman.yaml's opportunistic.no_room) or starts on the "
+                        "least-loaded ones (fallback)")
+    p.add_argument("--upgrade-running", action="store_true",
+                   help="antman: make running opportunistic jobs guaranteed when their tenant has quota again "
+                        "(antman.yaml opportunistic.upgrade_running; off by default)")
+    p.add_argument("--move-gain", type=float, default=SimConfig.move_gain,
+                   help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
+    p.add_argument("--json", action="store_true", help="print the JSON document")
+    p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
+    return p
+
+
+def _seconds_or_none(text: str) -> Optional[float]:
+    if text.strip().lower() in ("none", "null", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds, or 'none'") from None
+
+
+def _policies(text: str) -> list[str]:
+    names = list(POLICIES) if text == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    bad = [n for n in names if n not in POLICIES]
+    if bad or not names:
+        raise ValueError(f"--policy {text!r}: allowed: {', '.join(POLICIES)}, a comma-separated list, or all")
+    return names
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        policies = _policies(a.policy)
+        tenants = [t.strip() for t in a.tenants.split(",") if t.strip()] if a.tenants else None
+        t0 = time.perf_counter()
+        jobs = traces.load_sorted(a.trace, a.window, tenants)
+        if not jobs:
+            print(f"antman bench simulate: no jobs in {a.trace} for window {a.window!r} and tenants {tenants}",
+                  file=sys.stderr)
+            return 2
+        cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
+                          speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
+                          cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
+                          util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
+                          no_room=a.no_room, upgrade_running=a.upgrade_running, pause_max_s=a.pause_max_s,
+                          resume_hold_s=a.resume_hold_s)
+                for p in policies]
+    except (traces.TraceError, ValueError) as e:
+        print(f"antman bench simulate: {e}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - t0
+    results = []
+    for cfg in cfgs:
+        t = time.perf_counter()
+        r = simulate(jobs, cfg)
+        r.metrics["wall_s"] = round(time.perf_counter() - t, 3)
+        results.append(r)
+    meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
+            "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
+            "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
+            "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
+            "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
+            "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s,
+            "load_s": round(load_s, 3)}
+    notes = report.write(a.out, results, meta) if a.out else []
+    if a.json:
+        print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))
+    else:
+        keys = ("jobs_done", "sm_util", "useful_util_queued", "mem_util", "jct_mean_s", "jct_guaranteed_mean_s",
+                "queue_delay_mean_s", "preemptions", "moves", "preemption_lost_gpu_s", "oom_failures", "wall_s")
+        print("policy      " + " ".join(f"{k:>22}" for k in keys))
+        for r in results:
+            vals = [r.metrics.get(k) for k in keys]
+            print(f"{r.policy:<11} " + " ".join(f"{v:>22.4g}" if isinstance(v, float) else f"{str(v):>22}"
+                                               for v in vals))
+    for n in notes:
+        print(n, file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

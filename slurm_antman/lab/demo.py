@@ -1,0 +1,273 @@
+"""``antman demo``: the AntMan loop on a local Slurm cluster, narrated.
+
+One emulated GPU, two jobs on it: a guaranteed job and an opportunistic one. The guaranteed job's
+memory grows and the opportunistic job's limit shrinks and its compute share drops, live; a burst
+needs more than shrinking frees, so the opportunistic job is paused in place and resumed when the
+burst passes; a burst that lasts past ``sidecar.pause_max_s`` ends the pause with the coordinator's
+notice, grace and requeue, and the job resumes from its checkpoint. ``antman explain`` tells the story.
+CPU only: GPU memory and utilisation are emulated by the jobs' agents; Slurm (with slurmdbd), the
+SPANK plugin, job_submit.lua, the sidecar, the coordinator and the agents inside the jobs are real.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from slurm_antman.policy.node.core import PolicyParams
+
+from . import jobs
+from .devcluster import cluster as dc
+
+# A log or CI capture is not a terminal; rich would fold the tables at 80 columns there.
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _data(name: str) -> Path:
+    return jobs.script(name)
+
+
+class Demo:
+    def __init__(self, cluster: dc.Cluster, work: Path):
+        self.c = cluster
+        self.work = work
+        self._sockdir: str | None = None
+
+    def submit(self, name: str, flags: list[str], script: str) -> int:
+        """``script``: a Python file and its arguments, run by this interpreter as the job's step."""
+        path = self.work / f"{name}.sh"
+        path.write_text(f"#!/bin/bash\nexec {sys.executable} {script}\n")
+        r = self.c.run(["sbatch", "--parsable", "-J", name, "-D", str(self.work),
+                        "-o", str(self.work / f"{name}.out"), "--open-mode=append", *flags, str(path)])
+        if r.returncode:
+            raise RuntimeError(f"sbatch for {name} failed: {r.stderr.strip()}")
+        jid = int(r.stdout.strip().split(";")[0])
+        console.print(f"  submitted [bold]{name}[/] as job {jid}: sbatch {' '.join(flags)}")
+        return jid
+
+    def jobs(self) -> dict[int, dict]:
+        r = self.c.run([sys.executable, "-m", "slurm_antman.cli", "squeue", "--json", "--all"])
+        if r.returncode:
+            raise RuntimeError(f"antman squeue failed: {r.stderr.strip()}")
+        return {j["job_id"]: j for j in json.loads(r.stdout)}
+
+    def show_queue(self, title: str) -> None:
+        r = self.c.run([sys.executable, "-m", "slurm_antman.cli", "squeue"], env={**self.c.env, "COLUMNS": "154"})
+        console.print(Panel(r.stdout.rstrip() or r.stderr.strip(), title=f"antman squeue: {title}", expand=False))
+
+    def output(self, name: str) -> str:
+        path = self.work / f"{name}.out"
+        return path.read_text() if path.exists() else ""
+
+    def wait(self, what: str, pred, timeout: float = 120):
+        """``pred``'s first true value, polled with back-off; RuntimeError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        delay = 0.3
+        while time.monotonic() < deadline:
+            value = pred()
+            if value:
+                return value
+            time.sleep(delay)
+            delay = min(delay * 1.4, 2.0)
+        raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    def state(self, jid: int) -> str:
+        return self.jobs().get(jid, {}).get("state", "GONE")
+
+    def _node_state(self):
+        """The node's sidecar's own view (None while it does not answer): a local socket, answered in
+        milliseconds, where ``antman squeue`` takes a process start and a trip through the coordinator."""
+        from slurm_antman.clients import sidecar_control as client
+
+        if self._sockdir is None:  # read once: watch_cut samples every 50 ms
+            from slurm_antman import config as cfgmod
+
+            self._sockdir = cfgmod.load(self.c.config_path).node_socket_dir(self.c.nodes[0])
+        try:
+            return client.node_state(self._sockdir)
+        except (client.SidecarUnreachable, client.SidecarError):
+            return None
+
+    def gpu_measured(self) -> bool:
+        """The sidecar lets an opportunistic job beside a guaranteed one only once it has measured how
+        busy the guaranteed job keeps the GPU."""
+        st = self._node_state()
+        return st is not None and all(g.util_measured for g in st.gpus)
+
+    def sidecar_job(self, jid: int):
+        st = self._node_state()
+        return next((j for j in st.jobs if j.job_id == str(jid)), None) if st is not None else None
+
+    def watch_cut(self, jid: int, before, timeout: float):
+        """The opportunistic job's memory limit and compute share after a rise in guaranteed demand:
+        ``(limit, lowest share)``. The share is halved in the same policy step that lowers the limit,
+        then climbs back by one step per guaranteed report (20 a second here), so it is low for well
+        under a second: sampled every 50 ms from the sidecar, not polled through ``antman squeue``."""
+        deadline = time.monotonic() + timeout
+        limit, low = None, None
+        while time.monotonic() < deadline:
+            j = self.sidecar_job(jid)
+            if j is not None and j.mem_limit_bytes is not None and j.mem_limit_bytes < before.mem_limit_bytes:
+                limit = j.mem_limit_bytes
+                low = j.compute_share if low is None else min(low, j.compute_share)
+                # At its floor already (the guaranteed job ran over its target on a loaded machine), the
+                # share cannot drop further: the limit is what shows the rise.
+                if low < before.compute_share or before.compute_share <= PolicyParams().min_share:
+                    return limit, low
+            time.sleep(0.05)
+        if limit is None:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for the opportunistic job's limit to drop")
+        raise RuntimeError(f"the opportunistic job's limit dropped but its share stayed at or above "
+                           f"{before.compute_share:.2f} (lowest seen {low:.2f})")
+
+
+def _last(text: str, prefix: str) -> str:
+    lines = [l for l in text.splitlines() if l.startswith(prefix)]
+    return lines[-1] if lines else ""
+
+
+def _steps(text: str) -> int:
+    return sum(1 for l in text.splitlines() if l.startswith("step "))
+
+
+def _limit(j: dict) -> str:
+    v = j.get("mem_limit_bytes")
+    return "unlimited" if v is None else f"{v / 2**30:.1f} GiB"
+
+
+# The demo's cluster: one node, one emulated 4 GiB GPU; a pause lasts at most 12 s before the requeue,
+# and the coordinator's grace time is 5 s, so the whole loop fits in about two minutes.
+PAUSE_MAX_S = 12
+GRACE_S = 5
+OVERRIDES = {
+    "grace_time_s": GRACE_S, "nodes": {"gpu_memory_mb": 4096},
+    "sidecar": {"pause_max_s": PAUSE_MAX_S, "resume_hold_s": 2.0},
+    "tenants": [{"account": "research", "guaranteed_gpus": 1}],
+}
+
+
+def main(args) -> int:
+    d = Path(args.dir)
+    console.rule("[bold]slurm-antman demo: the AntMan loop on one GPU")
+    console.print("Bringing up a local Slurm cluster: slurmctld, slurmdbd on MariaDB, one slurmd with one GPU, the "
+                  "SPANK plugin, job_submit.lua, the node's sidecar and the coordinator.")
+    console.print("[bold]CPU only: the GPU is emulated[/] (4 GiB; each job's agent reports the memory and "
+                  "utilisation a GPU job would have). Slurm, the daemons and the agents inside the jobs are real.")
+    cluster = dc.up(d, nodes=1, gpus=1, cpus=4, port_base=args.port_base, overrides=OVERRIDES)
+    console.print(f"  cluster up in {d}  (eval: {' '.join(f'{k}={v}' for k, v in cluster.exports().items())})")
+    work = d / "work"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    demo = Demo(cluster, work)
+    phase = work / "guaranteed.phase"
+    phase.write_text("base")
+    ok = False
+    try:
+        console.rule("1. A guaranteed and an opportunistic job share GPU 0")
+        g = demo.submit("resnet-guaranteed", ["--antman=guaranteed", "--gres=gpu:1", "-A", "research"],
+                        script=f"{_data('demo_guaranteed.py')} {phase}")
+        demo.wait("the guaranteed job to train", lambda: "step " in demo.output("resnet-guaranteed"))
+        demo.wait("the sidecar to measure the guaranteed job's GPU use", demo.gpu_measured, 90)
+        o = demo.submit("bert-opportunistic", ["--antman=opportunistic", "--gres=gpu:1", "-A", "research"],
+                        script=f"{_data('demo_train.py')} {work / 'bert.ckpt'} 100000 0.05")
+        names = {g: "resnet-guaranteed", o: "bert-opportunistic"}
+        demo.wait("the opportunistic job to train", lambda: _steps(demo.output("bert-opportunistic")) >= 2, 90)
+        demo.wait("its limits", lambda: demo.jobs()[o].get("compute_share") is not None, 30)
+        demo.show_queue("two jobs on GPU 0")
+        shown = demo.jobs()[o]
+        console.print("The opportunistic job asked for --gres=gpu:1; job_submit.lua moved it to the count-only "
+                      "antman_opp GRES and the opportunistic partition, and the sidecar put it beside the guaranteed "
+                      f"job on GPU 0: memory limit {_limit(shown)}, compute share {shown['compute_share']:.2f} "
+                      "(the guaranteed job is never limited; the share follows the guaranteed job's speed, report "
+                      "by report).")
+
+        console.rule("2. The guaranteed job's memory grows: the opportunistic job shrinks, live")
+        before = demo.sidecar_job(o)
+        if before is None or before.mem_limit_bytes is None:
+            raise RuntimeError("the sidecar shows no memory limit for the opportunistic job")
+        phase.write_text("grow")
+        console.print("  the guaranteed job enters a heavier phase: 0.5 GiB -> 1.5 GiB of GPU memory")
+        limit, low = demo.watch_cut(o, before, 30)
+        demo.show_queue("the opportunistic job shrunk and throttled")
+        console.print(f"  bert-opportunistic: memory limit {before.mem_limit_bytes / 2**30:.1f} GiB -> "
+                      f"{limit / 2**30:.1f} GiB, compute share "
+                      f"{before.compute_share:.2f} -> {low:.2f} at the jump (a rise in guaranteed "
+                      "demand halves the budget at once; it climbs back while the guaranteed job keeps its speed). "
+                      "It keeps training: its agent spills what does not fit to host memory and spaces out its "
+                      "kernel launches.")
+
+        console.rule("3. A burst needs more than shrinking frees: pause in place")
+        phase.write_text("burst")
+        console.print("  the guaranteed job bursts to 3.3 GiB: what is left is under the opportunistic job's 1 GiB "
+                      "minimum")
+        demo.wait("the opportunistic job to pause", lambda: demo.state(o) == "PAUSED", 30)
+        demo.show_queue("paused in place: its GPU state on the host, its GPU memory freed")
+        at = _steps(demo.output("bert-opportunistic"))
+        time.sleep(3)
+        if _steps(demo.output("bert-opportunistic")) > at:
+            raise RuntimeError("the paused job kept training")
+        phase.write_text("grow")
+        console.print("  the burst passes after a few seconds ...")
+        demo.wait("the opportunistic job to resume", lambda: demo.state(o) == "RUNNING"
+                  and _steps(demo.output("bert-opportunistic")) > at, 30)
+        console.print(f"  ... and bert-opportunistic resumed in place: same process, no restart (restarts="
+                      f"{demo.jobs()[o]['restarts']}), training again: {_last(demo.output('bert-opportunistic'), 'step')}.")
+
+        console.rule(f"4. A burst that lasts: pause runs out after {PAUSE_MAX_S} s, requeue, resume from checkpoint")
+        phase.write_text("burst")
+        demo.wait("the opportunistic job to pause again", lambda: demo.state(o) == "PAUSED", 30)
+        console.print(f"  paused again; the burst goes on past sidecar.pause_max_s ({PAUSE_MAX_S} s): the sidecar asks "
+                      f"the coordinator, which sends a notice, waits the grace time ({GRACE_S} s) and requeues the job")
+        demo.wait("the requeue", lambda: demo.jobs()[o]["restarts"] >= 1, PAUSE_MAX_S + GRACE_S + 60)
+        demo.show_queue("requeued through Slurm")
+        console.print(f"  bert-opportunistic: {_last(demo.output('bert-opportunistic'), 'PREEMPTED') or 'requeued'}")
+        phase.write_text("base")
+        console.print("  the burst ends; the requeued job may run again (the coordinator clears Slurm's BeginTime "
+                      "wait for the jobs it requeues)")
+        demo.wait("the requeued job to resume from its checkpoint",
+                  lambda: "restarts=1" in demo.output("bert-opportunistic"), 120)
+        resumed = _last(demo.output("bert-opportunistic"), "START step=")
+        demo.wait("the requeued job to train again", lambda: _steps(demo.output("bert-opportunistic").split(
+            "restarts=1", 1)[1]) >= 1, 60)
+        console.print(f"  bert-opportunistic: {resumed}")
+        demo.show_queue("after the resume")
+
+        console.rule("5. antman explain tells the story")
+        for jid in (o,):
+            r = cluster.run([sys.executable, "-m", "slurm_antman.cli", "explain", str(jid)])
+            console.print(Panel(r.stdout.rstrip() or r.stderr.strip(), title=f"antman explain {jid}", expand=False))
+
+        console.rule("Summary")
+        jobs = demo.jobs()
+        t = Table("job", "name", "class", "GPUs", "restarts", "state", "progress")
+        for jid, name in names.items():
+            j = jobs.get(jid, {})
+            gpus = j.get("gpus")
+            t.add_row(str(jid), name, j.get("class", "?"), ",".join(map(str, gpus)) if gpus else "-",
+                      str(j.get("restarts", "?")), j.get("state", "?"), _last(demo.output(name), "step"))
+        console.print(t)
+        if jobs[g]["restarts"] != 0:
+            raise RuntimeError("the guaranteed job was restarted")
+        console.print("The guaranteed job ran throughout, never limited and never restarted. The opportunistic job "
+                      "shrank, slowed, paused in place once (no restart) and was requeued once, resuming from its "
+                      "checkpoint.")
+        ok = True
+    except RuntimeError as e:  # what the demo waited for did not happen: say what, keep the logs
+        console.print(f"[red]demo failed: {e}[/]; the cluster's logs are in {d}/log, the jobs' output in {work}")
+    finally:
+        if args.keep:
+            console.print(f"Cluster left running (--keep). Stop it with: antman devcluster down --dir {d}")
+        else:
+            cluster.run(["scancel", "--user", "root"])
+            stopped = dc.down(d)
+            console.print(f"Cluster torn down: stopped {len(stopped)} processes.")
+    console.rule("[green]demo finished" if ok else "[red]demo failed")
+    return 0 if ok else 1

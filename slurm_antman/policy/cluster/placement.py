@@ -1,0 +1,92 @@
+"""Opportunistic capacity in Slurm: each reporting node's count-only GRES follows what its GPUs can take."""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping
+
+from .decisions import SetOppSlots
+from .model import HOLDING_STATES, GpuView, JobView, NodeView, PolicyParams
+from slurm_antman.policy.progress import predicted_progress
+
+
+def gpu_qualifies(g: GpuView, params: PolicyParams) -> bool:
+    """Room for one more opportunistic job: memory, AntMan's utilisation rule, at most one guaranteed
+    job, and a predicted progress worth running for (policy.progress): otherwise the job waits. A GPU
+    whose guaranteed job is too new to show in its utilisation has no room until it does."""
+    spare = g.mem_total_bytes - g.mem_used_bytes
+    return (g.util_measured and spare >= params.min_opp_mem_bytes + params.headroom_bytes
+            and g.util < params.util_threshold
+            and len(g.guaranteed_jobs) <= 1
+            and predicted_progress(g.util, len(g.guaranteed_jobs), len(g.opportunistic_jobs),
+                                   params.target_slowdown) >= params.min_progress)
+
+
+def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
+    """Opportunistic GRES Slurm has allocated per node (one per GPU of each opportunistic job)."""
+    used: dict[str, int] = {}
+    for j in jobs:
+        if j.job_class == "opportunistic" and j.node is not None and j.state in HOLDING_STATES:
+            used[j.node] = used.get(j.node, 0) + j.gpus
+    return used
+
+
+MIN_SLOTS_PER_NODE = 1
+
+
+def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpus: Collection[int]) -> tuple[int, dict]:
+    """The GRES count for ``node``: slots Slurm has allocated plus the free slots of qualifying GPUs.
+
+    Slurm subtracts its own allocations from the count, so the count must include them. Jobs Slurm
+    placed that the sidecar does not show yet take free slots first, so nothing is handed out twice.
+    """
+    free = 0
+    reported = 0
+    qualifying = 0
+    slots = params.slots_per_gpu
+    need_mem = params.min_opp_mem_bytes + params.headroom_bytes
+    threshold = params.util_threshold
+    # The hot loop of a cycle (every GPU of the cluster): gpu_qualifies() inlined.
+    target, floor = params.target_slowdown, params.min_progress
+    healthy = not node.unhealthy
+    for g in node.gpus:
+        n_opp = len(g.opportunistic_jobs)
+        reported += n_opp
+        if (healthy and g.util < threshold and g.util_measured and g.mem_total_bytes - g.mem_used_bytes >= need_mem
+                and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus
+                and predicted_progress(g.util, len(g.guaranteed_jobs), n_opp, target) >= floor):
+            qualifying += 1
+            if n_opp < slots:
+                free += slots - n_opp
+    unseen = max(0, slurm_in_use - reported)
+    # Never 0: slurmctld 22.05 rejects at submission ("Requested node configuration is not
+    # available") a GRES request that no node is configured to satisfy, instead of queueing it. So
+    # a node without room still admits one opportunistic job, which the sidecar then shrinks or has
+    # preempted; the alternative would be to lose submissions.
+    total = max(MIN_SLOTS_PER_NODE, slurm_in_use + max(0, free - unseen))
+    inputs = {"free_slots": free, "slurm_in_use": slurm_in_use, "reported_in_use": reported,
+              "unseen": unseen, "gpus_qualifying": qualifying, "gpus_with_need": sorted(busy_gpus)}
+    if node.unhealthy:
+        inputs["unhealthy"] = node.unhealthy
+    return total, inputs
+
+
+def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyParams,
+         need_gpus: Mapping[str, set[int]]) -> tuple[list[SetOppSlots], list[str]]:
+    """The count changes, and the nodes whose count is only the minimum slot (no room at all)."""
+    in_use = opp_in_use_by_node(jobs)
+    out: list[SetOppSlots] = []
+    no_room: list[str] = []
+    for n in nodes:
+        if n.last_report_unix is None:
+            continue  # nothing measured: slurmctld keeps the configured count
+        total, inputs = node_slots(n, params, in_use.get(n.name, 0), need_gpus.get(n.name, ()))
+        if inputs["slurm_in_use"] + max(0, inputs["free_slots"] - inputs["unseen"]) < MIN_SLOTS_PER_NODE:
+            no_room.append(n.name)
+        if total != n.opp_slots_in_slurm:
+            inputs.update(in_slurm=n.opp_slots_in_slurm, report_unix=n.last_report_unix)
+            out.append(SetOppSlots(n.name, total, reason=(
+                (f"node unhealthy ({n.unhealthy}): no opportunistic job starts there; " if n.unhealthy else "")
+                + f"{inputs['gpus_qualifying']} GPUs with room have {inputs['free_slots']} free slots, Slurm has "
+                f"{inputs['slurm_in_use']} allocated: count {total}, Slurm has {n.opp_slots_in_slurm}"),
+                inputs=inputs))
+    return out, no_room

@@ -1,0 +1,159 @@
+"""Preemption: pick a victim for each new need, requeue it when its grace time is over, and make the
+requeued job eligible again at once. The state makes every step happen once per job and restart."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
+
+from .decisions import Decision, MakeEligible, PreemptNotice, Requeue
+from .model import (
+    CoordinatorState, GpuView, JobView, NodeView, PolicyParams, Preemption, PreemptNeed, Requeued,
+)
+
+# Once a job is in one of these it will not run again under this id, so nothing more is owed to it.
+TERMINAL_STATES = frozenset({
+    "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+    "PREEMPTED", "SPECIAL_EXIT",
+})
+
+
+@dataclass(slots=True)
+class PreemptionOutcome:
+    decisions: list[Decision]
+    preempting: dict[str, Preemption]
+    requeued: dict[str, Requeued]
+    touched: set[str]  # jobs that got a decision here: no other decision for them this cycle
+
+
+def lost_gpu_seconds(job: JobView, now: float) -> float:
+    """Work thrown away by requeueing ``job`` now: GPU-seconds since its last checkpoint (or start)."""
+    since = job.last_checkpoint_unix if job.last_checkpoint_unix is not None else job.start_unix
+    if since is None:
+        return 0.0
+    return job.gpus * max(0.0, now - since)
+
+
+def _victim_key(job: JobView, now: float) -> tuple:
+    # Fewest lost GPU-seconds, then the youngest (latest start), then the id for a stable choice.
+    start = job.start_unix if job.start_unix is not None else now
+    return (lost_gpu_seconds(job, now), -start, len(job.job_id), job.job_id)
+
+
+def _find_gpu(node: Optional[NodeView], index: int) -> Optional[GpuView]:
+    if node is None or node.last_report_unix is None:
+        return None
+    for g in node.gpus:
+        if g.index == index:
+            return g
+    return None
+
+
+def step(now: float, needs: tuple[PreemptNeed, ...], state: CoordinatorState, params: PolicyParams,
+         jobs: Mapping[str, JobView], nodes: Mapping[str, NodeView]) -> PreemptionOutcome:
+    out = PreemptionOutcome([], {}, {}, set())
+    _advance_preempting(now, state, jobs, out)
+    _advance_requeued(state, jobs, out)
+    _answer_needs(now, needs, params, jobs, nodes, out)
+    return out
+
+
+def _advance_preempting(now: float, state: CoordinatorState, jobs: Mapping[str, JobView],
+                        out: PreemptionOutcome) -> None:
+    for p in state.preempting.values():
+        job = jobs.get(p.job_id)
+        # Restart safety: a job that restarted, ended or stopped being opportunistic since the notice
+        # is not ours to requeue any more.
+        if (job is None or job.restarts != p.restarts_at_decision or job.state != "RUNNING"
+                or job.job_class != "opportunistic"):
+            continue
+        if now < p.deadline_unix:
+            out.preempting[p.job_id] = p
+            continue
+        out.decisions.append(Requeue(
+            p.job_id,
+            reason=f"grace time of {p.deadline_unix - p.decided_unix:g} s after the preemption notice is over",
+            inputs={"node": p.node, "gpu": p.gpu, "for_job": p.for_job_id, "notice_unix": p.decided_unix,
+                    "deadline_unix": p.deadline_unix, "restarts": job.restarts, "now": now},
+        ))
+        out.touched.add(p.job_id)
+        out.requeued[p.job_id] = Requeued(p.job_id, p.node, p.gpu, p.for_job_id, now, p.restarts_at_decision)
+
+
+def _advance_requeued(state: CoordinatorState, jobs: Mapping[str, JobView], out: PreemptionOutcome) -> None:
+    for r in state.requeued.values():
+        job = jobs.get(r.job_id)
+        if job is None or job.state in TERMINAL_STATES:
+            continue
+        if job.restarts <= r.restarts_at_decision:
+            out.requeued[r.job_id] = r  # Slurm has not shown the requeue yet
+            continue
+        if job.state == "PENDING":
+            if not r.made_eligible:
+                out.decisions.append(MakeEligible(
+                    r.job_id,
+                    reason="requeued by the coordinator: start it without Slurm's BeginTime wait",
+                    inputs={"restarts": job.restarts, "requeued_unix": r.requeued_unix, "for_job": r.for_job_id},
+                ))
+                out.touched.add(r.job_id)
+                r = replace(r, made_eligible=True)
+            out.requeued[r.job_id] = r
+        elif job.state not in ("RUNNING", "CONFIGURING"):
+            # COMPLETING (its Epilog still runs) or REQUEUED: Slurm counted the restart before the
+            # job is PENDING again; keep watching so it still gets its MakeEligible.
+            out.requeued[r.job_id] = r
+        # Running again: we are done with it.
+
+
+def _served(out: PreemptionOutcome, nodes: Mapping[str, NodeView]) -> set[tuple[str, int, str]]:
+    """Needs somebody is already being preempted for, or whose victim the sidecar still shows."""
+    served = {(p.node, p.gpu, p.for_job_id) for p in out.preempting.values()}
+    for r in out.requeued.values():
+        gpu = _find_gpu(nodes.get(r.node), r.gpu)
+        if gpu is not None and r.job_id in gpu.opportunistic_jobs:
+            served.add((r.node, r.gpu, r.for_job_id))
+    return served
+
+
+def _answer_needs(now: float, needs: tuple[PreemptNeed, ...], params: PolicyParams, jobs: Mapping[str, JobView],
+                  nodes: Mapping[str, NodeView], out: PreemptionOutcome) -> None:
+    if not needs:
+        return
+    served = _served(out, nodes)
+    for need in sorted(needs, key=lambda n: (n.since_unix, n.node, n.gpu, n.job_id)):
+        key = (need.node, need.gpu, need.job_id)
+        if key in served and not need.victim:  # a named victim is owed its requeue whatever else is on
+            continue
+        owner = jobs.get(need.job_id)
+        gpu = _find_gpu(nodes.get(need.node), need.gpu)
+        if owner is None or owner.job_class != "guaranteed" or gpu is None:
+            continue  # only a known guaranteed job on a reported GPU may claim room back
+        candidates = [
+            j for j in (jobs.get(jid) for jid in gpu.opportunistic_jobs)
+            if j is not None and j.state == "RUNNING" and j.job_class == "opportunistic"
+            and j.job_id not in out.preempting and j.job_id not in out.requeued and j.job_id not in out.touched
+        ]
+        grace = params.grace_s
+        if need.victim:
+            # Non-compliant (slurm_antman.policy.node.compliance): this job, at once; it ignored what a notice would ask.
+            candidates = [j for j in candidates if j.job_id == need.victim]
+            grace = 0.0
+        if not candidates:
+            continue
+        victim = min(candidates, key=lambda j: _victim_key(j, now))
+        lost = lost_gpu_seconds(victim, now)
+        why = (f"non-compliant beside guaranteed job {need.job_id} on {need.node} GPU {need.gpu}: {need.reason}; "
+               "requeued at once" if need.victim else
+               f"guaranteed job {need.job_id} on {need.node} GPU {need.gpu} needs room that shrinking "
+               f"cannot free ({need.reason}); this job loses the fewest GPU-seconds ({lost:.0f})")
+        out.decisions.append(PreemptNotice(
+            victim.job_id, need.node, grace,
+            reason=why,
+            inputs={"node": need.node, "gpu": need.gpu, "for_job": need.job_id, "need_reason": need.reason,
+                    "need_since_unix": need.since_unix, "lost_gpu_seconds": lost,
+                    "candidates": {j.job_id: round(lost_gpu_seconds(j, now), 3) for j in candidates}},
+        ))
+        out.touched.add(victim.job_id)
+        out.preempting[victim.job_id] = Preemption(
+            victim.job_id, need.node, now, now + grace, victim.restarts, need.reason, need.gpu, need.job_id)
+        served.add(key)

@@ -1,0 +1,382 @@
+"""The node-local policy: from a snapshot of one node (GPUs, jobs, what their agents reported) to
+per-job memory limits and compute shares, and preemption requests.
+
+Pure: no I/O and no clock. The caller passes ``now`` and the previous :class:`PolicyState`, and gets
+the next state back, so the sidecar and a trace simulator drive the same code.
+
+The rules (AntMan's, with TGS-style rate control for compute):
+
+* Guaranteed jobs are never limited: unlimited memory, share 1.0.
+* Opportunistic jobs on a GPU split the memory the guaranteed job does not need:
+  ``total - foreign - guaranteed demand - headroom``. The split is recomputed on every call, so a
+  rise in guaranteed demand shrinks them at once.
+* Their compute budget on a GPU is an AIMD loop on the guaranteed job's iteration time against its
+  baseline (its solo time, measured while no opportunistic job shared its GPUs; until one is known,
+  the best time seen): above the target slowdown the budget is cut multiplicatively, near the
+  baseline it grows additively. A jump in guaranteed memory demand also cuts it at once, because
+  the guaranteed job is entering a heavier phase and must not wait a report for its speed back.
+* If the opportunistic jobs on a GPU cannot all keep their minimum memory, the newest ones are
+  asked to be preempted (last in, first out) until the rest fit.
+* Opportunistic jobs alone on a GPU (no guaranteed job there) are not throttled against each other:
+  there is nobody to protect, and jobs that leave the GPU idle much of the time interleave. Their
+  progress (iteration time against their time alone on the GPU) is measured instead, and where
+  sharing is a loss (their progress adds up to less than one job alone) the one making the least
+  progress is *crawling*. Not the newest: progress comes from each job's own reports, which a job
+  controls, so a job that reports itself slow must only ever get itself moved, never a neighbour.
+* An opportunistic job progressing under ``min_progress`` of its solo rate (at the floor share
+  beside a busy guaranteed job, say) is crawling too. The sidecar reports since when; the
+  coordinator moves it (``slurm_antman.policy.cluster.moves``) once that has lasted ``move_after_s`` and a
+  GPU elsewhere promises more.
+* If throttling is not enough either (the guaranteed job stays over its target while the budget is
+  at its floor, ``min_share``, for ``slow_preempt_s``), the newest opportunistic job on that GPU is
+  asked to be preempted, one per period: measured interference between two jobs can be so large
+  (a neighbour at 5 % duty costing a CNN 8 %) that only leaving restores the guaranteed job.
+* Pause before requeue (issue 16, PipeSwitch's lesson): where the job's agents can pause in place
+  and ``pause_max_s`` is set, each of the two preemption rules above pauses the job instead (its
+  state moves to host memory in milliseconds, its GPU memory is freed). A paused job resumes once
+  its GPU would fit it again (its minimum memory beside the others) for ``resume_hold_s``; one
+  paused for ``pause_max_s`` is asked to be preempted after all. Shrink, throttle, pause, requeue:
+  one ladder, each step with its reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Mapping, Optional
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    headroom_bytes: int = 512 * MiB          # kept free on every GPU for allocator slack and contexts
+    min_opportunistic_bytes: int = 1 * GiB   # below this an opportunistic job is preempted instead
+    quantum_bytes: int = 64 * MiB            # limits are rounded down to this, so noise sends no updates
+    target_slowdown: float = 0.02            # guaranteed iteration time may exceed baseline by 2%
+    initial_share: float = 0.5               # opportunistic budget on a GPU before any feedback
+    min_share: float = 0.05
+    share_step: float = 0.05                 # additive increase per report at baseline
+    share_backoff: float = 0.5               # multiplicative decrease on slowdown / demand rise
+    demand_rise_bytes: int = 256 * MiB       # a guaranteed demand rise this large throttles at once
+    baseline_alpha: float = 0.2              # EWMA weight of a new solo iteration time
+    grace_s: float = 30.0                    # preemption notice to requeue
+    # Over target with the budget at min_share this long: preempt the newest opportunistic job on the
+    # GPU. None (the default): never, throttle only. Off by default because a requeued job is often
+    # placed right back on the same GPU (docs/evaluation.md measures the churn).
+    slow_preempt_s: Optional[float] = None
+    # An opportunistic job progressing under this fraction of its solo rate is crawling (module doc).
+    min_progress: float = 0.25
+    # Pause in place instead of requeue, for jobs whose agents can (None: never pause), and for how long
+    # at most before the job is requeued after all; a paused job resumes after its GPU has fitted it
+    # again for resume_hold_s.
+    pause_max_s: Optional[float] = None
+    resume_hold_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    memory_total_bytes: int
+    foreign_bytes: int = 0  # used by processes slurm-antman does not manage
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    job_class: str                    # guaranteed | opportunistic
+    gpus: tuple[int, ...]
+    registered_unix: float
+    mem_demand_bytes: int = 0         # per GPU: what the job holds or has just needed
+    iteration: Optional[int] = None   # index of the last reported iteration
+    iteration_ms: Optional[float] = None
+    can_pause: bool = False           # every agent of the job answers pause / resume
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    gpus: tuple[GpuInfo, ...]
+    jobs: tuple[JobInfo, ...]
+
+
+@dataclass(frozen=True)
+class GuaranteedTrack:
+    solo_ms: Optional[float] = None
+    best_ms: Optional[float] = None
+    last_iteration: Optional[int] = None
+    demand_bytes: int = 0
+
+    @property
+    def baseline_ms(self) -> Optional[float]:
+        return self.solo_ms if self.solo_ms is not None else self.best_ms
+
+
+@dataclass(frozen=True)
+class PreemptRequest:
+    job_id: str
+    gpu: int
+    reason: str
+    requested_unix: float
+    deadline_unix: float
+
+
+@dataclass(frozen=True)
+class PauseRecord:
+    job_id: str
+    gpu: int
+    reason: str
+    since_unix: float
+    fits_since_unix: Optional[float] = None  # since when its GPU would fit it again
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    guaranteed: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
+    gpu_budget: Mapping[int, float] = field(default_factory=dict)
+    preempted: Mapping[str, PreemptRequest] = field(default_factory=dict)
+    # GPU -> since when its guaranteed job has been over target with the budget at its floor.
+    over_since: Mapping[int, float] = field(default_factory=dict)
+    # Opportunistic jobs: their iteration times (solo: while nothing else ran on their GPUs).
+    opportunistic: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
+    # Opportunistic job -> since when it has been crawling.
+    crawling: Mapping[str, float] = field(default_factory=dict)
+    # Opportunistic jobs paused in place.
+    paused: Mapping[str, PauseRecord] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    mem_limit_bytes: Optional[int]
+    compute_share: float
+
+
+UNLIMITED = JobLimits(None, 1.0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    limits: Mapping[str, JobLimits]
+    new_preemptions: tuple[PreemptRequest, ...]
+    state: PolicyState
+    slowdown: Mapping[str, float]  # guaranteed job -> latest measured slowdown, for display
+    # Opportunistic job -> its progress, the fraction of its solo rate it makes (when measured).
+    progress: Mapping[str, float] = field(default_factory=dict)
+    new_pauses: tuple[PauseRecord, ...] = ()
+    resumes: tuple[str, ...] = ()  # jobs to resume: their GPU fits them again
+
+
+def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float) -> Optional[float]:
+    """An opportunistic job's progress: its solo iteration time over its latest. Before it has run
+    alone, the best time seen stands in, and the job cannot be credited with more than its compute
+    share (its throttle keeps it idle the rest of the time)."""
+    if not latest_ms or latest_ms <= 0:
+        return None
+    base = track.baseline_ms
+    if base is None:
+        return None
+    value = min(1.0, base / latest_ms)
+    return value if track.solo_ms is not None else min(value, share)
+
+
+def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
+             prev: Mapping[str, float], now: float, p: PolicyParams) -> dict[str, float]:
+    """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or, on a
+    GPU without a guaranteed job whose opportunistic jobs together make less progress than one of
+    them alone, the one making the least (the newest on a tie). ``order``: each GPU's opportunistic
+    jobs, oldest first."""
+    out: dict[str, float] = {}
+    for g, jobs in order.items():
+        known = [progress[j] for j in jobs if j in progress]
+        for j in jobs:
+            if j in progress and progress[j] < p.min_progress:
+                out[j] = prev.get(j, now)
+        if g not in guaranteed_on and len(jobs) > 1 and len(known) == len(jobs) and sum(known) < 1.0:
+            slowest = min(reversed(jobs), key=lambda j: progress[j])
+            out[slowest] = prev.get(slowest, now)
+    return out
+
+
+def _quantize(n: int, q: int) -> int:
+    return max(0, n // q * q)
+
+
+def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
+                      p: PolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
+    """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
+    fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
+    solo, best, slowdown = prev.solo_ms, prev.best_ms, None
+    if fresh:
+        ms = float(job.iteration_ms)
+        if alone:
+            solo = ms if solo is None else (1 - p.baseline_alpha) * solo + p.baseline_alpha * ms
+        base = solo if solo is not None else best
+        if not alone and base:
+            slowdown = ms / base - 1.0
+        best = ms if best is None else min(best, ms)
+    rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
+    track = GuaranteedTrack(solo, best, job.iteration if fresh else prev.last_iteration, job.mem_demand_bytes)
+    return track, slowdown, rose
+
+
+def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> Decision:
+    jobs = {j.job_id: j for j in snap.jobs}
+    gpus = {g.index: g for g in snap.gpus}
+    on_gpu: dict[int, list[JobInfo]] = {g: [] for g in gpus}
+    for j in snap.jobs:
+        for g in j.gpus:
+            if g in on_gpu:
+                on_gpu[g].append(j)
+
+    def opp_on(g: int) -> list[JobInfo]:
+        return [j for j in on_gpu[g] if j.job_class == "opportunistic"]
+
+    # Guaranteed jobs: baselines, slowdowns, demand jumps.
+    tracks: dict[str, GuaranteedTrack] = {}
+    slowdown: dict[str, float] = {}
+    rose: set[str] = set()
+    for j in snap.jobs:
+        if j.job_class != "guaranteed":
+            continue
+        alone = not any(opp_on(g) for g in j.gpus if g in on_gpu)
+        prev = state.guaranteed.get(j.job_id)
+        t, s, r = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)
+        tracks[j.job_id] = t
+        if s is not None:
+            slowdown[j.job_id] = s
+        if r:
+            rose.add(j.job_id)
+
+    # Opportunistic jobs: solo baselines (nothing else on their GPUs) and best times.
+    opp_tracks: dict[str, GuaranteedTrack] = {}
+    for j in snap.jobs:
+        if j.job_class != "opportunistic":
+            continue
+        alone = all(len(on_gpu[g]) == 1 for g in j.gpus if g in on_gpu)
+        prev = state.opportunistic.get(j.job_id)
+        opp_tracks[j.job_id] = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
+
+    # Compute budget per GPU for its opportunistic jobs.
+    budget: dict[int, float] = {}
+    over_since: dict[int, float] = {}
+    worst_on: dict[int, tuple[float, str]] = {}
+    for g in gpus:
+        guar = [j for j in on_gpu[g] if j.job_class == "guaranteed"]
+        if not guar:
+            budget[g] = 1.0
+            continue
+        b = state.gpu_budget.get(g, p.initial_share)
+        measured = [(slowdown[j.job_id], j.job_id) for j in guar if j.job_id in slowdown]
+        if any(j.job_id in rose for j in guar):
+            b *= p.share_backoff
+        elif measured:
+            worst = max(measured)[0]
+            if worst > p.target_slowdown:
+                b *= p.share_backoff
+            elif worst <= p.target_slowdown / 2:
+                b += p.share_step
+        budget[g] = min(1.0, max(p.min_share, b))
+        if measured:
+            worst_on[g] = max(measured)
+            if worst_on[g][0] > p.target_slowdown and budget[g] <= p.min_share and opp_on(g):
+                over_since[g] = state.over_since.get(g, now)
+        elif g in state.over_since and opp_on(g):
+            over_since[g] = state.over_since[g]  # no new report: nothing learned either way
+
+    guarded_gpus = {g for g in gpus if any(j.job_class == "guaranteed" for j in on_gpu[g])}
+
+    # Memory per GPU; preempt newest opportunistic jobs when the minimums do not fit.
+    preempted = {k: v for k, v in state.preempted.items() if k in jobs}
+    paused = {k: v for k, v in state.paused.items() if k in jobs and k not in preempted}
+    new_preempt: list[PreemptRequest] = []
+    new_pauses: list[PauseRecord] = []
+    resumes: list[str] = []
+    per_job_mem: dict[str, list[int]] = {}
+    per_job_share: dict[str, list[float]] = {}
+    for g, info in gpus.items():
+        guar_demand = sum(j.mem_demand_bytes for j in on_gpu[g] if j.job_class == "guaranteed")
+        available = info.memory_total_bytes - info.foreign_bytes - guar_demand - p.headroom_bytes
+        opp = sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
+        active = [j for j in opp if j.job_id not in preempted and j.job_id not in paused]
+
+        def ask_to_leave(victim: JobInfo, reason: str) -> None:
+            paused.pop(victim.job_id, None)
+            req = PreemptRequest(victim.job_id, g, reason, now, now + p.grace_s)
+            preempted[victim.job_id] = req
+            new_preempt.append(req)
+
+        def pause_or_leave(victim: JobInfo, reason: str) -> None:
+            if victim.can_pause and p.pause_max_s is not None:
+                rec = PauseRecord(victim.job_id, g, reason, now)
+                paused[victim.job_id] = rec
+                new_pauses.append(rec)
+            else:
+                ask_to_leave(victim, reason)
+
+        # Paused jobs first: too long paused -> requeue; fitting again for resume_hold_s -> resume.
+        for j in opp:
+            rec = paused.get(j.job_id)
+            if rec is None or rec.gpu != g:
+                continue
+            if p.pause_max_s is not None and now - rec.since_unix >= p.pause_max_s:
+                ask_to_leave(j, f"paused for {now - rec.since_unix:.0f} s, the most sidecar.pause_max_s allows "
+                                f"({p.pause_max_s:g} s): {rec.reason}")
+                continue
+            if available >= (len(active) + 1) * p.min_opportunistic_bytes:
+                since = rec.fits_since_unix if rec.fits_since_unix is not None else now
+                if now - since >= p.resume_hold_s:
+                    del paused[j.job_id]
+                    resumes.append(j.job_id)
+                    active.append(j)
+                    active.sort(key=lambda x: (x.registered_unix, x.job_id))
+                else:
+                    paused[j.job_id] = replace(rec, fits_since_unix=since)
+            elif rec.fits_since_unix is not None:
+                paused[j.job_id] = replace(rec, fits_since_unix=None)
+
+        # A job asked to leave is not counted: its memory returns when Slurm requeues it.
+        while active and available < len(active) * p.min_opportunistic_bytes:
+            victim = active.pop()
+            pause_or_leave(victim, f"GPU {g}: guaranteed demand {guar_demand // MiB} MiB leaves "
+                                 f"{max(available, 0) // MiB} MiB for {len(active) + 1} opportunistic job(s) "
+                                 f"that need {p.min_opportunistic_bytes // MiB} MiB each")
+        since = over_since.get(g)
+        if active and since is not None and p.slow_preempt_s is not None and now - since >= p.slow_preempt_s:
+            worst, who = worst_on.get(g, (float("nan"), "?"))
+            pause_or_leave(active.pop(), f"GPU {g}: guaranteed job {who} runs {worst:.1%} slower than alone (target "
+                                       f"{p.target_slowdown:.0%}) with opportunistic jobs at the minimum compute "
+                                       f"share {p.min_share:.0%} for {now - since:.0f} s")
+            over_since[g] = now  # the next one only if a whole period passes without relief
+        if active:
+            each = max(p.min_opportunistic_bytes, _quantize(available // len(active), p.quantum_bytes))
+            # Nobody to protect: opportunistic jobs run unthrottled beside each other (module doc).
+            share = max(p.min_share, budget[g] / len(active)) if g in guarded_gpus else 1.0
+            for j in active:
+                per_job_mem.setdefault(j.job_id, []).append(each)
+                per_job_share.setdefault(j.job_id, []).append(share)
+
+    limits: dict[str, JobLimits] = {}
+    for j in snap.jobs:
+        if j.job_class == "guaranteed":
+            limits[j.job_id] = UNLIMITED
+        elif j.job_id in preempted or j.job_id in paused:
+            limits[j.job_id] = JobLimits(p.min_opportunistic_bytes, p.min_share)
+        elif j.job_id in per_job_mem:
+            limits[j.job_id] = JobLimits(min(per_job_mem[j.job_id]), min(per_job_share[j.job_id]))
+        else:  # no known GPU: nothing to share it with
+            limits[j.job_id] = UNLIMITED
+
+    progress: dict[str, float] = {}
+    for j in snap.jobs:
+        if j.job_class == "opportunistic" and j.job_id not in preempted and j.job_id not in paused:
+            v = progress_of(opp_tracks[j.job_id], j.iteration_ms, limits[j.job_id].compute_share)
+            if v is not None:
+                progress[j.job_id] = v
+    order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
+                 if j.job_id not in preempted and j.job_id not in paused] for g in gpus}
+    crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
+
+    new_state = replace(state, guaranteed=tracks,
+                        gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
+                        preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl,
+                        paused=paused)
+    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress, tuple(new_pauses), tuple(resumes))

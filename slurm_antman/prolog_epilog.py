@@ -1,0 +1,418 @@
+"""``antman node prolog|epilog``: what slurmd runs, as root, around every job on a node.
+
+The Prolog registers a slurm-antman job with the node's sidecar, which chooses the physical GPUs
+of an opportunistic job (Slurm only counted slots of a count-only GRES), and writes the node-local
+env file the SPANK plugin applies to every task (docs/architecture.md). It also records the GPUs
+in the job's AdminComment so anyone can see them with Slurm's own tools.
+
+A Prolog that exits non-zero drains the node and requeues the job, so every policy-level problem
+is logged and the hook still exits 0. An opportunistic job is never run unmanaged (fail closed):
+when no GPU of the node meets the opportunistic rules (``opportunistic.no_room: wait``), when the
+sidecar does not answer, or when the hook itself fails, the job's env file says ANTMAN_REFUSED (the
+SPANK plugin then fails its tasks) and the hook asks Slurm to requeue it; only when even that fails
+does the hook exit non-zero, leaving the requeue to Slurm at the price of a drained node.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import stat
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from . import config as config_mod
+from .jobtag import JobTag, parse_tag
+
+log = logging.getLogger("antman.node")
+
+_TRES_OPP = r"gres[:/]{name}(?::[^,:]+)?:(\d+)"  # 22.05 gres:NAME:N, 24.11 gres/NAME:N
+
+
+@dataclass(frozen=True)
+class JobContext:
+    job_id: str
+    node: str
+    uid: int
+    gid: int | None
+    user: str
+    spank_class: str | None
+    partition: str
+    slurm_gpus: list[int]
+    account: str = ""
+    # What scontrol must be told to act on this job alone: ARRAY_TASK for an array task (whose raw id
+    # may be the array's own, which names every task), the raw id otherwise.
+    slurm_ref: str = ""
+
+    @property
+    def ref(self) -> str:
+        return self.slurm_ref or self.job_id
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "JobContext":
+        gpus = [int(x) for x in re.findall(r"\d+", env.get("SLURM_JOB_GPUS", ""))]
+        return cls(
+            job_id=env["SLURM_JOB_ID"],
+            node=env.get("SLURMD_NODENAME") or _node_of_job(env["SLURM_JOB_ID"]),
+            uid=int(env.get("SLURM_JOB_UID", "0")),
+            gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
+            user=env.get("SLURM_JOB_USER", ""),
+            spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
+            partition=env.get("SLURM_JOB_PARTITION", ""),
+            slurm_gpus=gpus,
+            account=env.get("SLURM_JOB_ACCOUNT", ""),
+            slurm_ref=_ref_from_env(env),
+        )
+
+
+    @classmethod
+    def from_slurm(cls, env: dict[str, str], gpu_gres: str) -> "JobContext":
+        """For the Prolog the SPANK plugin runs inside a job step. The step's environment is the user's,
+        so only what the plugin took from slurmstepd itself is used (job id, uid, gid, this node's
+        index in the job: ANTMAN_JOB_NODEID); the node, partition, account and GPUs come from slurmctld."""
+        from .slurm.errors import SlurmOutputError
+        from .slurm.parsing import job_from_scontrol
+
+        job_id = env["SLURM_JOB_ID"]
+        r = _scontrol(["show", "job", "-d", "-o", job_id])
+        lines = [l for l in r.stdout.splitlines() if l.strip()] if r.returncode == 0 else []
+        try:
+            # An array's own id prints every task: this job is the line of its raw id.
+            jobs = [j for j in (job_from_scontrol(l, gpu_gres) for l in lines) if str(j.job_id) == job_id]
+        except SlurmOutputError as e:
+            raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
+        if len(jobs) != 1:
+            raise RuntimeError(f"scontrol show job -d {job_id}: {r.stderr.strip() or 'no line for that job'}")
+        job = jobs[0]
+        index = env.get("ANTMAN_JOB_NODEID", "")
+        if index.isdigit() and int(index) < len(job.nodes):
+            node = job.nodes[int(index)]
+        elif len(job.nodes) == 1:
+            node = job.nodes[0]
+        else:
+            raise RuntimeError(f"job {job_id} runs on {job.nodelist or 'no node'} and the plugin gave no usable "
+                               f"node index ({index or 'none'})")
+        return cls(
+            job_id=job_id, node=node,
+            uid=int(env.get("SLURM_JOB_UID", "0")),
+            gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
+            user=env.get("SLURM_JOB_USER", ""),
+            spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
+            partition=job.partition,
+            slurm_gpus=sorted(job.gpus_by_node.get(node, [])),
+            account=job.account,
+            slurm_ref=job.slurm_id,
+        )
+
+
+def _ref_from_env(env: dict[str, str]) -> str:
+    """ARRAY_TASK from slurmd's Prolog environment (SLURM_ARRAY_JOB_ID, SLURM_ARRAY_TASK_ID)."""
+    aid, task = env.get("SLURM_ARRAY_JOB_ID", ""), env.get("SLURM_ARRAY_TASK_ID", "")
+    return f"{aid}_{task}" if aid.isdigit() and task.isdigit() else ""
+
+
+def _node_of_job(job_id: str) -> str:
+    """The node when slurmd did not say: the SPANK plugin runs the Prolog from inside a job step,
+    where SLURMD_NODENAME does not exist yet. A one-node job's NodeList is the answer; otherwise
+    (or without a controller) the short hostname, which is the node name on a real cluster."""
+    try:
+        nodes = _job_record(job_id).get("NodeList", "")
+        if re.fullmatch(r"[A-Za-z0-9_.-]+", nodes):
+            return nodes
+        log.warning("job %s: no SLURMD_NODENAME and NodeList %s is not one node; using the hostname",
+                    job_id, nodes or "unknown")
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.warning("job %s: no SLURMD_NODENAME and scontrol failed (%s); using the hostname", job_id, e)
+    return os.uname().nodename.split(".")[0]
+
+
+def env_dir(cfg: config_mod.AntmanConfig, node: str) -> Path:
+    return Path(cfg.state_dir) / node / "jobs"
+
+
+def env_file(cfg: config_mod.AntmanConfig, node: str, job_id: str) -> Path:
+    return env_dir(cfg, node) / f"{job_id}.env"
+
+
+def _scontrol(args: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _job_record(job_id: str) -> dict[str, str]:
+    """One job's fields from `scontrol show job -o` (first value of each key, "(null)" as ""). The
+    job's name and comment are the user's text and may contain ``AdminComment=...`` or
+    ``NodeList=...``: only the order-aware parser, which knows where Slurm prints each key, tells the
+    real field from a forged one."""
+    from .slurm.errors import SlurmOutputError
+    from .slurm.parsing import parse_scontrol_line
+
+    r = _scontrol(["show", "job", "-o", job_id])
+    if r.returncode:
+        raise RuntimeError(f"scontrol show job {job_id}: {r.stderr.strip()}")
+    # An array's own id prints one line per task (the array's pending rest and every task split off
+    # from it): the job is the line whose JobId is its raw id.
+    for line in (l for l in r.stdout.splitlines() if l.strip()):
+        try:
+            pairs = parse_scontrol_line(line)
+        except SlurmOutputError as e:
+            raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
+        fields: dict[str, str] = {}
+        for k, v in pairs:
+            fields.setdefault(k, "" if v == "(null)" else v)
+        if fields.get("JobId") == job_id:
+            return fields
+    raise RuntimeError(f"scontrol show job -o {job_id}: no line for job {job_id}")
+
+
+def _job_fields(job_id: str) -> dict[str, str]:
+    """AdminComment, TresPerNode, NodeList and the array task id (``Ref``) of one job."""
+    from .slurm.models import array_ref
+    from .slurm.parsing import array_task_of
+
+    fields = _job_record(job_id)
+    out = {key: fields.get(key, "") for key in ("AdminComment", "TresPerNode", "NodeList")}
+    out["Ref"] = array_ref(int(job_id), *array_task_of(fields.get("ArrayJobId", ""), fields.get("ArrayTaskId")))
+    return out
+
+
+def write_env_file(path: Path, values: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("# written by `antman node prolog`; applied to every task by the SPANK plugin\n")
+            for k, v in values.items():
+                if "\n" in v:
+                    raise ValueError(f"env value for {k} contains a newline")
+                f.write(f"{k}={v}\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a full disk must not keep the partial file's space
+        raise
+
+
+def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
+    """Merge this node's GPUs into AdminComment. Several nodes of one job may do this at once, so
+    read back and retry until our entry is there."""
+    from . import hostlist
+
+    for _ in range(3):
+        fields = _job_fields(job.job_id)
+        current = parse_tag(fields["AdminComment"]) or tag
+        try:
+            nodes = hostlist.expand(fields["NodeList"]) if fields["NodeList"] else [job.node]
+        except hostlist.HostlistError:
+            nodes = list(current.gpus) + [job.node]
+        merged = current.only_on(nodes).with_gpus(job.node, tag.gpus.get(job.node, []))
+        r = _scontrol(["update", f"JobId={job.ref}", f"AdminComment={merged.render()}"])
+        if r.returncode:
+            log.warning("job %s: cannot record GPUs in AdminComment: %s", job.job_id, r.stderr.strip())
+            return
+        check = parse_tag(_job_fields(job.job_id)["AdminComment"])
+        if check and check.gpus.get(job.node) == tag.gpus.get(job.node):
+            return
+    log.warning("job %s: AdminComment GPU entry for %s kept being overwritten", job.job_id, job.node)
+
+
+def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
+    s = cfg.slurm
+    from_spank = env.get("ANTMAN_PROLOG_FROM_SPANK") == "1"
+    job = JobContext.from_slurm(env, s.gpu_gres) if from_spank else JobContext.from_env(env)
+    # Most jobs on a mixed cluster are plain Slurm jobs: decide that without a controller round trip.
+    if (not from_spank and job.spank_class is None and cfg.default_class.value == "none"
+            and job.partition != s.opportunistic_partition):
+        return 0
+    if from_spank:
+        # slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential.
+        log.info("job %s on %s: env file missing at step start; Prolog run by the SPANK plugin", job.job_id, job.node)
+    fields = _job_fields(job.job_id)
+    job = replace(job, slurm_ref=fields["Ref"])
+    tag = parse_tag(fields["AdminComment"])
+    if tag is None:
+        return 0
+    group = cfg.node_groups_by_host().get(job.node)
+    if group is None:
+        log.error("job %s: node %s is not in %s; leaving the job to plain Slurm", job.job_id, job.node, "antman.yaml")
+        return 0
+    if tag.job_class == "opportunistic":
+        m = re.search(_TRES_OPP.format(name=re.escape(s.opportunistic_gres)), fields["TresPerNode"])
+        count = int(m.group(1)) if m else 0
+    else:
+        count = len(job.slurm_gpus)
+    values = {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_CLASS": tag.job_class, "ANTMAN_NODE": job.node}
+    if tag.job_class == "opportunistic":
+        try:
+            return _place_and_record(cfg, job, tag, count, group.gpus, values)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the job must not run unmanaged
+            log.exception("job %s: Prolog failed for an opportunistic job", job.job_id)
+            return refuse(cfg, job, values, f"the Prolog failed ({type(e).__name__}: {e})")
+    return _place_and_record(cfg, job, tag, count, group.gpus, values)
+
+
+def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: list[int]) -> dict[str, str]:
+    """Slurm bound no device for a count-only GRES: this is what makes the job see its GPU(s). Under
+    ConstrainDevices the SPANK plugin opens the devices named in ANTMAN_GPU_DEVICES in the job's
+    cgroup, and CUDA numbers the GPUs the job can open from 0, as Slurm numbers a guaranteed job's."""
+    from .slurm import cgroup_conf
+
+    paths = cfg.node_groups_by_host()[job.node].gpu_device_paths
+    devices = []
+    for g in gpus:
+        if not 0 <= g < len(paths):
+            raise RuntimeError(f"the sidecar placed the job on GPU {g}; {job.node} has {len(paths)} device files")
+        st = os.stat(paths[g])  # the site's own gres.conf files, as root: never a path the job names
+        if not stat.S_ISCHR(st.st_mode):
+            raise RuntimeError(f"{paths[g]} (GPU {g} of {job.node}) is not a character device")
+        devices.append(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+    visible = ",".join(map(str, range(len(gpus)) if cgroup_conf.constrain_devices() else gpus))
+    return {"CUDA_VISIBLE_DEVICES": visible, "GPU_DEVICE_ORDINAL": visible,
+            "ANTMAN_GPU_DEVICES": ",".join(devices)}
+
+
+def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag, count: int, n_gpus: int,
+                      values: dict[str, str]) -> int:
+    lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two Prologs must not both see a GPU as free
+        try:
+            gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus)
+        except NoRoom as e:
+            return refuse(cfg, job, values, str(e))
+        values["ANTMAN_GPUS"] = ",".join(map(str, gpus))
+        if endpoint:
+            values["ANTMAN_SIDECAR_ENDPOINT"] = endpoint
+        if tag.job_class == "opportunistic":
+            values.update(_opportunistic_gpu_env(cfg, job, gpus))
+        try:
+            write_env_file(env_file(cfg, job.node, job.job_id), values)
+        except OSError:
+            # Without its env file the job's tasks would not get what the sidecar set up for them,
+            # and the Epilog would not retire it: undo the registration before failing.
+            if endpoint:
+                _retire_quietly(cfg, job)
+            raise
+    log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values["ANTMAN_GPUS"] or "-")
+    _record_gpus_in_slurm(job, tag.with_gpus(job.node, gpus))
+    return 0
+
+
+class NoRoom(Exception):
+    """The opportunistic job may not start on this node now; the message says why."""
+
+
+# scontrol requeue is retried on these back-offs (s) before the hook gives up and fails.
+REQUEUE_BACKOFF_S = (1.0, 3.0)
+
+
+def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str], reason: str) -> int:
+    """Fail closed for an opportunistic job: its tasks will not start here (ANTMAN_REFUSED in its env
+    file) and Slurm requeues it. Returns the hook's exit code."""
+    reason = " ".join(reason.split())[:512] or "no reason given"
+    refused = {**values, "ANTMAN_GPUS": "", "CUDA_VISIBLE_DEVICES": "", "ANTMAN_REFUSED": reason}
+    try:
+        write_env_file(env_file(cfg, job.node, job.job_id), refused)
+    except OSError as e:
+        log.error("job %s: cannot write the refusal into its env file: %s", job.job_id, e)
+    for delay in (*REQUEUE_BACKOFF_S, None):
+        r = _scontrol(["requeue", job.ref])  # an array task alone, never its whole array
+        if r.returncode == 0:
+            log.warning("job %s on %s: not started, requeued: %s", job.job_id, job.node, reason)
+            return 0
+        err = r.stderr.strip()
+        if delay is None:
+            break
+        time.sleep(delay)
+    # Exiting non-zero makes slurmd requeue the job itself (and drain the node): better than a job
+    # that runs unmanaged beside a guaranteed one, or one that fails for want of a GPU.
+    log.error("job %s on %s: not started (%s) and scontrol requeue failed (%s); failing the Prolog so that "
+              "Slurm requeues it", job.job_id, job.node, reason, err)
+    return 1
+
+
+def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count: int,
+           n_gpus: int) -> tuple[list[int], str | None]:
+    """The job's GPUs and agent endpoint, from the sidecar. Raises ``NoRoom`` for an opportunistic job
+    that must not start (no GPU met the rules, or no sidecar to enforce its limits)."""
+    from .clients import sidecar_control as client
+
+    physical = job.slurm_gpus if job_class != "opportunistic" else None
+    try:
+        reply = client.register_job(cfg.node_socket_dir(job.node), job.job_id, uid=job.uid, gid=job.gid,
+                                    user=job.user, job_class=job_class, gpus=count, physical_gpus=physical,
+                                    timeout_s=5.0, account=job.account, may_wait=physical is None)
+    except (client.SidecarUnreachable, client.SidecarError) as e:
+        if physical is None:
+            raise NoRoom(f"no sidecar to place and limit it: {e}") from None
+        log.warning("job %s: %s; the guaranteed job runs on the GPUs Slurm bound, unmeasured", job.job_id, e)
+        return physical, None
+    if reply.placement == "wait":
+        raise NoRoom(f"no GPU of {job.node} meets the opportunistic rules: {reply.note}")
+    if reply.note:
+        log.info("job %s: sidecar placement note: %s", job.job_id, reply.note)
+    return list(reply.gpus), reply.endpoint
+
+
+def _retire_quietly(cfg: config_mod.AntmanConfig, job: JobContext) -> None:
+    from .clients import sidecar_control as client
+
+    try:
+        client.retire_job(cfg.node_socket_dir(job.node), job.job_id, timeout_s=5.0)
+    except (client.SidecarUnreachable, client.SidecarError) as e:
+        log.warning("job %s: could not retire at the sidecar: %s", job.job_id, e)
+
+
+def epilog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
+    job = JobContext.from_env(env)
+    f = env_file(cfg, job.node, job.job_id)
+    if not f.exists():
+        return 0
+    _retire_quietly(cfg, job)
+    f.unlink(missing_ok=True)
+    log.info("job %s on %s: retired", job.job_id, job.node)
+    return 0
+
+
+def _setup_logging(cfg: config_mod.AntmanConfig | None) -> None:
+    # slurmd discards a Prolog's output, so the hooks log to a file next to their state.
+    target = Path(cfg.state_dir if cfg else "/tmp") / "hooks.log"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(target)
+    except OSError:
+        handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s"))
+    logging.getLogger("antman").addHandler(handler)
+    logging.getLogger("antman").setLevel(logging.INFO)
+
+
+def main(hook: str, config_path: str) -> int:
+    try:
+        cfg = config_mod.load(config_path)
+    except config_mod.ConfigError as e:
+        _setup_logging(None)
+        log.error("%s: %s", hook, e)
+        return 0
+    _setup_logging(cfg)
+    env = dict(os.environ)
+    if "SLURM_JOB_ID" not in env:
+        log.error("%s run without SLURM_JOB_ID: not called by slurmd?", hook)
+        return 2
+    try:
+        return prolog(cfg, env) if hook == "prolog" else epilog(cfg, env)
+    except Exception as e:  # noqa: BLE001 - never drain a node over a slurm-antman bug
+        job = JobContext.from_env(env) if hook == "prolog" else None
+        if job is not None and (job.partition == cfg.slurm.opportunistic_partition
+                                or job.spank_class == "opportunistic"):
+            # Before its class was read: the opportunistic partition holds only jobs that must not run unmanaged.
+            log.exception("prolog for job %s failed", job.job_id)
+            return refuse(cfg, job, {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_NODE": job.node},
+                          f"the Prolog failed ({type(e).__name__}: {e})")
+        log.exception("%s for job %s failed; job left to plain Slurm", hook, env.get("SLURM_JOB_ID"))
+        return 0
