@@ -143,12 +143,12 @@ def test_gather_asks_the_coordinator_and_falls_back_to_readable_sidecars_only(mu
         assert problem is None and got["n1"].source == "coordinator" and len(got["n1"].gpus) == 2
         # A node the coordinator says nothing of is asked on this host, where its socket is usable only.
         asked: list = []
-        monkeypatch.setattr(squeue_view, "sidecar_states", lambda c, nodes, **kw: asked.append(nodes) or {})
+        monkeypatch.setattr(live, "sidecar_states", lambda c, nodes, **kw: asked.append(nodes) or {})
         live.gather(cfg, ["n1", "n9"], "jobs")
         assert asked == [["n9"]]
     finally:
         srv.stop()
-    assert squeue_view._usable(str(tmp_path / "nothing.sock")) is False
+    assert live._usable(str(tmp_path / "nothing.sock")) is False
 
 
 def test_a_coordinator_that_does_not_answer_leaves_dashes_and_one_line(munged, capsys):

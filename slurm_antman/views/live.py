@@ -8,10 +8,14 @@ whose details the caller may not see.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from slurm_antman.clients import coordinator_query
+
+SIDECAR_TIMEOUT_S = 1.0
 
 COORDINATOR = "coordinator"
 SIDECAR = "sidecar"
@@ -80,11 +84,49 @@ def from_query_jobs(rows: list) -> dict[str, LiveNode]:
     return out
 
 
+def sidecar_dir(cfg: Any, node: str) -> Optional[str]:
+    """Where ``node``'s sidecar control socket lives, if this host can reach it.
+
+    Several nodes on one host (the devcluster) each use ``SOCKET_DIR/NODE``; on a real node the
+    sidecar uses ``SOCKET_DIR`` itself, reachable only from that node.
+    """
+    from slurm_antman import protocol
+
+    root = cfg.sidecar.socket_dir
+    per_node = os.path.join(root, node)
+    if _usable(protocol.control_path(per_node)):
+        return per_node
+    if node == socket.gethostname().split(".")[0] and _usable(protocol.control_path(root)):
+        return root
+    return None
+
+
+def _usable(path: str) -> bool:
+    # Connecting to a unix socket takes write permission on it: without, a try only costs a timeout.
+    return os.path.exists(path) and os.access(path, os.W_OK)
+
+
+def sidecar_states(cfg: Any, nodes: list[str], timeout_s: float = SIDECAR_TIMEOUT_S) -> dict[str, Any]:
+    """``node_state`` of each node's sidecar; nodes whose sidecar does not answer are left out."""
+    if cfg is None:
+        return {}
+    from slurm_antman.clients import sidecar_control as client
+
+    out: dict[str, Any] = {}
+    for node in dict.fromkeys(nodes):
+        d = sidecar_dir(cfg, node)
+        if d is None:
+            continue
+        try:
+            out[node] = client.node_state(d, timeout_s=timeout_s)
+        except Exception:  # noqa: BLE001 - unreachable, refusing or garbled: all mean "no live numbers"
+            continue
+    return out
+
+
 def gather(cfg: Any, nodes: list[str], want: str = "jobs") -> tuple[dict[str, LiveNode], Optional[str]]:
     """Live numbers of ``nodes`` by node, and why the coordinator could not give them (None when it did,
     or is not configured). ``want``: ``jobs`` (what squeue needs) or ``nodes`` (GPUs too)."""
-    from .squeue import sidecar_states
-
     if cfg is None:
         return {}, None
     out: dict[str, LiveNode] = {}

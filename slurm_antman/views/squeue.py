@@ -26,10 +26,10 @@ from typing import Any, Optional
 
 from ..slurm import Job, default_backend
 from ..slurm.models import TERMINAL_STATES
+from .live import gather, sidecar_states
 
 # States in which a job holds its allocation, so its GPUs are meaningful.
 HOLDING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"})
-SIDECAR_TIMEOUT_S = 1.0
 DEFAULT_CONFIG = "/etc/slurm-antman/antman.yaml"
 
 
@@ -45,46 +45,6 @@ def load_config(args: Optional[argparse.Namespace] = None) -> Any:
     if not named and not path.exists():
         return None
     return cm.load(path)
-
-
-def sidecar_dir(cfg: Any, node: str) -> Optional[str]:
-    """Where ``node``'s sidecar control socket lives, if this host can reach it.
-
-    Several nodes on one host (the devcluster) each use ``SOCKET_DIR/NODE``; on a real node the
-    sidecar uses ``SOCKET_DIR`` itself, reachable only from that node.
-    """
-    from slurm_antman import protocol
-
-    root = cfg.sidecar.socket_dir
-    per_node = os.path.join(root, node)
-    if _usable(protocol.control_path(per_node)):
-        return per_node
-    if node == socket.gethostname().split(".")[0] and _usable(protocol.control_path(root)):
-        return root
-    return None
-
-
-def _usable(path: str) -> bool:
-    # Connecting to a unix socket takes write permission on it: without, a try only costs a timeout.
-    return os.path.exists(path) and os.access(path, os.W_OK)
-
-
-def sidecar_states(cfg: Any, nodes: list[str], timeout_s: float = SIDECAR_TIMEOUT_S) -> dict[str, Any]:
-    """``node_state`` of each node's sidecar; nodes whose sidecar does not answer are left out."""
-    if cfg is None:
-        return {}
-    from slurm_antman.clients import sidecar_control as client
-
-    out: dict[str, Any] = {}
-    for node in dict.fromkeys(nodes):
-        d = sidecar_dir(cfg, node)
-        if d is None:
-            continue
-        try:
-            out[node] = client.node_state(d, timeout_s=timeout_s)
-        except Exception:  # noqa: BLE001 - unreachable, refusing or garbled: all mean "no live numbers"
-            continue
-    return out
 
 
 def _live(job: Job, states: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +107,6 @@ def collect(args: argparse.Namespace) -> list[dict[str, Any]]:
     # An array's tasks together, in task order, as squeue lists them.
     jobs.sort(key=lambda j: (j.array_job_id or j.job_id, _task_key(j)))
     nodes = [n for j in jobs if j.state in HOLDING_STATES for n in j.nodes]
-    from .live import gather
 
     states, problem = gather(cfg, nodes, "jobs")
     out = rows(jobs, states)

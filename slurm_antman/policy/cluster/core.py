@@ -17,7 +17,7 @@ from types import MappingProxyType
 
 from . import keep_off, moves, placement, preemption, quota
 from .decisions import Decision
-from .model import CoordinatorState, Issued, PolicyParams, Snapshot
+from .model import Avoid, CoordinatorState, Issued, PolicyParams, Snapshot
 
 
 def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tuple[list[Decision], CoordinatorState]:
@@ -30,7 +30,7 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     # A job preempted for a guaranteed job's need is not put back on that GPU either.
     for d in pre.decisions:
         if d.kind == "preempt_notice":
-            avoid[d.job_id] = moves.Avoid(d.job_id, d.node, int(d.inputs.get("gpu", -1)), now)
+            avoid[d.job_id] = Avoid(d.job_id, d.node, int(d.inputs.get("gpu", -1)), now)
     pre.decisions.extend(moved)
     pre.preempting.update(moving)
     pre.touched.update(moving)

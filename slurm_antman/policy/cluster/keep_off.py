@@ -12,22 +12,10 @@ and starts once the list is narrowed (checked on the devcluster, 2026-11-24).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Collection, Mapping
 
 from .decisions import Decision, KeepOff, MakeEligible
-from .model import JobView
-
-
-@dataclass(frozen=True, slots=True)
-class KeptOff:
-    """A job whose ExcNodeList the core changed; ``added``: the nodes the core put there. The rest of
-    the list is the user's (or an admin's), read afresh every cycle, so a later edit of theirs is kept.
-    The daemon persists these with its state; were the state file lost, what the core had added would
-    read as the user's and stay until an admin clears it (``scontrol update JobId=N ExcNodeList=``)."""
-
-    job_id: str
-    added: tuple[str, ...]
+from .model import JobView, KeptOff
 
 
 def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str, KeptOff],

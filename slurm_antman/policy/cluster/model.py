@@ -179,6 +179,27 @@ def _frozen(m: Mapping | None) -> Mapping:
 
 
 @dataclass(frozen=True, slots=True)
+class Avoid:
+    """Placement memory: ``job_id`` crawled on (node, gpu); its next placement avoids that GPU."""
+
+    job_id: str
+    node: str
+    gpu: int
+    since_unix: float
+
+
+@dataclass(frozen=True, slots=True)
+class KeptOff:
+    """A job whose ExcNodeList the core changed; ``added``: the nodes the core put there. The rest of
+    the list is the user's (or an admin's), read afresh every cycle, so a later edit of theirs is kept.
+    The daemon persists these with its state; were the state file lost, what the core had added would
+    read as the user's and stay until an admin clears it (``scontrol update JobId=N ExcNodeList=``)."""
+
+    job_id: str
+    added: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorState:
     """What the core remembers between cycles. The daemon persists it (``to_json``) so that a
     restarted coordinator neither sends a notice twice nor requeues a job twice."""
@@ -186,9 +207,9 @@ class CoordinatorState:
     preempting: Mapping[str, Preemption] = field(default_factory=lambda: _frozen(None))
     requeued: Mapping[str, Requeued] = field(default_factory=lambda: _frozen(None))
     issued: Mapping[str, Issued] = field(default_factory=lambda: _frozen(None))
-    # Placement memory of moved jobs (policy.moves.Avoid): job -> the GPU it crawled on.
+    # Placement memory of moved jobs (Avoid, set by moves.py): job -> the GPU it crawled on.
     avoid: Mapping[str, Any] = field(default_factory=lambda: _frozen(None))
-    # Opportunistic jobs whose ExcNodeList the core changed (policy.keep_off.KeptOff): job -> the nodes
+    # Opportunistic jobs whose ExcNodeList the core changed (KeptOff, set by keep_off.py): job -> the nodes
     # it added, so that the rest of the list stays the user's whatever the core adds or removes.
     kept_off: Mapping[str, Any] = field(default_factory=lambda: _frozen(None))
 
@@ -240,9 +261,7 @@ class CoordinatorState:
             pre = [Preemption(**p) for p in data.get("preempting", [])]
             req = [Requeued(**r) for r in data.get("requeued", [])]
             iss = {str(k): Issued(**v) for k, v in dict(data.get("issued", {})).items()}
-            from .moves import Avoid
             avo = [Avoid(**a) for a in data.get("avoid", [])]
-            from .keep_off import KeptOff
             kept = [KeptOff(str(k["job_id"]), tuple(map(str, k["added"]))) for k in data.get("kept_off", [])]
         except (TypeError, KeyError) as e:
             raise ValueError(f"coordinator state: malformed entry: {e}") from None

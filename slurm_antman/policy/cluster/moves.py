@@ -12,22 +12,11 @@ guaranteed job that runs for days, while GPUs elsewhere free up.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping
 
 from .decisions import Decision, PreemptNotice
-from .model import GpuView, JobView, NodeView, PolicyParams, Preemption
+from .model import Avoid, GpuView, JobView, NodeView, PolicyParams, Preemption
 from slurm_antman.policy.progress import predicted_progress
-
-
-@dataclass(frozen=True, slots=True)
-class Avoid:
-    """Placement memory: ``job_id`` crawled on (node, gpu); its next placement avoids that GPU."""
-
-    job_id: str
-    node: str
-    gpu: int
-    since_unix: float
 
 
 def _candidates(nodes: Mapping[str, NodeView], params: PolicyParams) -> list[tuple[float, str, GpuView]]:
