@@ -21,12 +21,12 @@ import os
 import re
 import stat
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import config as config_mod
+from . import envfile
 from .jobtag import JobTag, parse_tag
 
 log = logging.getLogger("antman.node")
@@ -131,14 +131,6 @@ def _node_of_job(job_id: str) -> str:
     return os.uname().nodename.split(".")[0]
 
 
-def env_dir(cfg: config_mod.AntmanConfig, node: str) -> Path:
-    return Path(cfg.state_dir) / node / "jobs"
-
-
-def env_file(cfg: config_mod.AntmanConfig, node: str, job_id: str) -> Path:
-    return env_dir(cfg, node) / f"{job_id}.env"
-
-
 def _scontrol(args: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
     return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
 
@@ -178,23 +170,6 @@ def _job_fields(job_id: str) -> dict[str, str]:
     out = {key: fields.get(key, "") for key in ("AdminComment", "TresPerNode", "NodeList")}
     out["Ref"] = array_ref(int(job_id), *array_task_of(fields.get("ArrayJobId", ""), fields.get("ArrayTaskId")))
     return out
-
-
-def write_env_file(path: Path, values: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write("# written by `antman node prolog`; applied to every task by the SPANK plugin\n")
-            for k, v in values.items():
-                if "\n" in v:
-                    raise ValueError(f"env value for {k} contains a newline")
-                f.write(f"{k}={v}\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)  # a full disk must not keep the partial file's space
-        raise
 
 
 def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
@@ -291,7 +266,7 @@ def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag
         if tag.job_class == "opportunistic":
             values.update(_opportunistic_gpu_env(cfg, job, gpus))
         try:
-            write_env_file(env_file(cfg, job.node, job.job_id), values)
+            envfile.write(envfile.path(cfg.state_dir, job.node, job.job_id), values)
         except OSError:
             # Without its env file the job's tasks would not get what the sidecar set up for them,
             # and the Epilog would not retire it: undo the registration before failing.
@@ -314,10 +289,11 @@ REQUEUE_BACKOFF_S = (1.0, 3.0)
 def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str], reason: str) -> int:
     """Fail closed for an opportunistic job: its tasks will not start here (ANTMAN_REFUSED in its env
     file) and Slurm requeues it. Returns the hook's exit code."""
-    reason = " ".join(reason.split())[:512] or "no reason given"
+    # A NUL would make the plugin skip the ANTMAN_REFUSED line, and the format refuses it: the job must stay refused.
+    reason = " ".join(reason.replace("\0", " ").split())[:512] or "no reason given"
     refused = {**values, "ANTMAN_GPUS": "", "CUDA_VISIBLE_DEVICES": "", "ANTMAN_REFUSED": reason}
     try:
-        write_env_file(env_file(cfg, job.node, job.job_id), refused)
+        envfile.write(envfile.path(cfg.state_dir, job.node, job.job_id), refused)
     except OSError as e:
         log.error("job %s: cannot write the refusal into its env file: %s", job.job_id, e)
     for delay in (*REQUEUE_BACKOFF_S, None):
@@ -370,7 +346,7 @@ def _retire_quietly(cfg: config_mod.AntmanConfig, job: JobContext) -> None:
 
 def epilog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     job = JobContext.from_env(env)
-    f = env_file(cfg, job.node, job.job_id)
+    f = envfile.path(cfg.state_dir, job.node, job.job_id)
     if not f.exists():
         return 0
     _retire_quietly(cfg, job)

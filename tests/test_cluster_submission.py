@@ -275,15 +275,15 @@ def test_opportunistic_job_without_its_sidecar_is_requeued_never_run_unmanaged(c
 def test_a_task_whose_env_file_says_refused_never_starts(clean_cluster, tmp_path):
     """The SPANK side of failing closed: when the Prolog refused a job (ANTMAN_REFUSED in its env file)
     and Slurm launches a step anyway, the plugin fails the task instead of running it unmanaged."""
-    from slurm_antman.prolog_epilog import write_env_file
+    from slurm_antman import envfile
 
     c = clean_cluster
     flag = tmp_path / "go"
     jid = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", script=STEP_SCRIPT.format(flag=flag))
     c.wait_output(jid, r"^BATCH")
     env_file = c.c.dir / "antman-state" / "node1" / "jobs" / f"{jid}.env"
-    values = dict(l.split("=", 1) for l in env_file.read_text().splitlines() if l and not l.startswith("#"))
-    write_env_file(env_file, {**values, "ANTMAN_REFUSED": "no GPU of node1 meets the opportunistic rules (test)"})
+    values = envfile.parse_env(env_file.read_bytes())
+    envfile.write(env_file, {**values, "ANTMAN_REFUSED": "no GPU of node1 meets the opportunistic rules (test)"})
     flag.write_text("")
     c.wait_state(jid, {"COMPLETED", "FAILED"}, timeout=60)
     out = (c.workdir / f"{jid}.out").read_text()

@@ -8,7 +8,8 @@ import pytest
 
 from slurm_antman import config
 from slurm_antman.jobtag import JobTag, TagError, parse_tag
-from slurm_antman.prolog_epilog import JobContext, env_file, write_env_file
+from slurm_antman import envfile
+from slurm_antman.prolog_epilog import JobContext
 
 
 def test_tag_round_trip_and_merge():
@@ -35,15 +36,16 @@ def test_damaged_tag_raises(text):
 
 def test_env_file_atomic_and_root_only_writable(tmp_path):
     cfg = config.parse({"state_dir": str(tmp_path), "nodes": [{"name": "n1", "gpus": 4}]})
-    f = env_file(cfg, "n1", "42")
-    write_env_file(f, {"ANTMAN_CLASS": "opportunistic", "ANTMAN_GPUS": "2", "CUDA_VISIBLE_DEVICES": "2"})
+    f = envfile.path(cfg.state_dir, "n1", "42")
+    assert f == tmp_path / "n1" / "jobs" / "42.env"
+    envfile.write(f, {"ANTMAN_CLASS": "opportunistic", "ANTMAN_GPUS": "2", "CUDA_VISIBLE_DEVICES": "2"})
     lines = [l for l in f.read_text().splitlines() if not l.startswith("#")]
     assert lines == ["ANTMAN_CLASS=opportunistic", "ANTMAN_GPUS=2", "CUDA_VISIBLE_DEVICES=2"]
     mode = stat.S_IMODE(f.stat().st_mode)
     assert mode & (stat.S_IWGRP | stat.S_IWOTH) == 0  # the SPANK plugin refuses group/world-writable files
     assert not list(f.parent.glob("*.tmp"))
     with pytest.raises(ValueError):
-        write_env_file(f, {"X": "a\nEVIL=1"})
+        envfile.write(f, {"X": "a\nEVIL=1"})
 
 
 def test_job_context_from_prolog_env():
@@ -94,3 +96,16 @@ def test_the_prolog_reads_an_opportunistic_jobs_slots_typed_or_not(tres, count):
 
     m = re.search(prolog_epilog._TRES_OPP.format(name="antman_opp"), tres)
     assert (int(m.group(1)) if m else None) == count
+
+
+def test_env_file_round_trips_what_the_plugin_reads():
+    values = {"ANTMAN_CLASS": "opportunistic", "ANTMAN_REFUSED": "no GPU = free; see  log\r", "_X1": ""}
+    assert envfile.parse_env(envfile.format_env(values)) == values
+    # What envfile.c skips: comments, blanks, bad keys, NUL lines; a later duplicate wins (setenv overwrites).
+    assert envfile.parse_env(b"# c\n \t\nlower=1\n=2\nA\0=3\nNOEQ\nA=1\nA=2") == {"A": "2"}
+    for bad in ({"lower": "1"}, {"A": "x\0y"}, {"A": "x" * envfile.MAX_BYTES}):
+        with pytest.raises(envfile.EnvFileError):
+            envfile.format_env(bad)
+    with pytest.raises(envfile.EnvFileError):
+        envfile.parse_env(b"A=1\n" * (envfile.MAX_BYTES // 4 + 1))
+    assert len(envfile.parse_env(b"".join(b"K%d=1\n" % i for i in range(300)))) == envfile.MAX_ENTRIES
