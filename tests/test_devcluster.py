@@ -83,7 +83,7 @@ def test_up_twice_status_down_stops_only_its_processes(tmp_path):
 def test_a_munged_in_a_chroot_is_not_ours_to_wait_for(tmp_path):
     """`devcluster up` waits for an exiting munged of its own before starting one; a munged in a
     chroot (make test-slurm24's) shares the PID namespace but not the socket, and must not count."""
-    from slurm_antman.lab.devcluster.cluster import _munged_pids_here
+    from slurm_antman.lab.devcluster.processes import _munged_pids_here
 
     # Two processes named munged: one in our root, one chrooted into an empty directory.
     code = ("import os, sys, time; open('/proc/self/comm', 'w').write('munged');"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from .simulate import _policies, add_trace_args
-from slurm_antman.lab.devcluster.cluster import DevclusterError
+from slurm_antman.lab.devcluster.processes import DevclusterError
 from slurm_antman.lab.evaluation import replay as rp
 from slurm_antman.lab.evaluation import report, traces
 from slurm_antman.lab.evaluation.simulator import SimConfig, simulate

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from .cluster import Cluster, DevclusterError, Proc, _enter, _reap, _spawn
+from .processes import DevclusterError, Proc, _reap, _spawn
+from .state import Cluster, _enter
 
 MARIADB_PORT_OFFSET = 91
 SLURMDBD_PORT_OFFSET = 92
