@@ -652,9 +652,9 @@ def test_restart_serves_reregistrations(sockdir):
 
 
 def test_second_sidecar_on_same_dir_is_refused(sidecar, sockdir):
-    from slurm_antman.sidecar.endpoints import EndpointError
+    from slurm_antman.sidecar.endpoints import SocketDirError
     other = build(make_config(), "n1", sockdir)
-    with pytest.raises(EndpointError, match="another sidecar is running"):
+    with pytest.raises(SocketDirError, match="another sidecar is running"):
         other.start()
     other.close()
     client.ping(sockdir)

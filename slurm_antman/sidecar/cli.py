@@ -13,7 +13,7 @@ from slurm_antman.service import serve_until_stopped
 
 from slurm_antman.policy.node.compliance import ComplianceParams
 from .daemon import Sidecar, SidecarOptions
-from .endpoints import EndpointError
+from .endpoints import SocketDirError
 from slurm_antman.policy.node.core import MiB, PolicyParams
 from .telemetry import TelemetryError, open_telemetry
 from .uplink import uplink_options
@@ -130,7 +130,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     try:
         sidecar.start()
-    except EndpointError as e:
+    except SocketDirError as e:
         sidecar.close()
         print(f"antman sidecar: {e}", file=sys.stderr)
         return 1

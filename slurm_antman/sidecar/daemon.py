@@ -21,7 +21,7 @@ from slurm_antman import protocol as p
 
 from slurm_antman.policy.node import compliance
 from . import driver_caps, health, peers
-from .endpoints import EndpointError, SocketDir
+from .endpoints import SocketDirError, SocketDir
 from slurm_antman.policy.node.core import (
     UNLIMITED, GpuInfo, JobInfo, JobLimits, PolicyParams, PolicyState, PreemptRequest, Snapshot, decide,
 )
@@ -86,7 +86,7 @@ class SidecarOptions:
 
 
 @dataclass
-class Agent:
+class AgentConnection:
     identity: bytes
     reg: p.Register
     gpu: Optional[int]
@@ -98,7 +98,7 @@ class Agent:
 
 
 @dataclass
-class Job:
+class RegisteredJob:
     job_id: str
     job_class: str
     uid: int
@@ -109,7 +109,7 @@ class Job:
     note: str
     registered_unix: float
     socket: Optional[zmq.Socket] = None
-    agents: dict[bytes, Agent] = field(default_factory=dict)
+    agents: dict[bytes, AgentConnection] = field(default_factory=dict)
     limits: JobLimits = UNLIMITED
     seq: int = 0
     preempt: Optional[PreemptRequest] = None
@@ -134,7 +134,7 @@ class Sidecar:
         self.opt = options
         self.telemetry = telemetry
         self.dir = SocketDir(options.socket_dir)
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, RegisteredJob] = {}
         self.policy_state = PolicyState()
         # Placement memory from the coordinator's preempt_notice: job -> (GPUs to keep it off, until
         # when). Used when Slurm requeues the job onto this node again; lost on a restart (a
@@ -147,7 +147,7 @@ class Sidecar:
         self._ctx = zmq.Context()
         self._control: Optional[zmq.Socket] = None
         self._poller = zmq.Poller()
-        self._sock_job: dict[zmq.Socket, Job] = {}
+        self._sock_job: dict[zmq.Socket, RegisteredJob] = {}
         self._stop = threading.Event()
         self._dirty = False
         self._rlog = RateLimitedLog(log)
@@ -202,7 +202,7 @@ class Sidecar:
         for rec in self.dir.saved_jobs():
             try:
                 self._restore(rec)
-            except (KeyError, TypeError, ValueError, EndpointError, zmq.ZMQError) as e:
+            except (KeyError, TypeError, ValueError, SocketDirError, zmq.ZMQError) as e:
                 log.warning("could not restore saved job %r: %s", rec.get("job_id"), e)
         if self.jobs:
             log.info("restored %d job(s) from %s: %s", len(self.jobs), self.dir.root, ", ".join(sorted(self.jobs)))
@@ -360,7 +360,7 @@ class Sidecar:
             return self._node_state()
         return p.Heartbeat()
 
-    def _on_agent(self, job: Job, frames: list[bytes]) -> None:
+    def _on_agent(self, job: RegisteredJob, frames: list[bytes]) -> None:
         identity, delim, rest = self._split(frames)
         route = [identity, *delim]
         try:
@@ -411,7 +411,7 @@ class Sidecar:
                 job.resume_sent_mono = None
             log.info("job %s: resumed (%.1f ms in the agent)", job.job_id, b.resume_ms)
 
-    def _register_agent(self, job: Job, identity: bytes, msg: p.Message, mono: float) -> None:
+    def _register_agent(self, job: RegisteredJob, identity: bytes, msg: p.Message, mono: float) -> None:
         reg: p.Register = msg.body
         route = [identity]
         if reg.job_id != job.job_id:
@@ -437,7 +437,7 @@ class Sidecar:
             return
         gpu = job.gpus[reg.local_rank % len(job.gpus)] if job.gpus else None
         # `registered` carries the job's current limits, so they count as acknowledged.
-        agent = Agent(identity, reg, gpu, last_seen=mono, last_sent=mono, acked_seq=job.seq)
+        agent = AgentConnection(identity, reg, gpu, last_seen=mono, last_sent=mono, acked_seq=job.seq)
         job.agents[identity] = agent
         log.info("job %s: agent pid %d rank %d registered (%s, torch %s)", job.job_id, reg.pid, reg.rank,
                  reg.device, reg.torch_version)
@@ -453,13 +453,13 @@ class Sidecar:
 
     # --- sending ----------------------------------------------------------------------------
 
-    def _send(self, sock: Optional[zmq.Socket], agent: Agent, body: p.Body, ref: Optional[str] = None) -> None:
+    def _send(self, sock: Optional[zmq.Socket], agent: AgentConnection, body: p.Body, ref: Optional[str] = None) -> None:
         if sock is None:
             return
         agent.last_sent = time.monotonic()
         self._reply_raw(sock, [agent.identity], p.Message(body=body, ref=ref))
 
-    def _send_preempt(self, job: Job, agent: Agent) -> None:
+    def _send_preempt(self, job: RegisteredJob, agent: AgentConnection) -> None:
         assert job.preempt is not None
         grace = max(0.0, job.preempt.deadline_unix - job.preempt.requested_unix)
         self._send(job.socket, agent, p.Preempt(deadline_unix=job.preempt.deadline_unix,
@@ -478,7 +478,7 @@ class Sidecar:
                                  self._util_measured(on, now)))
         return loads
 
-    def _util_measured(self, on: list[Job], now: float) -> bool:
+    def _util_measured(self, on: list[RegisteredJob], now: float) -> bool:
         return all(util_measured(now, self.util.window_s, self.opt.compliance.grace_s,
                                  max(j.registered_unix, self.started_unix), j.first_report_unix)
                    for j in on if j.job_class == "guaranteed")
@@ -533,7 +533,7 @@ class Sidecar:
                 return p.JobRegisterReply(job_id=b.job_id, gpus=[], endpoint="", placement="wait", note=note[:4096])
         if old is not None and b.job_id in self.jobs:
             self._retire_job(old.job_id)
-        job = Job(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),
+        job = RegisteredJob(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),
                   account=b.account or "")
         self._open_job(job)
         self._save(job)
@@ -541,7 +541,7 @@ class Sidecar:
         self._run_policy(time.time())
         return self._register_reply(job)
 
-    def _save(self, job: Job) -> None:
+    def _save(self, job: RegisteredJob) -> None:
         """Record the job for a restarted sidecar. A full or read-only state directory costs only
         that (a restart would not find the job): the job itself is served and limited as before."""
         try:
@@ -551,28 +551,28 @@ class Sidecar:
             self._rlog.warning("state-write", "job %s: cannot record it in %s (%s); it is served, but a restarted "
                                "sidecar will not find it", job.job_id, self.dir.root, e)
 
-    def _register_reply(self, job: Job) -> p.JobRegisterReply:
+    def _register_reply(self, job: RegisteredJob) -> p.JobRegisterReply:
         return p.JobRegisterReply(job_id=job.job_id, gpus=list(job.gpus), endpoint=p.ipc(self.dir.agent_path(job.job_id)),
                                   placement=job.placement, note=job.note)
 
-    def _open_job(self, job: Job) -> None:
+    def _open_job(self, job: RegisteredJob) -> None:
         path = self.dir.make_job_dir(job.job_id, job.uid, job.gid)
         sock = self._ctx.socket(zmq.ROUTER)
         _bound_router(sock)
         try:
             sock.bind(p.ipc(path))
             self.dir.secure_agent_socket(job.job_id, job.uid, job.gid)
-        except (zmq.ZMQError, OSError, EndpointError) as e:
+        except (zmq.ZMQError, OSError, SocketDirError) as e:
             sock.close(0)
             self.dir.remove_job(job.job_id)
-            raise EndpointError(f"cannot bind job {job.job_id}'s endpoint {path}: {e}") from None
+            raise SocketDirError(f"cannot bind job {job.job_id}'s endpoint {path}: {e}") from None
         job.socket = sock
         self._sock_job[sock] = job
         self._poller.register(sock, zmq.POLLIN)
         self.jobs[job.job_id] = job
 
     def _restore(self, rec: dict) -> None:
-        job = Job(str(rec["job_id"]), rec["job_class"], int(rec["uid"]), rec.get("gid"), str(rec["user"]),
+        job = RegisteredJob(str(rec["job_id"]), rec["job_class"], int(rec["uid"]), rec.get("gid"), str(rec["user"]),
                   [int(g) for g in rec["gpus"]], rec["placement"], rec["note"], float(rec["registered_unix"]),
                   account=str(rec.get("account") or ""))
         if job.job_class not in p.JOB_CLASSES:
@@ -598,7 +598,7 @@ class Sidecar:
 
     # --- telemetry, policy, ticks -----------------------------------------------------------
 
-    def _agent_mem(self, a: Agent, proc_mem: dict[int, int]) -> int:
+    def _agent_mem(self, a: AgentConnection, proc_mem: dict[int, int]) -> int:
         reported = a.report.mem_reserved_bytes if a.report else 0
         return max(reported, proc_mem.get(a.reg.pid, 0))
 
@@ -734,7 +734,7 @@ class Sidecar:
             self.cap_errors += 1
             self._rlog.warning(f"cap:{job_id}", "job %s: could not lift its driver memory cap: %s", job_id, e)
 
-    def _pause(self, job: Job, reason: str) -> None:
+    def _pause(self, job: RegisteredJob, reason: str) -> None:
         job.pause_seq += 1
         job.paused = True
         job.pause_sent_mono = time.monotonic()
@@ -745,7 +745,7 @@ class Sidecar:
             self._send(job.socket, a, p.Pause(seq=job.pause_seq, reason=reason[:4096]))
         self._report_now = True
 
-    def _resume(self, job: Job) -> None:
+    def _resume(self, job: RegisteredJob) -> None:
         if not job.paused:
             return
         job.paused = False
@@ -900,7 +900,7 @@ class Sidecar:
         except p.ProtocolError as e:
             self._uplink.reply_error(e.code, e.message, msg.id)
 
-    def _known(self, job_id: str, what: str) -> Job:
+    def _known(self, job_id: str, what: str) -> RegisteredJob:
         job = self.jobs.get(job_id)
         if job is None:
             raise p.ProtocolError(p.ErrorCode.unknown_job,

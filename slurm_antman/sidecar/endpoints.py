@@ -21,23 +21,25 @@ import stat
 from typing import Optional
 
 from slurm_antman import protocol
+from slurm_antman.errors import AntmanError
 
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
 
-class EndpointError(RuntimeError):
-    pass
+class SocketDirError(AntmanError, RuntimeError):
+    """The socket directory cannot be made, locked or bound in. Still a RuntimeError, as it was before
+    it derived from AntmanError, so no caller's ``except RuntimeError`` changes meaning."""
 
 
 def _ensure_dir(path: str, mode: int, uid: int = 0, gid: int = -1) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise EndpointError(f"cannot create {path}: {e.strerror}") from None
+        raise SocketDirError(f"cannot create {path}: {e.strerror}") from None
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise EndpointError(f"{path} exists and is not a directory")
+        raise SocketDirError(f"{path} exists and is not a directory")
     os.chmod(path, mode)
     if os.geteuid() == 0:
         os.chown(path, uid, gid)
@@ -45,8 +47,8 @@ def _ensure_dir(path: str, mode: int, uid: int = 0, gid: int = -1) -> None:
 
 def check_socket_path(path: str) -> None:
     if len(path.encode()) > MAX_SOCKET_PATH:
-        raise EndpointError(f"socket path {path} is {len(path.encode())} bytes; Unix sockets allow "
-                            f"{MAX_SOCKET_PATH}: choose a shorter --socket-dir")
+        raise SocketDirError(f"socket path {path} is {len(path.encode())} bytes; Unix sockets allow "
+                             f"{MAX_SOCKET_PATH}: choose a shorter --socket-dir")
 
 
 class SocketDir:
@@ -84,7 +86,7 @@ class SocketDir:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise EndpointError(f"another sidecar is running on {self.root} (lock held on sidecar.lock)") from None
+            raise SocketDirError(f"another sidecar is running on {self.root} (lock held on sidecar.lock)") from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
@@ -113,7 +115,7 @@ class SocketDir:
         sock = self.agent_path(job_id)
         st = os.lstat(sock)
         if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
-            raise EndpointError(f"{sock} is not the socket this sidecar bound; not changing it")
+            raise SocketDirError(f"{sock} is not the socket this sidecar bound; not changing it")
         os.chmod(sock, 0o600)
         if os.geteuid() == 0:
             os.chown(sock, uid, -1 if gid is None else gid, follow_symlinks=False)

@@ -12,13 +12,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol
 
+from slurm_antman.errors import AntmanError
+
 log = logging.getLogger("antman.sidecar.telemetry")
 
 MiB = 1 << 20
 
 
-class TelemetryError(RuntimeError):
-    pass
+class TelemetryError(AntmanError, RuntimeError):
+    """No telemetry source can be opened. Still a RuntimeError, as it was before it derived from
+    AntmanError, so no caller's ``except RuntimeError`` changes meaning."""
 
 
 @dataclass(frozen=True)
