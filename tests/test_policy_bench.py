@@ -8,7 +8,7 @@ import pytest
 
 from slurm_antman.lab.bench import coordinator as bench_coordinator
 from slurm_antman.policy.cluster import CoordinatorState, decide
-from slurm_antman.policy.cluster.builders import PARAMS, synthetic_cluster
+from slurm_antman.lab.snapshots import PARAMS, synthetic_cluster
 
 
 def test_synthetic_cluster_has_the_advertised_size_and_exercises_every_rule():

@@ -11,7 +11,7 @@ from slurm_antman import config as cfgmod
 from slurm_antman.policy.cluster import (
     CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade, decide,
 )
-from slurm_antman.policy.cluster.builders import NOW, PARAMS, gpu, job, need, node, snap
+from slurm_antman.lab.snapshots import NOW, PARAMS, gpu, job, need, node, snap
 
 EMPTY = CoordinatorState.empty()
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from slurm_antman.policy.cluster import CoordinatorState, KeepOff, decide
-from slurm_antman.policy.cluster.builders import PARAMS, gpu, job, node, snap
+from slurm_antman.lab.snapshots import PARAMS, gpu, job, node, snap
 
 WAIT = dataclasses.replace(PARAMS, keep_off_no_room=True)
 EMPTY = CoordinatorState.empty()

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from slurm_antman.policy.cluster import CoordinatorState, PreemptNotice, Requeue, decide
-from slurm_antman.policy.cluster.builders import NOW, PARAMS, gpu, job, node, snap
+from slurm_antman.lab.snapshots import NOW, PARAMS, gpu, job, node, snap
 from slurm_antman.policy.cluster.placement import gpu_qualifies, node_slots
 from slurm_antman.policy.progress import predicted_progress
 
@@ -115,7 +115,7 @@ def test_placement_memory_survives_a_restart_of_the_coordinator():
 
 
 def test_a_job_preempted_for_a_need_is_remembered_off_that_gpu():
-    from slurm_antman.policy.cluster.builders import need
+    from slurm_antman.lab.snapshots import need
     nodes = [node("n1", (gpu(0, util=0.6, g=("1",), o=("7",)), gpu(1)))]
     ds, st = decide(snap(jobs("7"), nodes, needs=(need("1", "n1", 0),)), EMPTY, PARAMS)
     assert [d.job_id for d in moves(ds)] == ["7"] and not ds[0].inputs.get("move")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from slurm_antman.policy.cluster import (
     CoordinatorState, GpuView, JobView, NodeView, PreemptNeed, Snapshot, decide,
 )
-from slurm_antman.policy.cluster.builders import GiB, PARAMS
+from slurm_antman.lab.snapshots import GiB, PARAMS
 
 NOW = 50_000.0
 STATES = ("PENDING", "RUNNING", "RUNNING", "COMPLETING", "COMPLETED")

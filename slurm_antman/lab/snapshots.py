@@ -1,8 +1,9 @@
-"""Terse constructors for hand-made snapshots: the policy tests, the benchmark and trace replays use them."""
+"""Terse constructors for hand-made cluster policy snapshots (slurm_antman.policy.cluster): the policy tests
+and `antman bench coordinator` use them; the daemons never do."""
 
 from __future__ import annotations
 
-from .model import GpuView, JobView, NodeView, PolicyParams, PreemptNeed, Snapshot
+from slurm_antman.policy.cluster.model import GpuView, JobView, NodeView, PolicyParams, PreemptNeed, Snapshot
 
 GiB = 1024 ** 3
 NOW = 10_000.0

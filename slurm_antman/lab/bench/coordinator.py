@@ -19,7 +19,7 @@ from collections import Counter
 from typing import Optional
 
 from slurm_antman.policy.cluster import CoordinatorState, decide
-from slurm_antman.policy.cluster.builders import PARAMS, synthetic_cluster
+from slurm_antman.lab.snapshots import PARAMS, synthetic_cluster
 
 TARGET_MS = 50.0
 
