@@ -699,7 +699,7 @@ def test_huge_and_nested_numbers_from_a_job_never_stop_the_sidecar(sidecar, sock
 def test_a_job_cannot_flood_its_sidecar_with_agents_or_oversized_frames(sidecar, sockdir):
     """At most MAX_AGENTS_PER_GPU agents per GPU of the job; a frame over the protocol's limit gets its
     sender disconnected unread. The job's real agent and the node keep being served."""
-    from slurm_antman.sidecar.daemon import MAX_AGENTS_PER_GPU
+    from slurm_antman.sidecar.agent_channel import MAX_AGENTS_PER_GPU
 
     r = client.register_job(sockdir, "900", uid=0, user="r", job_class="opportunistic", gpus=1)
     agents = [SimAgent(r.endpoint, "900") for i in range(MAX_AGENTS_PER_GPU + 1)]

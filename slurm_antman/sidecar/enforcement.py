@@ -1,0 +1,266 @@
+"""The enforcement loop: on every tick and after every report, telemetry sampled, the local policy
+(``slurm_antman.policy.node.core``) run on a snapshot of the jobs, and what it decides sent: limits,
+pauses and resumes, preemptions; where the node enforces, driver memory caps and the compliance
+rule (``slurm_antman.policy.node.compliance``); and the node's health, which gates opportunistic jobs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Optional
+
+from slurm_antman import protocol as p
+from slurm_antman.policy.node import compliance
+from slurm_antman.policy.node.core import (
+    UNLIMITED, GpuInfo, JobInfo, PolicyState, PreemptRequest, Snapshot, decide,
+)
+from slurm_antman.policy.node.placement import util_measured
+
+from . import driver_caps, health, peers
+from .agent_channel import AGENT_TIMEOUT_HEARTBEATS
+from .records import RegisteredJob, agent_memory
+from .telemetry import GpuSample, ProcessSample, ReportedLoad, Telemetry, UtilizationWindow
+
+log = logging.getLogger("antman.sidecar")
+
+HEALTH_CHECK_S = 2.0  # statvfs of the state directories at most this often
+
+
+class Enforcement:
+    """Mixed into ``daemon.Sidecar``, which makes this state."""
+
+    telemetry: Telemetry
+    jobs: dict[str, RegisteredJob]
+    policy_state: PolicyState
+    progress: dict[str, float]
+    util: UtilizationWindow
+    gpu_samples: list[GpuSample]
+    proc_samples: list[ProcessSample]
+    gpu_procs_by_job: dict[str, list[int]]
+    gpu_pids_by_job: dict[str, list[int]]
+    caps: Optional[driver_caps.MemoryCaps]
+    cap_errors: int
+    compliance_since: dict[tuple[str, str], float]
+    noncompliant: dict[str, PreemptRequest]
+    noncompliant_total: int
+    unhealthy: str
+    pauses_total: int
+    pause_seconds_total: float
+    _health_checked: float
+    _report_now: bool
+
+    def _tick(self, now: float, mono: float) -> None:
+        self._heartbeat_agents(mono)
+        self._sample(now)
+        self._check_health(mono)
+        self._run_policy(now)
+        self._publish_metrics()
+
+    def _sample(self, now: float) -> None:
+        fresh_after = time.monotonic() - AGENT_TIMEOUT_HEARTBEATS * self.opt.heartbeat_s
+        mem: dict[int, int] = {}
+        busy: dict[int, float] = {}
+        for job in self.jobs.values():
+            for a in job.agents.values():
+                if a.gpu is None or a.report is None or a.last_seen < fresh_after:
+                    continue
+                mem[a.gpu] = mem.get(a.gpu, 0) + a.report.mem_reserved_bytes
+                if a.report.iteration_ms > 0:
+                    busy[a.gpu] = busy.get(a.gpu, 0.0) + min(1.0, a.report.busy_ms / a.report.iteration_ms)
+        reported = {g: ReportedLoad(mem.get(g, 0), busy.get(g, 0.0)) for g in set(mem) | set(busy)}
+        try:
+            self.gpu_samples, self.proc_samples = self.telemetry.sample(reported)
+        except Exception as e:  # a driver hiccup must not stop the node's sidecar
+            self._rlog.warning("telemetry", "telemetry sample failed: %s", e)
+            return
+        procs: dict[str, list[int]] = {}
+        pids: dict[str, list[int]] = {}
+        for s in self.proc_samples:
+            for job_id in peers.slurm_jobs_of(s.pid) or ():
+                procs.setdefault(job_id, []).append(s.memory_bytes or 0)
+                pids.setdefault(job_id, []).append(s.pid)
+        self.gpu_procs_by_job = procs
+        self.gpu_pids_by_job = pids
+        for s in self.gpu_samples:
+            self.util.add(now, s.index, s.utilization)
+
+    def _util_measured(self, on: list[RegisteredJob], now: float) -> bool:
+        return all(util_measured(now, self.util.window_s, self.opt.compliance.grace_s,
+                                 max(j.registered_unix, self.started_unix), j.first_report_unix)
+                   for j in on if j.job_class == "guaranteed")
+
+    def _snapshot(self) -> Snapshot:
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        managed: dict[int, int] = {}
+        jobs = []
+        for job in self.jobs.values():
+            demand, iteration, ms = 0, None, None
+            for a in job.agents.values():
+                used = agent_memory(a, proc_mem)
+                if a.gpu is not None:
+                    managed[a.gpu] = managed.get(a.gpu, 0) + used
+                if a.report is not None:
+                    r = a.report
+                    demand = max(demand, used, r.mem_peak_bytes)
+                    iteration = r.iteration if iteration is None else max(iteration, r.iteration)
+                    ms = r.iteration_ms if ms is None else max(ms, r.iteration_ms)
+                else:
+                    demand = max(demand, used)
+            can_pause = bool(job.agents) and all(p.FEATURE_PAUSE in a.reg.features for a in job.agents.values())
+            jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms,
+                                can_pause=can_pause))
+        gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
+                             max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
+                     for s in self.gpu_samples)
+        return Snapshot(gpus, tuple(jobs))
+
+    def _run_policy(self, now: float) -> None:
+        self._dirty = False
+        decision = decide(self._snapshot(), self.policy_state, self.opt.params, now)
+        self.policy_state = decision.state
+        self.progress = dict(decision.progress)
+        if not self.opt.enforce:
+            # Observe only: the policy still runs (its state and the slowdowns it measures are
+            # reported), but nothing it decides reaches a job.
+            decision = replace(decision, limits={j: UNLIMITED for j in decision.limits}, new_preemptions=())
+        for req in decision.new_preemptions:
+            job = self.jobs.get(req.job_id)
+            if job is None:
+                continue
+            if self._uplink is not None:
+                # The coordinator chooses the victim cluster-wide and requeues it; it answers with a
+                # preempt_notice, which is what the agent gets.
+                log.warning("job %s: preemption REQUEST to the coordinator: %s", job.job_id, req.reason)
+                self._report_now = True
+                continue
+            job.preempt = req
+            log.warning("job %s: PREEMPTION requested (deadline in %.0f s): %s", job.job_id,
+                        req.deadline_unix - now, req.reason)
+            for a in job.agents.values():
+                self._send_preempt(job, a)
+        for rec in decision.new_pauses:
+            job = self.jobs.get(rec.job_id)
+            if job is not None:
+                self._pause(job, rec.reason)
+        for job_id in decision.resumes:
+            job = self.jobs.get(job_id)
+            if job is not None:
+                self._resume(job)
+        for job_id, lim in decision.limits.items():
+            job = self.jobs.get(job_id)
+            if job is None or lim == job.limits:
+                continue
+            job.seq += 1
+            job.limits = lim
+            job.limits_sent_unix = now
+            for a in job.agents.values():
+                self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
+                                                   compute_share=lim.compute_share))
+        if self.opt.enforce:
+            self._apply_caps()
+            self._check_compliance(now)
+
+    def _pause(self, job: RegisteredJob, reason: str) -> None:
+        job.pause_seq += 1
+        job.paused = True
+        job.pause_sent_mono = time.monotonic()
+        job.paused_unix = None
+        self.pauses_total += 1
+        log.warning("job %s: PAUSE in place: %s", job.job_id, reason)
+        for a in job.agents.values():
+            self._send(job.socket, a, p.Pause(seq=job.pause_seq, reason=reason[:4096]))
+        self._report_now = True
+
+    def _resume(self, job: RegisteredJob) -> None:
+        if not job.paused:
+            return
+        job.paused = False
+        job.resume_sent_mono = time.monotonic()
+        if job.paused_unix is not None:
+            self.pause_seconds_total += time.time() - job.paused_unix
+        log.warning("job %s: RESUME: its GPU has room again", job.job_id)
+        for a in job.agents.values():
+            self._send(job.socket, a, p.Resume(seq=job.pause_seq))
+        self._report_now = True
+
+    def _apply_caps(self) -> None:
+        """Driver caps follow each opportunistic job's memory limit, with compliance's tolerance on top
+        (the agent keeps under its limit; the cap stops only a job that does not)."""
+        if self.caps is None:
+            return
+        tol = self.opt.compliance
+        for j in self.jobs.values():
+            if j.job_class != "opportunistic" or j.limits.mem_limit_bytes is None:
+                self._lift_caps(j.job_id)
+                continue
+            hard = int(j.limits.mem_limit_bytes * (1 + tol.mem_tolerance)) + tol.mem_slack_bytes
+            candidates = [a.reg.pid for a in j.agents.values()] + self.gpu_pids_by_job.get(j.job_id, [])
+            cgroup = next((c for c in map(lambda pid: self.caps.cgroup_of(j.job_id, pid), candidates) if c), None)
+            if cgroup is None:
+                continue  # no process of it seen yet: the next tick
+            for gpu in j.gpus:
+                try:
+                    if self.caps.set(j.job_id, gpu, cgroup, hard):
+                        log.info("job %s: driver memory cap %d MiB on GPU %d (%s)", j.job_id, hard >> 20, gpu, cgroup)
+                except Exception as e:  # noqa: BLE001 - an NVML refusal costs the cap, never the sidecar
+                    self.cap_errors += 1
+                    self._rlog.warning(f"cap:{j.job_id}", "job %s: could not set its driver memory cap on GPU %d: %s",
+                                       j.job_id, gpu, e)
+
+    def _lift_caps(self, job_id: str) -> None:
+        if self.caps is None:
+            return
+        try:
+            self.caps.clear(job_id)
+        except Exception as e:  # noqa: BLE001
+            self.cap_errors += 1
+            self._rlog.warning(f"cap:{job_id}", "job %s: could not lift its driver memory cap: %s", job_id, e)
+
+    def _check_compliance(self, now: float) -> None:
+        """policy.node.compliance on what this node measures; a non-compliant job is asked to be requeued at
+        once (by the coordinator; without one, it is sent a preemption notice, all a sidecar can do)."""
+        self.noncompliant = {k: v for k, v in self.noncompliant.items() if k in self.jobs}
+        guarded = {g for j in self.jobs.values() if j.job_class == "guaranteed" for g in j.gpus}
+        nvml = self.telemetry.kind == "nvml"
+        on_gpu = self.gpu_procs_by_job
+        checked = []
+        for j in self.jobs.values():
+            if j.job_class != "opportunistic" or j.paused:
+                continue  # a paused job is compliant by definition: it holds nothing and runs nothing
+            unacked = any(a.acked_seq < j.seq for a in j.agents.values()) and j.limits_sent_unix is not None
+            agent_mem = sum(agent_memory(a, {}) for a in j.agents.values())
+            checked.append(compliance.JobCompliance(
+                j.job_id, any(g in guarded for g in j.gpus), len(j.agents),
+                len(on_gpu.get(j.job_id, ())) if nvml else None, j.limits_sent_unix if unacked else None,
+                max(agent_mem, sum(on_gpu.get(j.job_id, ()))), j.limits.mem_limit_bytes))
+        bad, self.compliance_since = compliance.step(checked, self.compliance_since, self.opt.compliance, now)
+        for job_id, why in bad.items():
+            job = self.jobs[job_id]
+            if job_id in self.noncompliant or job.preempt is not None:
+                continue
+            gpu = next((g for g in job.gpus if g in guarded), job.gpus[0] if job.gpus else 0)
+            req = PreemptRequest(job_id, gpu, why, now, now)
+            self.noncompliant[job_id] = req
+            self.noncompliant_total += 1
+            log.warning("job %s: NON-COMPLIANT, asking for its requeue: %s", job_id, why)
+            if self._uplink is not None:
+                self._report_now = True
+            else:
+                job.preempt = req
+                for a in job.agents.values():
+                    self._send_preempt(job, a)
+
+    def _check_health(self, mono: float, force: bool = False) -> None:
+        if not force and mono - self._health_checked < HEALTH_CHECK_S:
+            return
+        self._health_checked = mono
+        paths = [self.dir.state_dir] + ([self.opt.hooks_state_dir] if self.opt.hooks_state_dir else [])
+        why = health.node_problem(paths)
+        if why != self.unhealthy:
+            if why:
+                log.error("node %s takes no new opportunistic job: %s", self.opt.node, why)
+            else:
+                log.warning("node %s takes opportunistic jobs again: its state directories have room", self.opt.node)
+            self.unhealthy = why
+            self._report_now = True

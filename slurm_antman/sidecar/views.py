@@ -1,0 +1,77 @@
+"""The node as the sidecar shows it: the control socket's ``node_state`` (``antman`` on the node, the
+Prolog) and the ``node_report`` sent to the coordinator."""
+
+from __future__ import annotations
+
+import time
+
+import slurm_antman
+from slurm_antman import protocol as p
+
+from .records import agent_memory
+
+
+class ReportViews:
+    """Mixed into ``daemon.Sidecar``: read-only views of its state."""
+
+    def _node_state(self) -> p.NodeStateReply:
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        now = time.time()
+        gpus = []
+        for s in self.gpu_samples:
+            on = [j for j in self.jobs.values() if s.index in j.gpus]
+            gpus.append(p.GpuState(index=s.index, memory_used_bytes=s.memory_used_bytes,
+                                   memory_total_bytes=s.memory_total_bytes, utilization=s.utilization,
+                                   utilization_avg=min(1.0, self.util.average(s.index)),
+                                   jobs=[j.job_id for j in on], util_measured=self._util_measured(on, now)))
+        jobs = []
+        for j in self.jobs.values():
+            reports = [a for a in j.agents.values() if a.report is not None]
+            track = self.policy_state.guaranteed.get(j.job_id)
+            jobs.append(p.JobState(
+                job_id=j.job_id, job_class=j.job_class, uid=j.uid, gpus=list(j.gpus),
+                mem_limit_bytes=j.limits.mem_limit_bytes,
+                mem_used_bytes=p.clamp_number(sum(agent_memory(a, proc_mem) for a in j.agents.values())),
+                compute_share=j.limits.compute_share,
+                iteration_ms=max((a.report.iteration_ms for a in reports), default=None),
+                baseline_ms=track.baseline_ms if track else None,
+                last_report_unix=max((a.report_unix for a in reports if a.report_unix), default=None),
+                agents=len(j.agents), limits_seq=j.seq,
+                acked_seq=min((a.acked_seq for a in j.agents.values()), default=0), paused=j.paused))
+        pre = [p.PreemptState(job_id=j.job_id, reason=j.preempt.reason, requested_unix=j.preempt.requested_unix,
+                              deadline_unix=j.preempt.deadline_unix)
+               for j in self.jobs.values() if j.preempt is not None]
+        return p.NodeStateReply(node=self.opt.node, telemetry=self.telemetry.kind,
+                                sidecar_version=slurm_antman.__version__, gpus=gpus, jobs=jobs, preemptions=pre,
+                                unhealthy=self.unhealthy[:1024])
+
+    def _node_report(self) -> p.NodeReport:
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        now = time.time()
+        gpus = []
+        for s in self.gpu_samples:
+            on = [j for j in self.jobs.values() if s.index in j.gpus]
+            gpus.append(p.ReportGpu(index=s.index, mem_total_bytes=s.memory_total_bytes,
+                                    mem_used_bytes=s.memory_used_bytes,
+                                    util=min(1.0, max(0.0, self.util.average(s.index))),
+                                    jobs=[j.job_id for j in on], util_measured=self._util_measured(on, now)))
+        jobs = []
+        for j in self.jobs.values():
+            reports = [a.report.iteration_ms for a in j.agents.values() if a.report is not None]
+            jobs.append(p.ReportJob(
+                job_id=j.job_id, job_class=j.job_class, gpus=list(j.gpus), mem_limit_bytes=j.limits.mem_limit_bytes,
+                mem_used_bytes=p.clamp_number(sum(agent_memory(a, proc_mem) for a in j.agents.values()))
+                if j.agents else None,
+                compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
+                last_checkpoint_unix=None,  # agents do not report checkpoints (yet): the job's start counts
+                progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id),
+                placement=j.placement, placement_note=j.note[:1024], paused=j.paused,
+                pause_reason=(self.policy_state.paused[j.job_id].reason[:1024]
+                              if j.paused and j.job_id in self.policy_state.paused else "")))
+        pre = [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason, since_unix=r.requested_unix)
+               for r in self.policy_state.preempted.values() if r.job_id in self.jobs and r.job_id not in self.noncompliant]
+        pre += [p.ReportPreemptRequest(job_id=r.job_id, gpu=r.gpu, reason=r.reason[:4096], since_unix=r.requested_unix,
+                                       noncompliant=True)
+                for r in self.noncompliant.values() if r.job_id in self.jobs]
+        return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,
+                            preempt_requests=pre, unhealthy=self.unhealthy[:1024])
