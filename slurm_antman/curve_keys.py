@@ -25,12 +25,13 @@ import zmq.auth
 
 from slurm_antman import config as cfgmod
 from slurm_antman import hostlist
+from slurm_antman.errors import AntmanError
 from slurm_antman.protocol import NODE_NAME_RE
 
 SERVER_NAME = "coordinator"
 
 
-class KeysError(RuntimeError):
+class KeysError(AntmanError, RuntimeError):
     """Keys that are missing or unusable; the message names the file and what to run."""
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import re
 
+from .errors import AntmanError
+
 _BRACKET = re.compile(r"\[([^\]]*)\]")
 
 
-class HostlistError(ValueError):
+class HostlistError(AntmanError, ValueError):
     pass
 
 

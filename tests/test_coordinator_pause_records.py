@@ -10,18 +10,18 @@ from slurm_antman import config as cfgmod
 from slurm_antman import protocol as p
 from slurm_antman.coordinator.daemon import Coordinator
 from slurm_antman.coordinator.explain import explain
-from slurm_antman.coordinator.hub import NodeReport
+from slurm_antman.coordinator.hub import HeardReport
 from slurm_antman.slurm import CliBackend
 
 
-def _report(node: str, paused_jobs: dict[str, bool], at: float) -> NodeReport:
+def _report(node: str, paused_jobs: dict[str, bool], at: float) -> HeardReport:
     jobs = [p.ReportJob(job_id=j, job_class="opportunistic", gpus=[0], mem_limit_bytes=None, mem_used_bytes=None,
                         compute_share=0.5, iteration_ms=None, last_checkpoint_unix=None, paused=paused,
                         pause_reason="GPU 0: guaranteed demand leaves too little" if paused else "")
             for j, paused in paused_jobs.items()]
     body = p.NodeReport(node=node, telemetry="emulated", gpus=[], jobs=jobs, preempt_requests=[])
     # Encoded and decoded as the uplink does, so the optional fields are the ones that travel.
-    return NodeReport(node, at, p.decode(p.encode(p.message(body))).body)
+    return HeardReport(node, at, p.decode(p.encode(p.message(body))).body)
 
 
 def _coordinator(tmp_path) -> Coordinator:

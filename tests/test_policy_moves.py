@@ -138,7 +138,7 @@ def test_explain_tells_a_move_from_a_preemption(tmp_path):
 
 def test_sidecar_report_carries_progress_and_crawling_into_the_snapshot():
     from slurm_antman import config, protocol as p
-    from slurm_antman.coordinator.hub import NodeReport
+    from slurm_antman.coordinator.hub import HeardReport
     from slurm_antman.coordinator.snapshot_builder import node_views
     cfg = config.parse({"nodes": [{"name": "n1", "gpus": 2}]})
     gpus = [p.ReportGpu(index=0, mem_total_bytes=80 << 30, mem_used_bytes=0, util=0.6, jobs=["1", "7"]),
@@ -151,11 +151,11 @@ def test_sidecar_report_carries_progress_and_crawling_into_the_snapshot():
     body = p.NodeReport(node="n1", telemetry="nvml", gpus=gpus, jobs=reported, preempt_requests=[])
     # Encoded and decoded as the uplink does: the optional fields survive.
     body = p.decode(p.encode(p.message(body))).body
-    views = node_views(cfg, [], {"n1": NodeReport("n1", NOW, body)}, {"1": "guaranteed", "7": "opportunistic"}, NOW)
+    views = node_views(cfg, [], {"n1": HeardReport("n1", NOW, body)}, {"1": "guaranteed", "7": "opportunistic"}, NOW)
     g0 = views[0].gpus[0]
     assert g0.opportunistic_jobs == ("7",) and g0.progress == (("7", 0.05),) and g0.crawling == (("7", NOW - 700),)
     assert views[0].unhealthy == ""  # healthy
     sick = p.decode(p.encode(p.message(dataclasses.replace(body, unhealthy="/run/x is full")))).body
-    assert node_views(cfg, [], {"n1": NodeReport("n1", NOW, sick)}, {}, NOW)[0].unhealthy == "/run/x is full"
+    assert node_views(cfg, [], {"n1": HeardReport("n1", NOW, sick)}, {}, NOW)[0].unhealthy == "/run/x is full"
     ds, _ = decide(snap(jobs("7"), views), EMPTY, PARAMS)
     assert [d.job_id for d in moves(ds)] == ["7"]

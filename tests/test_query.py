@@ -17,7 +17,7 @@ from slurm_antman import munge
 from slurm_antman import protocol as p
 from slurm_antman.coordinator import query as q
 from slurm_antman.clients import coordinator_query as qc
-from slurm_antman.coordinator.hub import NodeReport
+from slurm_antman.coordinator.hub import HeardReport
 from test_munge import DEV_USER, as_user_python, dev_user, munged  # noqa: F401 - fixtures
 
 GiB = 1 << 30
@@ -29,7 +29,7 @@ def _rjob(job_id: str, mem: int, gpus=(0,), paused: bool = False) -> p.ReportJob
                        paused=paused)
 
 
-def _report(node: str, jobs: list[p.ReportJob], at: float) -> NodeReport:
+def _report(node: str, jobs: list[p.ReportJob], at: float) -> HeardReport:
     gpu_jobs: dict[int, list[str]] = {}
     for j in jobs:
         for g in j.gpus:
@@ -37,7 +37,7 @@ def _report(node: str, jobs: list[p.ReportJob], at: float) -> NodeReport:
     gpus = [p.ReportGpu(index=i, mem_total_bytes=16 * GiB, mem_used_bytes=3 * GiB, util=0.25, jobs=gpu_jobs.get(i, []))
             for i in range(2)]
     body = p.NodeReport(node=node, telemetry="emulated", gpus=gpus, jobs=jobs, preempt_requests=[])
-    return NodeReport(node, at, body)
+    return HeardReport(node, at, body)
 
 
 def view(now: float | None = None, admins: frozenset = frozenset()) -> q.QueryView:

@@ -12,15 +12,16 @@ from typing import Optional, Sequence
 import zmq
 
 from slurm_antman import protocol as p
+from slurm_antman.errors import AntmanError
 
 DEFAULT_TIMEOUT_S = 5.0
 
 
-class SidecarUnreachable(RuntimeError):
+class SidecarUnreachable(AntmanError, RuntimeError):
     """No sidecar answered on the control socket in time."""
 
 
-class SidecarError(RuntimeError):
+class SidecarError(AntmanError, RuntimeError):
     """The sidecar answered with a protocol ``error``."""
 
     def __init__(self, code: str, message: str):

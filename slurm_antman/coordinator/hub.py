@@ -27,6 +27,7 @@ from slurm_antman import protocol as p
 from slurm_antman.ratelimit import RateLimitedLog
 
 from .. import curve_keys as keys
+from ..errors import AntmanError
 
 log = logging.getLogger("antman.coordinator.hub")
 
@@ -35,12 +36,12 @@ ZAP_DOMAIN = "antman"
 MAX_BATCH = 512
 
 
-class HubError(RuntimeError):
+class HubError(AntmanError, RuntimeError):
     pass
 
 
 @dataclass(frozen=True)
-class NodeReport:
+class HeardReport:
     """One decoded ``node_report`` from an authenticated sidecar, with the coordinator's receive time."""
 
     node: str
@@ -216,11 +217,11 @@ class SidecarHub:
 
     # --- receiving --------------------------------------------------------------------------
 
-    def poll(self, timeout_s: float) -> list[NodeReport]:
+    def poll(self, timeout_s: float) -> list[HeardReport]:
         """Reports that arrive within ``timeout_s`` (returns as soon as there is at least one)."""
         if self._router is None:
             raise HubError("SidecarHub.poll() before start()")
-        out: list[NodeReport] = []
+        out: list[HeardReport] = []
         deadline = time.monotonic() + max(0.0, timeout_s)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
@@ -256,7 +257,7 @@ class SidecarHub:
                 self._rlog.warning(f"refused:{int(ev['event'])}", "REFUSED a connection on %s: %s",
                                    self.endpoint, what.format(value=int(ev["value"])))
 
-    def _drain(self, out: list[NodeReport]) -> None:
+    def _drain(self, out: list[HeardReport]) -> None:
         for _ in range(MAX_BATCH):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -267,7 +268,7 @@ class SidecarHub:
             except Exception as e:  # one bad message must not stop the coordinator
                 log.exception("internal error handling an uplink message: %s", e)
 
-    def _on_frames(self, frames: list[zmq.Frame], out: list[NodeReport]) -> None:
+    def _on_frames(self, frames: list[zmq.Frame], out: list[HeardReport]) -> None:
         identity = frames[0].bytes
         node = frames[-1].get("User-Id") if len(frames) > 1 else ""
         if not node or node not in self._ring.admitted:
@@ -295,7 +296,7 @@ class SidecarHub:
             if self._routes.get(node) != identity:
                 log.info("node %s's sidecar connected", node)
             self._routes[node] = identity
-            out.append(NodeReport(node, now, b))
+            out.append(HeardReport(node, now, b))
             self._reply(identity, p.reply(msg, p.NodeReportAck(node=node, received_unix=now)))
         elif isinstance(b, p.Heartbeat):
             self._routes[node] = identity

@@ -60,7 +60,7 @@ class QueryServerError(AntmanError):
 class QueryView:
     """What the daemon's loop publishes for the query thread; never changed once published."""
 
-    reports: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # node -> hub.NodeReport
+    reports: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # node -> hub.HeardReport
     owners: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))   # job id -> Slurm user
     admin_users: frozenset = frozenset()
     stale_report_s: float = 30.0
