@@ -4,38 +4,81 @@ Prolog) and the ``node_report`` sent to the coordinator."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import slurm_antman
 from slurm_antman import protocol as p
+from slurm_antman.policy.node.core import PolicyState, PreemptRequest
 
-from .records import agent_memory
+from .records import RegisteredJob, agent_memory
+from .telemetry import GpuSample, ProcessSample, UtilizationWindow
+
+
+@dataclass(frozen=True)
+class GpuSeen:
+    """One GPU as both views show it."""
+
+    sample: GpuSample
+    util_avg: float  # the utilisation window's average; each view bounds it as its message requires
+    jobs: list[str]
+    util_measured: bool
+
+
+@dataclass(frozen=True)
+class JobSeen:
+    """One job as both views show it."""
+
+    job: RegisteredJob
+    mem_used_bytes: int  # its agents' memory, as the larger of report and driver shows it
+    iteration_ms: Optional[float]  # the slowest agent's last report
+
+
 
 
 class ReportViews:
     """Mixed into ``daemon.Sidecar``: read-only views of its state."""
 
-    def _node_state(self) -> p.NodeStateReply:
+    jobs: dict[str, RegisteredJob]
+    gpu_samples: list[GpuSample]
+    proc_samples: list[ProcessSample]
+    util: UtilizationWindow
+    policy_state: PolicyState
+    progress: dict[str, float]
+    noncompliant: dict[str, PreemptRequest]
+    unhealthy: str
+
+    def _seen(self) -> tuple[list[GpuSeen], list[JobSeen]]:
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
         now = time.time()
         gpus = []
         for s in self.gpu_samples:
             on = [j for j in self.jobs.values() if s.index in j.gpus]
-            gpus.append(p.GpuState(index=s.index, memory_used_bytes=s.memory_used_bytes,
-                                   memory_total_bytes=s.memory_total_bytes, utilization=s.utilization,
-                                   utilization_avg=min(1.0, self.util.average(s.index)),
-                                   jobs=[j.job_id for j in on], util_measured=self._util_measured(on, now)))
+            gpus.append(GpuSeen(s, self.util.average(s.index), [j.job_id for j in on], self._util_measured(on, now)))
         jobs = []
         for j in self.jobs.values():
-            reports = [a for a in j.agents.values() if a.report is not None]
+            jobs.append(JobSeen(
+                j, p.clamp_number(sum(agent_memory(a, proc_mem) for a in j.agents.values())),
+                max((a.report.iteration_ms for a in j.agents.values() if a.report is not None), default=None)))
+        return gpus, jobs
+
+    def _node_state(self) -> p.NodeStateReply:
+        seen_gpus, seen_jobs = self._seen()
+        gpus = [p.GpuState(index=g.sample.index, memory_used_bytes=g.sample.memory_used_bytes,
+                           memory_total_bytes=g.sample.memory_total_bytes, utilization=g.sample.utilization,
+                           utilization_avg=min(1.0, g.util_avg), jobs=g.jobs, util_measured=g.util_measured)
+                for g in seen_gpus]
+        jobs = []
+        for seen in seen_jobs:
+            j = seen.job
             track = self.policy_state.guaranteed.get(j.job_id)
             jobs.append(p.JobState(
                 job_id=j.job_id, job_class=j.job_class, uid=j.uid, gpus=list(j.gpus),
-                mem_limit_bytes=j.limits.mem_limit_bytes,
-                mem_used_bytes=p.clamp_number(sum(agent_memory(a, proc_mem) for a in j.agents.values())),
-                compute_share=j.limits.compute_share,
-                iteration_ms=max((a.report.iteration_ms for a in reports), default=None),
+                mem_limit_bytes=j.limits.mem_limit_bytes, mem_used_bytes=seen.mem_used_bytes,
+                compute_share=j.limits.compute_share, iteration_ms=seen.iteration_ms,
                 baseline_ms=track.baseline_ms if track else None,
-                last_report_unix=max((a.report_unix for a in reports if a.report_unix), default=None),
+                last_report_unix=max((a.report_unix for a in j.agents.values()
+                                      if a.report is not None and a.report_unix), default=None),
                 agents=len(j.agents), limits_seq=j.seq,
                 acked_seq=min((a.acked_seq for a in j.agents.values()), default=0), paused=j.paused))
         pre = [p.PreemptState(job_id=j.job_id, reason=j.preempt.reason, requested_unix=j.preempt.requested_unix,
@@ -46,23 +89,18 @@ class ReportViews:
                                 unhealthy=self.unhealthy[:1024])
 
     def _node_report(self) -> p.NodeReport:
-        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
-        now = time.time()
-        gpus = []
-        for s in self.gpu_samples:
-            on = [j for j in self.jobs.values() if s.index in j.gpus]
-            gpus.append(p.ReportGpu(index=s.index, mem_total_bytes=s.memory_total_bytes,
-                                    mem_used_bytes=s.memory_used_bytes,
-                                    util=min(1.0, max(0.0, self.util.average(s.index))),
-                                    jobs=[j.job_id for j in on], util_measured=self._util_measured(on, now)))
+        seen_gpus, seen_jobs = self._seen()
+        gpus = [p.ReportGpu(index=g.sample.index, mem_total_bytes=g.sample.memory_total_bytes,
+                            mem_used_bytes=g.sample.memory_used_bytes, util=min(1.0, max(0.0, g.util_avg)),
+                            jobs=g.jobs, util_measured=g.util_measured)
+                for g in seen_gpus]
         jobs = []
-        for j in self.jobs.values():
-            reports = [a.report.iteration_ms for a in j.agents.values() if a.report is not None]
+        for seen in seen_jobs:
+            j = seen.job
             jobs.append(p.ReportJob(
                 job_id=j.job_id, job_class=j.job_class, gpus=list(j.gpus), mem_limit_bytes=j.limits.mem_limit_bytes,
-                mem_used_bytes=p.clamp_number(sum(agent_memory(a, proc_mem) for a in j.agents.values()))
-                if j.agents else None,
-                compute_share=j.limits.compute_share, iteration_ms=max(reports, default=None),
+                mem_used_bytes=seen.mem_used_bytes if j.agents else None,
+                compute_share=j.limits.compute_share, iteration_ms=seen.iteration_ms,
                 last_checkpoint_unix=None,  # agents do not report checkpoints (yet): the job's start counts
                 progress=self.progress.get(j.job_id), crawling_since_unix=self.policy_state.crawling.get(j.job_id),
                 placement=j.placement, placement_note=j.note[:1024], paused=j.paused,
