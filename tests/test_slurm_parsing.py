@@ -188,9 +188,10 @@ def test_gres_counts_typed_and_indexed():
     ("antman:class=guaranteed", "guaranteed", {}, None),
     ("antman:class=opportunistic;gpus=node1:0+1,node2:3", "opportunistic", {"node1": [0, 1], "node2": [3]}, None),
     ("", "none", {}, None), ("(null)", "none", {}, None), ("site note", "none", {}, None),
-    ("antman:class=root", "none", {}, "class 'root'"),
-    ("antman:class=opportunistic;gpus=node1:x", "opportunistic", {}, "NODE:IDX"),
-    ("antman:junk", "none", {}, "no '='"),
+    ("antman:class=root", "none", {}, "class must be one of"),
+    ("antman:class=opportunistic;gpus=node1:x", "opportunistic", {}, "bad GPU index"),
+    ("antman:class=guaranteed;req=never", "guaranteed", {}, "req must be one of"),
+    ("antman:junk", "none", {}, "is not KEY=VALUE"),
 ])
 def test_admin_comment_tag(text, cls, gpus, problem):
     tag = parse_admin_comment(text)
@@ -275,7 +276,8 @@ def test_tres_forms_of_both_versions(tres, body, prefix):
 
 
 def test_executor_reads_and_writes_tres_in_either_form():
-    from slurm_antman.coordinator.executor import gres_count, retarget_tres
+    from slurm_antman.coordinator.executor import retarget_tres
+    from slurm_antman.slurm.parsing import gres_count
 
     assert gres_count("gres/gpu:a100:2,gres/nic:1", ("gpu",)) == gres_count("gres:gpu:a100:2", ("gpu",)) == 2
     assert retarget_tres("gres/gpu:2,gres/nic:1", ("gpu",), "antman_opp") == "gres/nic:1,gres/antman_opp:2"
@@ -304,7 +306,8 @@ def test_typed_gres_through_the_parsers():
 
 
 def test_executor_keeps_one_gpu_type_when_it_moves_a_job_between_gres():
-    from slurm_antman.coordinator.executor import gres_count, gres_types, retarget_tres
+    from slurm_antman.coordinator.executor import retarget_tres
+    from slurm_antman.slurm.parsing import gres_count, gres_types
 
     assert retarget_tres("gres:antman_opp:h100:2", ("gpu", "antman_opp"), "gpu") == "gres:gpu:h100:2"
     assert retarget_tres("gres/gpu:h100:1,gres/nic:1", ("gpu",), "antman_opp") == "gres/nic:1,gres/antman_opp:h100:1"

@@ -37,11 +37,12 @@ class SlurmBackend(abc.ABC):
         """All jobs the controller knows, optionally filtered by state and user."""
 
     @abc.abstractmethod
-    def job(self, job_id: int) -> Job:
-        """One job, in detail (physical GPU indices included); JobNotFound if Slurm does not know it."""
+    def job(self, job_id: Union[int, str]) -> Job:
+        """One job, in detail (physical GPU indices included); JobNotFound if Slurm does not know it.
+        ``job_id`` is a raw id or an array task's ``ARRAY_TASK`` (``Job.slurm_id``)."""
 
     @abc.abstractmethod
-    def requeue(self, job_id: int, hold: bool = False) -> None: ...
+    def requeue(self, job_id: Union[int, str], hold: bool = False) -> None: ...
 
     @abc.abstractmethod
     def hold(self, job_id: int) -> None: ...
@@ -50,7 +51,7 @@ class SlurmBackend(abc.ABC):
     def release(self, job_id: int) -> None: ...
 
     @abc.abstractmethod
-    def update(self, job_id: int, **fields: Union[str, int]) -> None:
+    def update(self, job_id: Union[int, str], **fields: Union[str, int]) -> None:
         """``scontrol update`` fields by Slurm name (``AdminComment="..."``, ``TimeLimit=10``) or in
         snake case (``admin_comment=...``)."""
 
@@ -59,7 +60,32 @@ class SlurmBackend(abc.ABC):
         """Cancel the job, or with ``signal`` only send it (to the batch shell and all steps)."""
 
     @abc.abstractmethod
+    def signal(self, job_id: Union[int, str], signal: str, batch_only: bool = False) -> None:
+        """Send ``signal`` to the job's batch shell only, or to it and every step, without ending the job;
+        a job that has ended meanwhile is not an error."""
+
+    @abc.abstractmethod
+    def batch_script(self, job_id: Union[int, str]) -> str:
+        """The job's batch script, as submitted."""
+
+    @abc.abstractmethod
     def nodes(self) -> list[Node]: ...
+
+    @abc.abstractmethod
+    def update_node(self, node: str, **fields: Union[str, int]) -> None:
+        """``scontrol update NodeName=node`` with fields by Slurm name (``Gres="gpu:4,antman_opp:8"``)."""
+
+    @abc.abstractmethod
+    def config(self) -> dict[str, str]:
+        """The running Slurm's effective configuration (``scontrol show config``), key -> value."""
+
+    @abc.abstractmethod
+    def sbatch_help(self) -> str:
+        """What ``sbatch --help`` prints here, SPANK plugins' options included."""
+
+    @abc.abstractmethod
+    def controller_time(self) -> float:
+        """slurmctld's own clock, as a Unix time."""
 
     def wait_for(self, job_id: int, states: Iterable[str], timeout: float = 60.0,
                  first_delay: float = 0.2, max_delay: float = 5.0) -> Job:

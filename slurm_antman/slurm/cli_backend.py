@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 
 from .backend import Options, SlurmBackend
 from .errors import (CommandFailed, JobNotFound, SlurmError, SlurmOutputError, SlurmUnavailable,
@@ -19,7 +19,9 @@ from .errors import (CommandFailed, JobNotFound, SlurmError, SlurmOutputError, S
 from .models import Association, Job, Node
 from . import version as slurm_version
 from .parsing import (ASSOC_FORMAT, associations_from_sacctmgr, filter_jobs, job_from_scontrol,
-                      jobs_from_squeue_json, nodes_from_sinfo_json, parse_scontrol_config)
+                      jobs_from_squeue_json, nodes_from_sinfo_json, parse_scontrol_config, sdiag_time)
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -31,6 +33,7 @@ _UNAVAILABLE = re.compile(
 _NOT_FOUND = re.compile(r"Invalid job id specified", re.IGNORECASE)
 _FIELD = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _SIGNAL = re.compile(r"^(SIG)?[A-Z0-9]{1,10}$|^\d{1,2}$")
+_NODE_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 _RAW_ID = re.compile(r"^[1-9]\d{0,9}$")
@@ -42,6 +45,22 @@ def _slurm_field(name: str) -> str:
     if not _FIELD.match(name):
         raise ValueError(f"update field {name!r} is not a Slurm job field name")
     return "".join(p[:1].upper() + p[1:] for p in name.split("_")) if "_" in name or name.islower() else name
+
+
+def _update_args(fields: Mapping[str, Union[str, int]], target: str) -> list[str]:
+    """``Name=value`` arguments of ``scontrol update``; ``target`` (JobId, NodeName) names what is updated."""
+    if not fields:
+        raise ValueError(f"update needs at least one field besides {target}")
+    out = []
+    for k, v in fields.items():
+        name = _slurm_field(k)
+        if name.lower() == target.lower():
+            raise ValueError(f"{target} is what to update, not a field to change")
+        text = str(v)
+        if "\n" in text or "\r" in text:
+            raise ValueError(f"update field {name}: value must be one line")
+        out.append(f"{name}={text}")
+    return out
 
 
 def _sbatch_options(options: Options) -> list[str]:
@@ -59,6 +78,15 @@ def _sbatch_options(options: Options) -> list[str]:
         raise ValueError(f"sbatch options {options!r} must be a list of strings starting with an option "
                          "(e.g. ['--gres=gpu:2', '-p', 'gpu']) or a mapping {'gres': 'gpu:2'}")
     return opts
+
+
+def _parse(argv: list[str], r: subprocess.CompletedProcess, parse: Callable[[], T]) -> T:
+    try:
+        return parse()
+    except SlurmOutputError as e:
+        if e.command:
+            raise
+        raise SlurmOutputError(e.message, argv, r.stderr) from None
 
 
 class CliBackend(SlurmBackend):
@@ -116,6 +144,31 @@ class CliBackend(SlurmBackend):
             raise SubmissionRejected(f"submission rejected: {message}", argv, err, r.returncode)
         raise CommandFailed(f"{argv[0]} failed: {message}", argv, err, r.returncode)
 
+    def _parsed(self, argv: list[str], parse: Callable[[str], T], job_id: Optional[int | str] = None) -> T:
+        """Run ``argv`` and parse what it printed; a parse failure names the command and its stderr."""
+        r = self._run(argv, job_id=job_id)
+        return _parse(argv, r, lambda: parse(r.stdout))
+
+    def _parsed_json(self, argv: list[str], parse: Callable[[Any], T]) -> T:
+        """As ``_parsed`` for ``--json`` output, which carries the errors of a controller that is down."""
+        r = self._run(argv)
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError as e:
+            raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
+        if isinstance(doc, dict) and doc.get("errors"):
+            self._json_errors(argv, doc["errors"])
+        return _parse(argv, r, lambda: parse(doc))
+
+    def _accounting(self, job: Union[int, str], field: str) -> Optional[list[str]]:
+        """``field`` of ``job`` from accounting (``sacct``), one value a line; None without accounting storage."""
+        argv = ["sacct", "-n", "-X", "-P", "-j", self._job_arg(job), "-o", field]
+        try:
+            r = self._run(argv)
+        except CommandFailed:
+            return None  # no accounting storage: slurmctld's word is all there is
+        return [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+
     @staticmethod
     def _job_arg(job_id: Union[int, str]) -> str:
         """A raw job id, or an array task's ``A_T`` / pending rest ``A_[2-5]`` (``Job.slurm_id``): the
@@ -160,24 +213,15 @@ class CliBackend(SlurmBackend):
         return int(job_id)
 
     def jobs(self, states: Optional[Iterable[str]] = None, users: Optional[Iterable[str]] = None) -> list[Job]:
-        argv = ["squeue", "--json"]
-        r = self._run(argv)
-        try:
-            doc = json.loads(r.stdout)
-        except json.JSONDecodeError as e:
-            raise SlurmOutputError(f"squeue --json printed invalid JSON ({e})", argv, r.stderr) from None
-        if isinstance(doc, dict) and doc.get("errors"):
-            self._json_errors(argv, doc["errors"])
-        jobs = jobs_from_squeue_json(doc, self.gres_name)
+        jobs = self._parsed_json(["squeue", "--json"], lambda doc: jobs_from_squeue_json(doc, self.gres_name))
         return filter_jobs(jobs, states, users) if states is not None or users is not None else jobs
 
-    def job(self, job_id: int) -> Job:
+    def job(self, job_id: int | str) -> Job:
         argv = ["scontrol", "show", "job", "-o", "-d", self._job_arg(job_id)]
-        r = self._run(argv, job_id=job_id)
-        lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-        if not lines:
+        jobs = self._parsed(argv, lambda out: [job_from_scontrol(ln, self.gres_name)
+                                               for ln in out.splitlines() if ln.strip()], job_id=job_id)
+        if not jobs:
             raise JobNotFound(job_id, argv, "scontrol printed nothing")
-        jobs = [job_from_scontrol(ln, self.gres_name) for ln in lines]
         # An array's own id prints one line per task: the one asked for is the raw id's, or the task's.
         want = self._job_arg(job_id)
         for job in jobs:
@@ -195,12 +239,7 @@ class CliBackend(SlurmBackend):
             return self.job(job).job_id
         except JobNotFound:
             pass
-        argv = ["sacct", "-n", "-X", "-P", "-j", self._job_arg(job), "-o", "JobIDRaw"]
-        try:
-            r = self._run(argv)
-        except CommandFailed:
-            return None  # no accounting storage: slurmctld's word is all there is
-        raw = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().isdigit()]
+        raw = [v for v in self._accounting(job, "JobIDRaw") or [] if v.isdigit()]
         return int(raw[0]) if raw else None
 
     def job_user(self, job_id: int) -> Optional[str]:
@@ -210,15 +249,10 @@ class CliBackend(SlurmBackend):
             return self.job(job_id).user or None
         except JobNotFound:
             pass
-        argv = ["sacct", "-n", "-X", "-P", "-j", self._job_arg(job_id), "-o", "User"]
-        try:
-            r = self._run(argv)
-        except CommandFailed:
-            return None  # no accounting storage
-        users = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+        users = self._accounting(job_id, "User")
         return users[0] if users else None
 
-    def requeue(self, job_id: int, hold: bool = False) -> None:
+    def requeue(self, job_id: int | str, hold: bool = False) -> None:
         self._run(["scontrol", "requeuehold" if hold else "requeue", self._job_arg(job_id)], job_id=job_id)
 
     def hold(self, job_id: int) -> None:
@@ -227,19 +261,14 @@ class CliBackend(SlurmBackend):
     def release(self, job_id: int) -> None:
         self._run(["scontrol", "release", self._job_arg(job_id)], job_id=job_id)
 
-    def update(self, job_id: int, **fields: Union[str, int]) -> None:
-        if not fields:
-            raise ValueError("update needs at least one field, e.g. update(42, TimeLimit=10)")
-        argv = ["scontrol", "update", f"JobId={self._job_arg(job_id)}"]
-        for k, v in fields.items():
-            name = _slurm_field(k)
-            if name.lower() == "jobid":
-                raise ValueError("JobId is the job to update, not a field to change")
-            text = str(v)
-            if "\n" in text or "\r" in text:
-                raise ValueError(f"update field {name}: value must be one line")
-            argv.append(f"{name}={text}")
+    def update(self, job_id: int | str, **fields: Union[str, int]) -> None:
+        argv = ["scontrol", "update", f"JobId={self._job_arg(job_id)}", *_update_args(fields, "JobId")]
         self._run(argv, job_id=job_id)
+
+    def update_node(self, node: str, **fields: Union[str, int]) -> None:
+        if not _NODE_NAME.match(node):
+            raise ValueError(f"{node!r} is not a Slurm node name")
+        self._run(["scontrol", "update", f"NodeName={node}", *_update_args(fields, "NodeName")])
 
     def cancel(self, job_id: int, signal: Optional[str] = None) -> None:
         argv = ["scancel", "--verbose"]
@@ -250,31 +279,37 @@ class CliBackend(SlurmBackend):
         argv.append(self._job_arg(job_id))
         self._run(argv, job_id=job_id)
 
+    def signal(self, job_id: int | str, signal: str, batch_only: bool = False) -> None:
+        # Without --verbose, as the coordinator has always sent it: a job that ended meanwhile is not an error.
+        if not _SIGNAL.match(str(signal)):
+            raise ValueError(f"signal {signal!r} is not a signal name or number (e.g. USR1, SIGTERM, 10)")
+        argv = ["scancel", f"--signal={signal}", "--batch" if batch_only else "--full", self._job_arg(job_id)]
+        self._run(argv, job_id=job_id)
+
+    def batch_script(self, job_id: int | str) -> str:
+        return self._run(["scontrol", "write", "batch_script", self._job_arg(job_id), "-"], job_id=job_id).stdout
+
     def nodes(self) -> list[Node]:
-        argv = slurm_version.nodes_argv(self.version())
-        r = self._run(argv)
-        try:
-            doc = json.loads(r.stdout)
-        except json.JSONDecodeError as e:
-            raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
-        if isinstance(doc, dict) and doc.get("errors"):
-            self._json_errors(argv, doc["errors"])
-        return nodes_from_sinfo_json(doc)
+        return self._parsed_json(slurm_version.nodes_argv(self.version()), nodes_from_sinfo_json)
 
     def config(self) -> dict[str, str]:
         """``scontrol show config`` as key -> value (what slurmctld runs with, not what a file says)."""
-        return parse_scontrol_config(self._run(["scontrol", "show", "config"]).stdout)
+        return self._parsed(["scontrol", "show", "config"], parse_scontrol_config)
+
+    def sbatch_help(self) -> str:
+        """What ``sbatch --help`` prints here: the options this host's sbatch (and its SPANK plugins) take."""
+        return self._run(["sbatch", "--help"]).stdout
+
+    def controller_time(self) -> float:
+        """slurmctld's own clock as a Unix time: ``sdiag`` prints the time it answered at."""
+        return self._parsed(["sdiag"], sdiag_time)
 
     def associations(self, cluster: Optional[str] = None) -> list[Association]:
         """Slurm accounting's associations (``sacctmgr``; needs slurmdbd), of ``cluster`` if given."""
         argv = ["sacctmgr", "-n", "-P", "show", "associations", f"format={','.join(ASSOC_FORMAT)}"]
         if cluster:
             argv.append(f"cluster={cluster}")
-        r = self._run(argv)
-        try:
-            return associations_from_sacctmgr(r.stdout)
-        except SlurmOutputError as e:
-            raise SlurmOutputError(e.message, argv, r.stderr) from None
+        return self._parsed(argv, associations_from_sacctmgr)
 
 
 def default_backend(env: Optional[Mapping[str, str]] = None, gres_name: str = "gpu",

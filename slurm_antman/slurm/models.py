@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Optional
 
+from ..jobtag import JobTag
+from .tag import AntmanTag, read_admin_comment
+
 # Slurm's base job states (job_state_string). Anything else a backend sees is kept as-is, upper case.
 TERMINAL_STATES = frozenset({
     "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
@@ -26,13 +29,8 @@ ANTMAN_CLASSES = ("guaranteed", "opportunistic", "none")
 REQUEUED_START_TIME = "now+2"
 
 
-@dataclass
-class AntmanTag:
-    """The slurm-antman tag in AdminComment (docs/architecture.md: ``antman:class=CLASS[;gpus=...]``)."""
-
-    job_class: str = "none"
-    gpus_by_node: dict[str, list[int]] = field(default_factory=dict)
-    problem: Optional[str] = None  # why a present tag could not be read; the class is then "none"
+# The Reason of a pending job with Priority=0: an admin's hold, which the coordinator's quota hold is.
+HELD_BY_ADMIN = "JobHeldAdmin"
 
 
 def array_ref(job_id: int, array_job_id: Optional[int], array_task: Optional[str]) -> str:
@@ -69,6 +67,30 @@ class Job:
     # yet carries their range ("2-5"). job_id stays the raw id (SLURM_JOB_ID, what nodes and agents know).
     array_job_id: Optional[int] = None
     array_task: Optional[str] = None
+
+    # The parser's reading of admin_comment (which also gave antman_class); read on first use when absent.
+    tag_reading: Optional[AntmanTag] = field(default=None, repr=False, compare=False)
+
+    @property
+    def _tag_reading(self) -> AntmanTag:
+        if self.tag_reading is None:
+            self.tag_reading = read_admin_comment(self.admin_comment)
+        return self.tag_reading
+
+    @property
+    def tag(self) -> Optional[JobTag]:
+        """The slurm-antman tag in AdminComment; None when the job has none or it is damaged."""
+        return self._tag_reading.tag
+
+    @property
+    def tag_problem(self) -> Optional[str]:
+        """Why a tag present in AdminComment could not be read; None when it could, or there is none."""
+        return self._tag_reading.problem
+
+    def checked_tag(self) -> Optional[JobTag]:
+        """The tag, None when there is none; jobtag's TagError when it is damaged (for whoever would
+        act on the tag, and must not act on a guess)."""
+        return self._tag_reading.checked()
 
     @property
     def slurm_id(self) -> str:

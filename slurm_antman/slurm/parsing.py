@@ -17,7 +17,8 @@ from typing import Any, Iterable, Optional
 
 from .. import hostlist
 from .errors import SlurmOutputError
-from .models import AntmanTag, Association, Job, Node
+from .models import Association, Job, Node
+from .tag import AntmanTag, read_admin_comment
 
 # Order of `scontrol show job` keys in Slurm 22.05 (src/api/job_info.c); optional ones included.
 # 24.11 prints ReqTRES= and AllocTRES= where 22.05 prints TRES=.
@@ -136,6 +137,27 @@ def tres_body(tres: str) -> str:
     return ",".join(_GRES_PREFIX.sub("", e.strip()) for e in (tres or "").split(",") if e.strip())
 
 
+def gres_count(tres: str, names: tuple[str, ...]) -> int:
+    """GPUs per node in a TresPerNode string (``gres:gpu:2`` / ``gres:gpu:a100:2`` / ``gpu:2``; 24.11
+    writes ``gres/gpu:2``)."""
+    total = 0
+    for entry in filter(None, tres_body(tres).split(",")):
+        parts = entry.split(":")
+        if parts[0] in names:
+            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return total
+
+
+def gres_types(tres: str, names: tuple[str, ...]) -> set[str]:
+    """The GPU types named in a TresPerNode string's GPU-like entries (``gres:gpu:h100:2`` -> {"h100"})."""
+    types = set()
+    for entry in filter(None, tres_body(tres).split(",")):
+        parts = entry.split(":")
+        if parts[0] in names and len(parts) >= 2 and not (len(parts) == 2 and parts[1].isdigit()):
+            types.add(parts[1])
+    return types
+
+
 def split_gres(spec: str) -> list[str]:
     """``gpu:2(IDX:0,2),antman_opp:1`` -> ``["gpu:2(IDX:0,2)", "antman_opp:1"]`` (commas in () kept)."""
     parts, depth, cur = [], 0, []
@@ -189,37 +211,9 @@ def gres_counts(spec: str) -> dict[str, int]:
     return out
 
 
-_TAG_CLASS = {"guaranteed", "opportunistic"}
-
-
-def parse_admin_comment(text: Optional[str]) -> AntmanTag:
-    """``antman:class=CLASS[;gpus=NODE:IDX[+IDX][,NODE:IDX...]]`` -> AntmanTag; no tag -> class none.
-
-    A malformed tag is reported in ``problem`` instead of raising: one odd job must not stop
-    ``antman squeue`` from listing the others.
-    """
-    text = _null(text).strip()
-    if not text.startswith("antman:"):
-        return AntmanTag()
-    fields: dict[str, str] = {}
-    for part in text[len("antman:"):].split(";"):
-        k, sep, v = part.partition("=")
-        if not sep:
-            return AntmanTag(problem=f"field {part!r} of AdminComment tag has no '='")
-        fields[k.strip()] = v.strip()
-    cls = fields.get("class")
-    if cls not in _TAG_CLASS:
-        return AntmanTag(problem=f"class {cls!r} in AdminComment is not guaranteed or opportunistic")
-    by_node: dict[str, list[int]] = {}
-    for entry in filter(None, fields.get("gpus", "").split(",")):
-        node, sep, idx = entry.partition(":")
-        try:
-            if not sep or not node:
-                raise ValueError
-            by_node[node] = [int(i) for i in idx.split("+")]
-        except ValueError:
-            return AntmanTag(job_class=cls, problem=f"gpus entry {entry!r} is not NODE:IDX[+IDX]")
-    return AntmanTag(job_class=cls, gpus_by_node=by_node)
+# The tag is jobtag's to parse; Slurm's readers take its tolerant reading (class "none" and a problem
+# for a damaged tag), so that one odd job never stops a listing.
+parse_admin_comment = read_admin_comment
 
 
 def normalise_state(state: Any) -> str:
@@ -320,7 +314,7 @@ def job_from_scontrol(line: str, gres_name: str = "gpu") -> Job:
         gpus_by_node=_physical_gpus(tag, gres_by_node), tres_per_node=_null(fields.get("TresPerNode")),
         submit_time=parse_slurm_time(fields.get("SubmitTime")),
         start_time=parse_slurm_time(fields.get("StartTime")),
-        excluded_nodes=_expand_nodes(_null(fields.get("ExcNodeList"))), raw=fields,
+        excluded_nodes=_expand_nodes(_null(fields.get("ExcNodeList"))), raw=fields, tag_reading=tag,
         **dict(zip(("array_job_id", "array_task"), array_task_of(fields.get("ArrayJobId", ""),
                                                                  fields.get("ArrayTaskId")))),
     )
@@ -354,7 +348,7 @@ def job_from_squeue_json(j: dict, gres_name: str = "gpu") -> Job:
         submit_time=parse_slurm_time(j.get("submit_time")),
         # A pending job's start_time is Slurm's estimate; report it only once it has started.
         start_time=parse_slurm_time(start) if state not in ("PENDING",) else None,
-        excluded_nodes=_expand_nodes(j.get("excluded_nodes") or ""), raw=j,
+        excluded_nodes=_expand_nodes(j.get("excluded_nodes") or ""), raw=j, tag_reading=tag,
         **dict(zip(("array_job_id", "array_task"), array_task_of(
             j.get("array_job_id", 0),
             j.get("array_task_id") if j.get("array_task_id") is not None else (j.get("array_task_string") or None)))),
@@ -456,3 +450,14 @@ def parse_scontrol_config(text: str) -> dict[str, str]:
     for key, values in items.items():
         conf.setdefault(key, ",".join(v for _, v in sorted(values)))
     return conf
+
+
+_SDIAG_TIME = re.compile(r"sdiag output at .*\((\d+)\)")
+
+
+def sdiag_time(text: str) -> float:
+    """The Unix time ``sdiag`` says slurmctld answered at (``sdiag output at Thu Nov 26 ... (1795000000)``)."""
+    m = _SDIAG_TIME.search(text)
+    if not m:
+        raise SlurmOutputError("sdiag printed no time")
+    return float(m.group(1))
