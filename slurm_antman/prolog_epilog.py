@@ -20,16 +20,24 @@ import logging
 import os
 import re
 import stat
-import subprocess
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import config as config_mod
 from . import envfile
-from .jobtag import JobTag, parse_tag
+from .jobtag import JobTag
+from .slurm import SlurmBackend, SlurmError
+from .slurm.cli_backend import CliBackend
 
 log = logging.getLogger("antman.node")
+
+# A Prolog holds up the job's start: a controller that does not answer in this long is treated as down.
+SLURM_TIMEOUT_S = 15.0
+
+
+def _slurm(gpu_gres: str = "gpu") -> SlurmBackend:
+    return CliBackend(timeout=SLURM_TIMEOUT_S, gres_name=gpu_gres)
 
 _TRES_OPP = r"gres[:/]{name}(?::[^,:]+)?:(\d+)"  # 22.05 gres:NAME:N, 24.11 gres/NAME:N
 
@@ -75,20 +83,8 @@ class JobContext:
         """For the Prolog the SPANK plugin runs inside a job step. The step's environment is the user's,
         so only what the plugin took from slurmstepd itself is used (job id, uid, gid, this node's
         index in the job: ANTMAN_JOB_NODEID); the node, partition, account and GPUs come from slurmctld."""
-        from .slurm.errors import SlurmOutputError
-        from .slurm.parsing import job_from_scontrol
-
         job_id = env["SLURM_JOB_ID"]
-        r = _scontrol(["show", "job", "-d", "-o", job_id])
-        lines = [l for l in r.stdout.splitlines() if l.strip()] if r.returncode == 0 else []
-        try:
-            # An array's own id prints every task: this job is the line of its raw id.
-            jobs = [j for j in (job_from_scontrol(l, gpu_gres) for l in lines) if str(j.job_id) == job_id]
-        except SlurmOutputError as e:
-            raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
-        if len(jobs) != 1:
-            raise RuntimeError(f"scontrol show job -d {job_id}: {r.stderr.strip() or 'no line for that job'}")
-        job = jobs[0]
+        job = _slurm(gpu_gres).job(job_id)
         index = env.get("ANTMAN_JOB_NODEID", "")
         if index.isdigit() and int(index) < len(job.nodes):
             node = job.nodes[int(index)]
@@ -121,75 +117,35 @@ def _node_of_job(job_id: str) -> str:
     where SLURMD_NODENAME does not exist yet. A one-node job's NodeList is the answer; otherwise
     (or without a controller) the short hostname, which is the node name on a real cluster."""
     try:
-        nodes = _job_record(job_id).get("NodeList", "")
+        nodes = _slurm().job(job_id).nodelist
         if re.fullmatch(r"[A-Za-z0-9_.-]+", nodes):
             return nodes
         log.warning("job %s: no SLURMD_NODENAME and NodeList %s is not one node; using the hostname",
                     job_id, nodes or "unknown")
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+    except (SlurmError, ValueError) as e:
         log.warning("job %s: no SLURMD_NODENAME and scontrol failed (%s); using the hostname", job_id, e)
     return os.uname().nodename.split(".")[0]
 
 
-def _scontrol(args: list[str], timeout: float = 15) -> subprocess.CompletedProcess:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _job_record(job_id: str) -> dict[str, str]:
-    """One job's fields from `scontrol show job -o` (first value of each key, "(null)" as ""). The
-    job's name and comment are the user's text and may contain ``AdminComment=...`` or
-    ``NodeList=...``: only the order-aware parser, which knows where Slurm prints each key, tells the
-    real field from a forged one."""
-    from .slurm.errors import SlurmOutputError
-    from .slurm.parsing import parse_scontrol_line
-
-    r = _scontrol(["show", "job", "-o", job_id])
-    if r.returncode:
-        raise RuntimeError(f"scontrol show job {job_id}: {r.stderr.strip()}")
-    # An array's own id prints one line per task (the array's pending rest and every task split off
-    # from it): the job is the line whose JobId is its raw id.
-    for line in (l for l in r.stdout.splitlines() if l.strip()):
-        try:
-            pairs = parse_scontrol_line(line)
-        except SlurmOutputError as e:
-            raise RuntimeError(f"scontrol show job {job_id}: {e}") from None
-        fields: dict[str, str] = {}
-        for k, v in pairs:
-            fields.setdefault(k, "" if v == "(null)" else v)
-        if fields.get("JobId") == job_id:
-            return fields
-    raise RuntimeError(f"scontrol show job -o {job_id}: no line for job {job_id}")
-
-
-def _job_fields(job_id: str) -> dict[str, str]:
-    """AdminComment, TresPerNode, NodeList and the array task id (``Ref``) of one job."""
-    from .slurm.models import array_ref
-    from .slurm.parsing import array_task_of
-
-    fields = _job_record(job_id)
-    out = {key: fields.get(key, "") for key in ("AdminComment", "TresPerNode", "NodeList")}
-    out["Ref"] = array_ref(int(job_id), *array_task_of(fields.get("ArrayJobId", ""), fields.get("ArrayTaskId")))
-    return out
-
-
-def _record_gpus_in_slurm(job: JobContext, tag: JobTag) -> None:
+def _record_gpus_in_slurm(slurm: SlurmBackend, job: JobContext, tag: JobTag) -> None:
     """Merge this node's GPUs into AdminComment. Several nodes of one job may do this at once, so
     read back and retry until our entry is there."""
     from . import hostlist
 
     for _ in range(3):
-        fields = _job_fields(job.job_id)
-        current = parse_tag(fields["AdminComment"]) or tag
+        record = slurm.job(job.job_id)
+        current = record.checked_tag() or tag
         try:
-            nodes = hostlist.expand(fields["NodeList"]) if fields["NodeList"] else [job.node]
+            nodes = hostlist.expand(record.nodelist) if record.nodelist else [job.node]
         except hostlist.HostlistError:
             nodes = list(current.gpus) + [job.node]
         merged = current.only_on(nodes).with_gpus(job.node, tag.gpus.get(job.node, []))
-        r = _scontrol(["update", f"JobId={job.ref}", f"AdminComment={merged.render()}"])
-        if r.returncode:
-            log.warning("job %s: cannot record GPUs in AdminComment: %s", job.job_id, r.stderr.strip())
+        try:
+            slurm.update(job.ref, AdminComment=merged.render())
+        except SlurmError as e:
+            log.warning("job %s: cannot record GPUs in AdminComment: %s", job.job_id, e.stderr or e.message)
             return
-        check = parse_tag(_job_fields(job.job_id)["AdminComment"])
+        check = slurm.job(job.job_id).checked_tag()
         if check and check.gpus.get(job.node) == tag.gpus.get(job.node):
             return
     log.warning("job %s: AdminComment GPU entry for %s kept being overwritten", job.job_id, job.node)
@@ -206,9 +162,10 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     if from_spank:
         # slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential.
         log.info("job %s on %s: env file missing at step start; Prolog run by the SPANK plugin", job.job_id, job.node)
-    fields = _job_fields(job.job_id)
-    job = replace(job, slurm_ref=fields["Ref"])
-    tag = parse_tag(fields["AdminComment"])
+    slurm = _slurm(s.gpu_gres)
+    record = slurm.job(job.job_id)
+    job = replace(job, slurm_ref=record.slurm_id)
+    tag = record.checked_tag()
     if tag is None:
         return 0
     group = cfg.node_groups_by_host().get(job.node)
@@ -216,18 +173,18 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
         log.error("job %s: node %s is not in %s; leaving the job to plain Slurm", job.job_id, job.node, "antman.yaml")
         return 0
     if tag.job_class == "opportunistic":
-        m = re.search(_TRES_OPP.format(name=re.escape(s.opportunistic_gres)), fields["TresPerNode"])
+        m = re.search(_TRES_OPP.format(name=re.escape(s.opportunistic_gres)), record.tres_per_node)
         count = int(m.group(1)) if m else 0
     else:
         count = len(job.slurm_gpus)
     values = {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_CLASS": tag.job_class, "ANTMAN_NODE": job.node}
     if tag.job_class == "opportunistic":
         try:
-            return _place_and_record(cfg, job, tag, count, group.gpus, values)
+            return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the job must not run unmanaged
             log.exception("job %s: Prolog failed for an opportunistic job", job.job_id)
-            return refuse(cfg, job, values, f"the Prolog failed ({type(e).__name__}: {e})")
-    return _place_and_record(cfg, job, tag, count, group.gpus, values)
+            return refuse(cfg, job, values, f"the Prolog failed ({type(e).__name__}: {e})", slurm)
+    return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
 
 
 def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: list[int]) -> dict[str, str]:
@@ -250,8 +207,8 @@ def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: 
             "ANTMAN_GPU_DEVICES": ",".join(devices)}
 
 
-def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag, count: int, n_gpus: int,
-                      values: dict[str, str]) -> int:
+def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: JobContext, tag: JobTag, count: int,
+                      n_gpus: int, values: dict[str, str]) -> int:
     lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
@@ -259,7 +216,7 @@ def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag
         try:
             gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus)
         except NoRoom as e:
-            return refuse(cfg, job, values, str(e))
+            return refuse(cfg, job, values, str(e), slurm)
         values["ANTMAN_GPUS"] = ",".join(map(str, gpus))
         if endpoint:
             values["ANTMAN_SIDECAR_ENDPOINT"] = endpoint
@@ -274,7 +231,7 @@ def _place_and_record(cfg: config_mod.AntmanConfig, job: JobContext, tag: JobTag
                 _retire_quietly(cfg, job)
             raise
     log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values["ANTMAN_GPUS"] or "-")
-    _record_gpus_in_slurm(job, tag.with_gpus(job.node, gpus))
+    _record_gpus_in_slurm(slurm, job, tag.with_gpus(job.node, gpus))
     return 0
 
 
@@ -286,7 +243,8 @@ class NoRoom(Exception):
 REQUEUE_BACKOFF_S = (1.0, 3.0)
 
 
-def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str], reason: str) -> int:
+def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str], reason: str,
+           slurm: SlurmBackend | None = None) -> int:
     """Fail closed for an opportunistic job: its tasks will not start here (ANTMAN_REFUSED in its env
     file) and Slurm requeues it. Returns the hook's exit code."""
     # A NUL would make the plugin skip the ANTMAN_REFUSED line, and the format refuses it: the job must stay refused.
@@ -296,12 +254,17 @@ def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str]
         envfile.write(envfile.path(cfg.state_dir, job.node, job.job_id), refused)
     except OSError as e:
         log.error("job %s: cannot write the refusal into its env file: %s", job.job_id, e)
+    slurm = slurm or _slurm(cfg.slurm.gpu_gres)
     for delay in (*REQUEUE_BACKOFF_S, None):
-        r = _scontrol(["requeue", job.ref])  # an array task alone, never its whole array
-        if r.returncode == 0:
+        try:
+            slurm.requeue(job.ref)  # an array task alone, never its whole array
+        except SlurmError as e:
+            err = e.stderr or e.message
+        except ValueError as e:  # a reference scontrol would refuse too: the last resort below still holds
+            err = str(e)
+        else:
             log.warning("job %s on %s: not started, requeued: %s", job.job_id, job.node, reason)
             return 0
-        err = r.stderr.strip()
         if delay is None:
             break
         time.sleep(delay)

@@ -331,13 +331,13 @@ def test_setting_a_typed_nodes_slots_keeps_the_type():
         def nodes(self):
             return [self.node]
 
-        def _run(self, argv, job_id=None):
-            self.calls.append(argv)
+        def update_node(self, node, **fields):
+            self.calls.append((node, fields))
 
     cfg = config.parse({"nodes": [{"name": "n1", "gpus": 4, "gpu_type": "h100"}]})
-    for raw, want in (("gpu:h100:4(S:0,1),antman_opp:h100:8", "Gres=gpu:h100:4,antman_opp:h100:3"),
-                      ("gpu:4(S:0-1),antman_opp:8", "Gres=gpu:4,antman_opp:3")):
+    for raw, want in (("gpu:h100:4(S:0,1),antman_opp:h100:8", "gpu:h100:4,antman_opp:h100:3"),
+                      ("gpu:4(S:0-1),antman_opp:8", "gpu:4,antman_opp:3")):
         b = Backend(raw)
         out = Executor(b, cfg).execute(SetOppSlots("n1", 3), None)
         assert out.outcome == "ok", out
-        assert b.calls == [["scontrol", "update", "NodeName=n1", want]]
+        assert b.calls == [("n1", {"Gres": want})]

@@ -15,17 +15,16 @@ from typing import Any, Callable, Optional, Protocol
 
 from slurm_antman import protocol as p
 from slurm_antman.config import AntmanConfig
-from slurm_antman.jobtag import JobTag, TagError, parse_tag
+from slurm_antman.jobtag import JobTag, TagError
 from slurm_antman.policy.cluster import (
     CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
 )
-from slurm_antman.slurm import CliBackend, SlurmError
-from slurm_antman.slurm.models import REQUEUED_START_TIME, Job
-from slurm_antman.slurm.parsing import gres_prefix, split_gres, tres_body
+from slurm_antman.slurm import SlurmBackend, SlurmError
+from slurm_antman.slurm.models import HELD_BY_ADMIN, REQUEUED_START_TIME, Job
+from slurm_antman.slurm.parsing import gres_count, gres_prefix, gres_types, split_gres, tres_body
 
 log = logging.getLogger("antman.coordinator.executor")
 
-HELD_BY_ADMIN = "JobHeldAdmin"
 # `#SBATCH --signal=[{R|B}:]SIG[@TIME]` (sbatch(1)); submitit and Lightning write it this way.
 _SIGNAL_LINE = re.compile(r"^#SBATCH\s+--signal[= ]\s*(?:(?P<flags>[RB]+):)?(?P<sig>[A-Za-z0-9]+)(?:@\d+)?\s*$",
                           re.M)
@@ -68,27 +67,6 @@ def failed(error: str) -> Outcome:
     return Outcome("error", "", error)
 
 
-def gres_count(tres: str, names: tuple[str, ...]) -> int:
-    """GPUs per node in a TresPerNode string (``gres:gpu:2`` / ``gres:gpu:a100:2`` / ``gpu:2``; 24.11
-    writes ``gres/gpu:2``)."""
-    total = 0
-    for entry in filter(None, tres_body(tres).split(",")):
-        parts = entry.split(":")
-        if parts[0] in names:
-            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
-    return total
-
-
-def gres_types(tres: str, names: tuple[str, ...]) -> set[str]:
-    """The GPU types named in a TresPerNode string's GPU-like entries (``gres:gpu:h100:2`` -> {"h100"})."""
-    types = set()
-    for entry in filter(None, tres_body(tres).split(",")):
-        parts = entry.split(":")
-        if parts[0] in names and len(parts) >= 2 and not (len(parts) == 2 and parts[1].isdigit()):
-            types.add(parts[1])
-    return types
-
-
 def retarget_tres(tres: str, from_names: tuple[str, ...], to_name: str) -> str:
     """TresPerNode with every GPU-like entry folded into one ``gres:TO:N``, in the prefix form the string
     came in (``gres/`` in 24.11). One GPU type stays (``gres:TO:h100:N``): a typed node group's
@@ -114,7 +92,7 @@ def job_signal(script: str) -> Optional[tuple[str, bool]]:
 class Executor:
     """``execute(decision, state)`` -> :class:`Outcome`; never raises for a Slurm or sidecar failure."""
 
-    def __init__(self, backend: CliBackend, config: AntmanConfig, hub: Optional[Hub] = None,
+    def __init__(self, backend: SlurmBackend, config: AntmanConfig, hub: Optional[Hub] = None,
                  clock: Callable[[], float] = None):  # type: ignore[assignment]
         import time
 
@@ -146,14 +124,11 @@ class Executor:
 
     @staticmethod
     def _tag(job: Job) -> JobTag:
-        tag = parse_tag(job.admin_comment)
+        tag = job.checked_tag()
         if tag is None:
             raise TagError(f"job {job.job_id} carries no slurm-antman tag in AdminComment "
                            f"({job.admin_comment or 'empty'}); it is plain Slurm and not the coordinator's to change")
         return tag
-
-    def _scontrol(self, *args: str, job_id: Optional[int] = None) -> None:
-        self.backend._run(["scontrol", *args], job_id=job_id)  # shares the adapter's error mapping
 
     def _send(self, node: str, body: p.Body) -> bool:
         if self.hub is None:
@@ -247,7 +222,7 @@ class Executor:
         typed = f"{mine[0][1]}:" if mine and len(mine[0]) == 3 else ""
         entries = [e for e in entries if e.split(":")[0] != opp]
         gres = ",".join([*entries, f"{opp}:{typed}{d.slots}"])
-        self._scontrol("update", f"NodeName={d.node}", f"Gres={gres}")
+        self.backend.update_node(d.node, Gres=gres)
         return ok(f"Gres={gres} (was {opp}:{current})")
 
     def _upgrade(self, d: Upgrade, state: Any) -> Outcome:
@@ -279,8 +254,7 @@ class Executor:
         sig = self._signal_of(job)
         if sig is not None:
             name, batch_only = sig
-            argv = ["scancel", f"--signal={name}", "--batch" if batch_only else "--full", job.slurm_id]
-            self.backend._run(argv, job_id=job.job_id)
+            self.backend.signal(job.slurm_id, name, batch_only=batch_only)
             notes.append(f"signal {name} sent to the {'batch step' if batch_only else 'job'}")
         else:
             # No --signal of its own: no early SIGTERM either. A job killed by it before the deadline
@@ -291,11 +265,11 @@ class Executor:
 
     def _signal_of(self, job: Job) -> Optional[tuple[str, bool]]:
         try:
-            r = self.backend._run(["scontrol", "write", "batch_script", job.slurm_id, "-"], job_id=job.job_id)
+            script = self.backend.batch_script(job.slurm_id)
         except SlurmError as e:
             log.info("job %s: cannot read its batch script for --signal: %s", job.job_id, e)
             return None
-        return job_signal(r.stdout)
+        return job_signal(script)
 
     @staticmethod
     def _expected_restarts(job_id: str, state: Any) -> Optional[int]:

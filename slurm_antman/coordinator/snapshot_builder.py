@@ -6,11 +6,9 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Optional
 
 from slurm_antman.config import AntmanConfig
-from slurm_antman.jobtag import TagError, parse_tag
 from slurm_antman.policy.cluster import GpuView, JobView, NodeView, PreemptNeed, Snapshot, quotas_from_config
-from slurm_antman.slurm.models import Job, Node
-
-from .executor import HELD_BY_ADMIN, gres_count
+from slurm_antman.slurm.models import HELD_BY_ADMIN, Job, Node
+from slurm_antman.slurm.parsing import gres_count
 
 
 def _unix(dt: Any) -> Optional[float]:
@@ -18,10 +16,7 @@ def _unix(dt: Any) -> Optional[float]:
 
 
 def job_view(job: Job, cfg: AntmanConfig, checkpoints: Mapping[str, float]) -> JobView:
-    try:
-        tag = parse_tag(job.admin_comment)
-    except TagError:
-        tag = None  # a damaged tag: treat the job as Slurm's parser does (class from squeue), request unknown
+    tag = job.tag  # None for a damaged tag too: the class is then the parser's, the request unknown
     requested = tag.request if tag is not None else ("none" if job.antman_class == "none" else job.antman_class)
     per_node = gres_count(job.tres_per_node, (cfg.slurm.gpu_gres, cfg.slurm.opportunistic_gres))
     held = tag is not None and tag.hold == "quota" and job.state == "PENDING" and job.reason == HELD_BY_ADMIN
