@@ -16,7 +16,6 @@ import re
 import shlex
 import socket
 import stat
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from typing import Callable, Optional, Sequence
 from . import config as cfgmod
 from . import site_settings
 from .coordinator import tenants
+from .slurm import SlurmBackend, SlurmError, SlurmOutputError
 from .slurm import version as slurm_version
 
 SKEW_WARN_S = 2.0
@@ -57,32 +57,25 @@ def skip(name: str, reason: str) -> Check:
     return Check(name, "skip", reason)
 
 
-def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return subprocess.CompletedProcess(argv, 127, "", f"{argv[0]}: command not found")
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: no answer within {COMMAND_TIMEOUT_S:g} s")
+def _slurm() -> SlurmBackend:
+    from .slurm.cli_backend import CliBackend
+
+    return CliBackend(timeout=COMMAND_TIMEOUT_S)
 
 
-def _first_error(r: subprocess.CompletedProcess) -> str:
-    lines = [ln.strip() for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
-    return lines[-1] if lines else f"exit status {r.returncode}"
+def _why(e: SlurmError) -> str:
+    """The command's own last word (what an admin would see running it), else the adapter's message."""
+    lines = [ln.strip() for ln in e.stderr.splitlines() if ln.strip()]
+    return lines[-1] if lines else e.message
 
 
 def _read_config() -> dict[str, str]:
-    from .slurm.cli_backend import CliBackend
-
-    return CliBackend(timeout=COMMAND_TIMEOUT_S).config()
+    return _slurm().config()
 
 
 def slurm_config(read: Callable[[], dict[str, str]] = _read_config) -> tuple[Optional[dict[str, str]], Check]:
     """The running Slurm's effective configuration (``scontrol show config``, through the Slurm adapter):
     what slurmctld runs with, whatever files it came from."""
-    from .slurm.errors import SlurmError
-
     try:
         conf = read()
     except SlurmError as e:
@@ -179,11 +172,12 @@ def check_plugstack(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
 
 
 def check_sbatch_option() -> Check:
-    r = _run(["sbatch", "--help"])
-    if r.returncode != 0:
-        return fail("sbatch_option", f"sbatch --help failed: {_first_error(r)}",
+    try:
+        text = _slurm().sbatch_help()
+    except SlurmError as e:
+        return fail("sbatch_option", f"sbatch --help failed: {_why(e)}",
                     "install the Slurm client commands (slurm-client) on this host")
-    if "--antman" not in r.stdout:
+    if "--antman" not in text:
         return fail("sbatch_option", "sbatch --help does not show --antman: the SPANK plugin is not loaded",
                     "check the plugstack line and that the .so loads (slurmctld/slurmd logs name spank errors)")
     return ok("sbatch_option", "sbatch --help shows --antman")
@@ -481,8 +475,6 @@ def check_quotas(cfg: cfgmod.AntmanConfig, sconf: dict[str, str],
                  read: Callable[[str], list] = _read_associations) -> Check:
     """Which source the coordinator takes tenant quotas from, and where antman.yaml and accounting
     disagree (the coordinator follows the source in force; a disagreement is an admin's to settle)."""
-    from .slurm.errors import SlurmError
-
     source = cfg.coordinator.quota_source
     storage = sconf.get("AccountingStorageType", "")
     yaml_q = tenants.quotas_from_config(cfg)
@@ -521,14 +513,13 @@ def check_quotas(cfg: cfgmod.AntmanConfig, sconf: dict[str, str],
 
 
 def controller_time() -> tuple[Optional[float], str]:
-    """slurmctld's own clock: ``sdiag`` prints the time slurmctld answered at, as a Unix time."""
-    r = _run(["sdiag"])
-    if r.returncode != 0:
-        return None, _first_error(r)
-    m = re.search(r"sdiag output at .*\((\d+)\)", r.stdout)
-    if not m:
-        return None, "sdiag printed no time"
-    return float(m.group(1)), ""
+    """slurmctld's own clock (``sdiag``), or why it cannot be read."""
+    try:
+        return _slurm().controller_time(), ""
+    except SlurmOutputError as e:
+        return None, e.message
+    except SlurmError as e:
+        return None, _why(e)
 
 
 def check_clock(get_time: Callable[[], tuple[Optional[float], str]] = controller_time) -> Check:
