@@ -3,7 +3,6 @@ loopback, scraped over HTTP and parsed with prometheus-client's own parser."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import threading
@@ -12,7 +11,6 @@ import urllib.request
 from typing import Optional
 
 import pytest
-import zmq
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +19,7 @@ from slurm_antman import metrics
 from slurm_antman import protocol as p
 from slurm_antman.coordinator.daemon import Coordinator
 from slurm_antman.clients import sidecar_control as client
+from slurm_antman.lab.fake_agent import FakeAgent
 from slurm_antman.sidecar.cli import build
 
 MiB = 1 << 20
@@ -49,28 +48,6 @@ def sockdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-class Agent:
-    def __init__(self, endpoint: str, job_id: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.job_id = job_id
-
-    def send(self, body) -> None:
-        self.sock.send_multipart(p.encode(p.Message(body=body)))
-
-    def register(self) -> None:
-        self.send(p.Register(job_id=self.job_id, pid=os.getpid(), rank=0, local_rank=0, world_size=1, hostname="n1",
-                             agent_version="test", torch_version="none", device="cuda", job_class="opportunistic"))
-        assert self.sock.poll(5000), "no reply to register"
-        assert p.decode(self.sock.recv_multipart(), p.SIDECAR_TO_AGENT).type == "registered"
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
 def wait_for(fn, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -96,7 +73,7 @@ def test_sidecar_metrics_match_telemetry_and_reports(sockdir):
     try:
         reg = client.register_job(sockdir, "4711", uid=0, user="root", job_class="opportunistic", gpus=1,
                                    account="vision")
-        agent = Agent(reg.endpoint, "4711")
+        agent = FakeAgent(reg.endpoint, "4711", hostname="n1", agent_version="test")
         agent.register()
         agent.send(p.Report(iteration=1, iterations=1, iteration_ms=250.0, busy_ms=200.0,
                             mem_allocated_bytes=300 * MiB, mem_reserved_bytes=512 * MiB, mem_peak_bytes=512 * MiB,

@@ -34,43 +34,13 @@ from pathlib import Path
 from statistics import median
 from typing import Optional, Sequence
 
-import zmq
-
 from slurm_antman import config as cfgmod
-from slurm_antman import protocol as p
+from slurm_antman.lab.fake_agent import FakeAgent
 
 TRAIN = jobs.script("demo_train.py")
 GiB = 1 << 30
 OPP_TRAIN = ("import runpy, sys, torch_patch; torch_patch.install().emulate_device(int(sys.argv[1]), 0.5); "
              "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
-class _Guaranteed:
-    """The guaranteed job's agent, spoken from here: its reported memory is the burst."""
-
-    def __init__(self, endpoint: str, job_id: str):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.job_id = job_id
-        self.i = 0
-        self.send(p.Register(job_id=job_id, pid=os.getpid(), rank=0, local_rank=0, world_size=1, hostname="bench",
-                             agent_version="bench", torch_version="none", device="cuda", job_class="guaranteed"))
-
-    def send(self, body: p.Body) -> None:
-        self.sock.send_multipart(p.encode(p.message(body)))
-
-    def report(self, mem: int) -> None:
-        self.i += 1
-        self.send(p.Report(iteration=self.i, iterations=1, iteration_ms=100.0, busy_ms=10.0, mem_allocated_bytes=mem,
-                           mem_reserved_bytes=mem, mem_peak_bytes=mem, spilled_bytes=0, limits_seq=0))
-        while self.sock.poll(0):
-            self.sock.recv_multipart()
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 
 def _wait(pred, timeout: float, what: str, tick=None, step: float = 0.02):
@@ -102,8 +72,10 @@ def measure_pause(rounds: int, footprint_gib: float, workdir: Path) -> dict:
     try:
         reg = client.register_job(sockdir, "1", uid=os.getuid(), user="bench", job_class="guaranteed", gpus=1,
                                   physical_gpus=[0])
-        g = _Guaranteed(reg.endpoint, "1")
-        g.report(1 * GiB)
+        # The guaranteed job's agent is spoken from here: its reported memory is the burst.
+        g = FakeAgent(reg.endpoint, "1", job_class="guaranteed", hostname="bench", agent_version="bench")
+        g.register(wait_s=0)
+        g.report_memory(1 * GiB)
         o = client.register_job(sockdir, "2", uid=os.getuid(), user="bench", job_class="opportunistic", gpus=1)
         env = {**os.environ, "ANTMAN_JOB_ID": "2", "ANTMAN_CLASS": "opportunistic",
                "ANTMAN_SIDECAR_ENDPOINT": o.endpoint, "SLURM_JOB_ID": "2"}
@@ -113,14 +85,14 @@ def measure_pause(rounds: int, footprint_gib: float, workdir: Path) -> dict:
                                  "1000000", "0.01"], env=env, stdout=out, stderr=subprocess.STDOUT)
         job = lambda: sc.jobs.get("2")  # noqa: E731 - read from the loop thread's objects, ints only
         _wait(lambda: job() and any(a.report for a in job().agents.values()), 120, "the job's agent reporting",
-              tick=lambda: g.report(1 * GiB))
+              tick=lambda: g.report_memory(1 * GiB))
         acks, resumes = [], []
         for _ in range(rounds):
             n_ack, n_res = len(sc.pause_ack_ms), len(sc.resume_ack_ms)
             # The burst: 15 GiB of 16 leaves less than the 1 GiB minimum beside 512 MiB of headroom.
-            _wait(lambda: len(sc.pause_ack_ms) > n_ack, 30, "the pause ack", tick=lambda: g.report(15 * GiB))
+            _wait(lambda: len(sc.pause_ack_ms) > n_ack, 30, "the pause ack", tick=lambda: g.report_memory(15 * GiB))
             acks.append(sc.pause_ack_ms[-1])
-            _wait(lambda: len(sc.resume_ack_ms) > n_res, 30, "the resume ack", tick=lambda: g.report(1 * GiB))
+            _wait(lambda: len(sc.resume_ack_ms) > n_res, 30, "the resume ack", tick=lambda: g.report_memory(1 * GiB))
             resumes.append(sc.resume_ack_ms[-1])
             _wait(lambda: not job().paused, 10, "the job running again")
         return {"rounds": rounds, "footprint_bytes": int(footprint_gib * GiB), "pause_ack_ms": acks,
