@@ -17,6 +17,20 @@
 
 #define ANTMAN_INTERNAL __attribute__((visibility("hidden")))
 
+/*
+ * The environment variables the plugin shares with the Prolog, the Lua scripts and the agent: one
+ * name each, as docs/protocol.md ("Environment variables") lists them; tests/test_contracts.py
+ * compares these with docs/contracts.json.
+ */
+#define ANTMAN_ENV_CLASS "ANTMAN_CLASS"
+#define ANTMAN_ENV_SPANK_CLASS "SPANK_ANTMAN_CLASS"
+#define ANTMAN_ENV_JOB_SPANK_CLASS "SLURM_SPANK_ANTMAN_CLASS"
+#define ANTMAN_ENV_JOB_ID "ANTMAN_JOB_ID"
+#define ANTMAN_ENV_GPU_DEVICES "ANTMAN_GPU_DEVICES"
+#define ANTMAN_ENV_REFUSED "ANTMAN_REFUSED"
+#define ANTMAN_ENV_JOB_NODEID "ANTMAN_JOB_NODEID"
+#define ANTMAN_ENV_PROLOG_FROM_SPANK "ANTMAN_PROLOG_FROM_SPANK"
+
 /* The job env value of name, or "" when the step has none. */
 static inline void job_getenv(spank_t sp, const char *name, char *buf, size_t len)
 {

@@ -221,7 +221,7 @@ int antman_devices_grant(uint32_t job_id, uid_t uid, pid_t task_pid)
 	if (!mount[0]) {
 		/* No cgroup v1 devices controller: with cgroup/v2 Slurm's device rules are eBPF programs,
 		   which this does not amend. Say so where an admin looks, for the job it would hurt. */
-		if (env_file_value(job_id, NULL, ANTMAN_DEVICES_KEY, value, sizeof(value)) > 0)
+		if (env_file_value(job_id, NULL, ANTMAN_ENV_GPU_DEVICES, value, sizeof(value)) > 0)
 			slurm_info("antman: job %u: no cgroup v1 devices controller on this node; if Slurm confines "
 				   "devices here (cgroup/v2), the job cannot open its GPU(s) %s", job_id, value);
 		return 0;
@@ -234,12 +234,12 @@ int antman_devices_grant(uint32_t job_id, uid_t uid, pid_t task_pid)
 			    job_id, (int)task_pid, cgroup);
 		return 0;
 	}
-	rc = env_file_value(job_id, node[0] ? node : NULL, ANTMAN_DEVICES_KEY, value, sizeof(value));
+	rc = env_file_value(job_id, node[0] ? node : NULL, ANTMAN_ENV_GPU_DEVICES, value, sizeof(value));
 	if (rc <= 0)
 		return rc; /* 0: no placed devices (a guaranteed or plain job: Slurm's own rules stand) */
 	if (parse_devices(value, devs, &n) < 0) {
 		slurm_error("antman: job %u: %s=%s in its env file is not MAJOR:MINOR[,MAJOR:MINOR...]; no GPU allowed",
-			    job_id, ANTMAN_DEVICES_KEY, value);
+			    job_id, ANTMAN_ENV_GPU_DEVICES, value);
 		return -1;
 	}
 	snprintf(where, sizeof(where), "%s/%s", mount, job_dir);

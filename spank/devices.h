@@ -15,7 +15,6 @@
 #include "common.h"
 
 /* The env file key that holds the devices to allow: "MAJOR:MINOR[,MAJOR:MINOR...]", char devices. */
-#define ANTMAN_DEVICES_KEY "ANTMAN_GPU_DEVICES"
 
 /*
  * Allows the job's placed GPUs in the devices cgroup of the task whose pid is given, and in every

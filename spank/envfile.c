@@ -147,30 +147,56 @@ static bool line_is_blank(const char *line)
 	return true;
 }
 
+enum env_line {
+	ENV_LINE_ENTRY,   /* KEY=VALUE */
+	ENV_LINE_NOTHING, /* a comment or a blank line */
+	ENV_LINE_NUL,     /* a NUL byte: the C string would end early, so the line is skipped */
+	ENV_LINE_BAD,     /* no '=' or a key outside [A-Z_][A-Z0-9_]* */
+};
+
+/*
+ * One line as getline returned it (n bytes), newline removed in place. The task env and
+ * env_file_value both classify lines here, so a root-side lookup never sees an entry the task
+ * env does not get (docs/protocol.md, "The job env file").
+ */
+static enum env_line classify_line(char *line, ssize_t n, size_t *key_len)
+{
+	if (n > 0 && line[n - 1] == '\n')
+		line[--n] = '\0';
+	if ((size_t)n != strlen(line))
+		return ENV_LINE_NUL;
+	if (line[0] == '#' || line_is_blank(line))
+		return ENV_LINE_NOTHING;
+	char *eq = strchr(line, '=');
+	if (!eq || !key_is_valid(line, (size_t)(eq - line)))
+		return ENV_LINE_BAD;
+	*key_len = (size_t)(eq - line);
+	return ENV_LINE_ENTRY;
+}
+
 static void parse_env_stream(FILE *f, const char *path)
 {
 	char *line = NULL;
-	size_t cap = 0;
+	size_t cap = 0, key_len = 0;
 	ssize_t n;
 	unsigned lineno = 0;
 
 	while ((n = getline(&line, &cap, f)) >= 0) {
 		lineno++;
-		if (n > 0 && line[n - 1] == '\n')
-			line[--n] = '\0';
-		if ((size_t)n != strlen(line)) {
+		switch (classify_line(line, n, &key_len)) {
+		case ENV_LINE_NOTHING:
+			continue;
+		case ENV_LINE_NUL:
 			slurm_error("antman: %s:%u: NUL byte in line; skipped", path, lineno);
 			continue;
-		}
-		if (line[0] == '#' || line_is_blank(line))
-			continue;
-		char *eq = strchr(line, '=');
-		if (!eq || !key_is_valid(line, (size_t)(eq - line))) {
+		case ENV_LINE_BAD:
 			slurm_error("antman: %s:%u: not KEY=VALUE with KEY matching [A-Z_][A-Z0-9_]*; skipped",
 				    path, lineno);
 			continue;
+		case ENV_LINE_ENTRY:
+			break;
 		}
-		if (add_entry(line, (size_t)(eq - line), eq + 1) < 0) {
+		if (add_entry(line, key_len, line + key_len + 1) < 0) {
 			slurm_error("antman: %s:%u: more than %d entries or out of memory; rest of file skipped",
 				    path, lineno, ENV_FILE_MAX_ENTRIES);
 			break;
@@ -386,7 +412,7 @@ int env_file_value(uint32_t job_id, const char *node, const char *key, char *buf
 {
 	char name[NODENAME_MAX], path[PATH_MAX];
 	char *line = NULL;
-	size_t cap = 0, key_len = strlen(key);
+	size_t cap = 0, key_len = 0, entries = 0;
 	ssize_t n;
 	struct stat st;
 	int fd, rc = 0;
@@ -412,18 +438,17 @@ int env_file_value(uint32_t job_id, const char *node, const char *key, char *buf
 		close(fd);
 		return -1;
 	}
-	while (rc == 0 && (n = getline(&line, &cap, f)) >= 0) {
-		if (n > 0 && line[n - 1] == '\n')
-			line[--n] = '\0';
-		if (strncmp(line, key, key_len) == 0 && line[key_len] == '=') {
-			if (snprintf(buf, len, "%s", line + key_len + 1) >= (int)len) {
-				slurm_error("antman: %s: %s is longer than %zu bytes", path, key, len - 1);
-				rc = -1;
-			} else {
-				rc = 1;
-			}
-		}
+	/* The value the task env gets: the key's last entry among the first ENV_FILE_MAX_ENTRIES. */
+	while (entries < ENV_FILE_MAX_ENTRIES && (n = getline(&line, &cap, f)) >= 0) {
+		if (classify_line(line, n, &key_len) != ENV_LINE_ENTRY)
+			continue;
+		entries++;
+		if (key_len != strlen(key) || strncmp(line, key, key_len) != 0)
+			continue;
+		rc = snprintf(buf, len, "%s", line + key_len + 1) >= (int)len ? -1 : 1;
 	}
+	if (rc < 0)
+		slurm_error("antman: %s: %s is longer than %zu bytes", path, key, len - 1);
 	free(line);
 	fclose(f);
 	return rc;

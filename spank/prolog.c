@@ -78,7 +78,7 @@ static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class,
 	uint32_t nodeid = 0;
 	if (spank_get_item(sp, S_JOB_NODEID, &nodeid) == ESPANK_SUCCESS) {
 		snprintf(buf, sizeof(buf), "%u", nodeid);
-		prolog_env_add(e, "ANTMAN_JOB_NODEID", buf);
+		prolog_env_add(e, ANTMAN_ENV_JOB_NODEID, buf);
 	}
 	/*
 	 * An array task's own id for a refusal made before the hook has read the job's record: the raw
@@ -92,11 +92,11 @@ static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class,
 		snprintf(buf, sizeof(buf), "%u", array_task);
 		prolog_env_add(e, "SLURM_ARRAY_TASK_ID", buf);
 	}
-	prolog_env_add(e, "SPANK_ANTMAN_CLASS", job_class);
+	prolog_env_add(e, ANTMAN_ENV_SPANK_CLASS, job_class);
 	/* The node's own slurm.conf, where slurmd was not started with the default one. */
 	prolog_env_add(e, "SLURM_CONF", getenv("SLURM_CONF"));
 	prolog_env_add(e, "PATH", PROLOG_PATH);
-	prolog_env_add(e, "ANTMAN_PROLOG_FROM_SPANK", "1");
+	prolog_env_add(e, ANTMAN_ENV_PROLOG_FROM_SPANK, "1");
 }
 
 /* Only async-signal-safe calls: slurmstepd has threads, and this is the child of its fork. */

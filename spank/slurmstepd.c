@@ -41,7 +41,7 @@ static void requested_class(spank_t sp, char *buf, size_t len)
 		snprintf(buf, len, "%s", args->job_class);
 		return;
 	}
-	job_getenv(sp, "SLURM_SPANK_ANTMAN_CLASS", buf, len);
+	job_getenv(sp, ANTMAN_ENV_JOB_SPANK_CLASS, buf, len);
 	if (buf[0] && !antman_class_is_valid(buf))
 		buf[0] = '\0';
 }
@@ -150,14 +150,14 @@ int antman_stepd_task_init(spank_t sp)
 	 * and asked Slurm to requeue it: the task must not start unmanaged in the meantime (fail closed).
 	 */
 	for (size_t i = 0; i < n_entries; i++) {
-		if (strcmp(entries[i].key, "ANTMAN_REFUSED") == 0) {
+		if (strcmp(entries[i].key, ANTMAN_ENV_REFUSED) == 0) {
 			slurm_error("antman: job %u not started on this node: %s", job_id, entries[i].value);
 			return -1;
 		}
 	}
 	snprintf(buf, sizeof(buf), "%u", job_id);
-	if (spank_setenv(sp, "ANTMAN_JOB_ID", buf, 1) != ESPANK_SUCCESS)
-		slurm_error("antman: cannot set ANTMAN_JOB_ID in the task env");
+	if (spank_setenv(sp, ANTMAN_ENV_JOB_ID, buf, 1) != ESPANK_SUCCESS)
+		slurm_error("antman: cannot set " ANTMAN_ENV_JOB_ID " in the task env");
 	for (size_t i = 0; i < n_entries; i++) {
 		spank_err_t rc = spank_setenv(sp, entries[i].key, entries[i].value, 1);
 		if (rc != ESPANK_SUCCESS)

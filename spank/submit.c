@@ -18,7 +18,7 @@ int antman_submit_post_opt(spank_t sp)
 
 	if (args->job_class[0] == '\0')
 		return 0;
-	rc = spank_job_control_setenv(sp, "ANTMAN_CLASS", args->job_class, 1);
+	rc = spank_job_control_setenv(sp, ANTMAN_ENV_CLASS, args->job_class, 1);
 	if (rc != ESPANK_SUCCESS) {
 		slurm_error("antman: cannot pass --antman=%s to the job: %s",
 			    args->job_class, spank_strerror(rc));
