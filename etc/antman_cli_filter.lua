@@ -34,6 +34,8 @@ every command unchanged.
 ]]
 
 local NAME = "slurm-antman"
+-- The resolved class, which the Prolog's env file puts into a job's environment (docs/protocol.md).
+local CLASS_ENV = "ANTMAN_CLASS"
 
 local function script_dir()
   local src = debug.getinfo(1, "S").source or ""
@@ -120,7 +122,7 @@ local function job_class(options, s)
   local spank = spank_class(options)
   if in_job then
     -- The Prolog's env file put the resolved class into the batch script's and tasks' environment.
-    local class = os.getenv("ANTMAN_CLASS")
+    local class = os.getenv(CLASS_ENV)
     if class == "guaranteed" or class == "opportunistic" then return class, true end
     if spank == "guaranteed" or spank == "opportunistic" then return spank, true end
     return job_holds(in_job, s.opp_gres) and "opportunistic" or "other", true

@@ -71,7 +71,9 @@ Root may upgrade a job by setting AdminComment=antman:class=guaranteed in the sa
 
 local NO_VAL = 4294967294
 local NO_VAL16 = 65534
-local TAG_PREFIX = "antman:class="
+local TAG_PREFIX = "antman:"
+-- Where the SPANK plugin puts --antman=CLASS (docs/protocol.md, "Environment variables").
+local CLASS_ENV = "ANTMAN_CLASS"
 local TRES_FIELDS = { "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }
 local TRES_OPTION = {
   tres_per_node = "--gres/--gpus-per-node",
@@ -202,6 +204,29 @@ local function has_partition(value, name)
 end
 
 ---------------------------------------------------------------------------------------------
+-- the AdminComment tag (docs/protocol.md, "The AdminComment tag"; jobtag.py is the other side)
+
+-- The value of the tag's last class field, or nil when the comment is no tag or has none. Lenient
+-- on purpose: jobtag.py refuses a damaged tag, but the update guard must still treat one whose class
+-- field says opportunistic as opportunistic.
+local function tag_class(comment)
+  if type(comment) ~= "string" or comment:sub(1, #TAG_PREFIX) ~= TAG_PREFIX then return nil end
+  local class
+  for field in (comment:sub(#TAG_PREFIX + 1) .. ";"):gmatch("([^;]*);") do
+    local key, value = field:match("^([^=]*)=(.*)$")
+    if key == "class" then class = value end
+  end
+  return class
+end
+
+-- The canonical tag of a job at submission: req only when the user asked for something else.
+local function render_tag(class, request)
+  local tag = TAG_PREFIX .. "class=" .. class
+  if request ~= nil and request ~= class then tag = tag .. ";req=" .. request end
+  return tag
+end
+
+---------------------------------------------------------------------------------------------
 -- classification
 
 local function class_from_env(env)
@@ -210,7 +235,9 @@ local function class_from_env(env)
   local found
   -- 22.05 indexes this table from 0, so ipairs would miss the first entry
   for _, entry in pairs(env) do
-    if type(entry) == "string" and entry:sub(1, 13) == "ANTMAN_CLASS=" then found = entry:sub(14) end
+    if type(entry) == "string" and entry:sub(1, #CLASS_ENV + 1) == CLASS_ENV .. "=" then
+      found = entry:sub(#CLASS_ENV + 2)
+    end
   end
   return found
 end
@@ -391,7 +418,7 @@ local function make_opportunistic(job_desc, s)
   job_desc.partition = s.opp_partition
   if s.opp_qos then job_desc.qos = s.opp_qos end
   job_desc.requeue = 1
-  job_desc.admin_comment = TAG_PREFIX .. "opportunistic"
+  job_desc.admin_comment = render_tag("opportunistic")
   info("%s: class opportunistic; GPUs %s -> %s; partition %s -> %s%s", job_label(job_desc),
     table.concat(requested, " "), job_desc.tres_per_node,
     tostring(from_part or "(default)"), s.opp_partition, s.opp_qos and ("; qos " .. s.opp_qos) or "")
@@ -403,7 +430,7 @@ local function make_guaranteed(job_desc, s)
       "drop -p %s or submit with --antman=opportunistic", s.opp_partition, s.opp_partition)
   end
   forbid_opp_gres(job_desc, s, "guaranteed")
-  job_desc.admin_comment = TAG_PREFIX .. "guaranteed"
+  job_desc.admin_comment = render_tag("guaranteed")
   info("%s: class guaranteed", job_label(job_desc))
 end
 
@@ -545,7 +572,7 @@ local function classify(job_desc, s)
     make_opportunistic(job_desc, s)
   end
   -- the coordinator resolves auto by tenant quota; it must know the user left the choice open
-  if requested == "auto" then job_desc.admin_comment = job_desc.admin_comment .. ";req=auto" end
+  if requested == "auto" then job_desc.admin_comment = render_tag(class, requested) end
 end
 
 ---------------------------------------------------------------------------------------------
@@ -588,6 +615,9 @@ end
 
 local M = {}
 
+-- For tests/test_contracts.py, which holds them to docs/contracts.json.
+M.tag_class, M.render_tag = tag_class, render_tag
+
 -- The policy for one submission: slurm.SUCCESS, or an error code with the reason told to the user.
 function M.job_submit(job_desc, part_list, submit_uid)
   return guarded(safe_label(job_label, job_desc), false, function()
@@ -596,14 +626,12 @@ function M.job_submit(job_desc, part_list, submit_uid)
 end
 
 local function check_modify(job_desc, job_rec, modify_uid)
-  local tag = job_rec.admin_comment
-  local class = type(tag) == "string" and tag:match("^" .. TAG_PREFIX .. "([%w_]+)") or nil
+  local class = tag_class(job_rec.admin_comment)
   -- only opportunistic jobs are guarded, so a broken settings file does not block updates
   -- (hold, release, time limits) of every other job
   if class ~= "opportunistic" then return end
   local s = settings_or_reject()
-  local new_tag = job_desc.admin_comment
-  if modify_uid == 0 and type(new_tag) == "string" and new_tag:match("^" .. TAG_PREFIX .. "guaranteed") then
+  if modify_uid == 0 and tag_class(job_desc.admin_comment) == "guaranteed" then
     info("job %s upgraded to guaranteed by root", tostring(job_rec.job_id))
     return
   end
