@@ -1,5 +1,6 @@
 """The slurm-antman tag in a job's AdminComment:
-``antman:class=CLASS[;req=REQUESTED][;hold=quota][;gpus=NODE:I+J,NODE:K]``.
+``antman:class=CLASS[;req=REQUESTED][;hold=quota][;gpus=NODE:I+J,NODE:K]``. The grammar and its
+vectors are docs/protocol.md ("The AdminComment tag") and docs/contracts.json.
 
 ``req`` is what the user asked for when it differs from the class (``auto``, or a guaranteed job the
 coordinator turned opportunistic); without it the request was the class itself. ``hold=quota`` marks
@@ -15,16 +16,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from .errors import AntmanError
+
 PREFIX = "antman:"
 CLASSES = ("guaranteed", "opportunistic")
 REQUESTS = ("guaranteed", "opportunistic", "auto")
 HOLDS = ("quota",)
 _KNOWN = ("class", "req", "hold", "gpus")
-_NODE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_NODE = re.compile(r"[A-Za-z0-9_.\-]+")
+# int() alone would also take "-1", " 1" and "1_0": not GPU indices, and not what render() writes back.
+_INDEX = re.compile(r"[0-9]+")
 
 
-class TagError(ValueError):
-    pass
+class TagError(AntmanError, ValueError):
+    """A damaged tag (docs/protocol.md, "The AdminComment tag")."""
 
 
 @dataclass(frozen=True)
@@ -95,12 +100,12 @@ def parse_tag(admin_comment: str | None) -> JobTag | None:
     if fields.get("gpus"):
         for entry in fields["gpus"].split(","):
             node, sep, idx = entry.partition(":")
-            if not sep or not _NODE.match(node):
+            if not sep or not _NODE.fullmatch(node):
                 raise TagError(f"AdminComment {admin_comment!r}: bad GPU entry {entry!r} (want NODE:I+J)")
-            try:
-                gpus[node] = [int(i) for i in idx.split("+")] if idx else []
-            except ValueError:
-                raise TagError(f"AdminComment {admin_comment!r}: bad GPU index in {entry!r}") from None
+            indices = idx.split("+") if idx else []
+            if not all(_INDEX.fullmatch(i) for i in indices):
+                raise TagError(f"AdminComment {admin_comment!r}: bad GPU index in {entry!r}")
+            gpus[node] = [int(i) for i in indices]
     req = fields.get("req") or None
     if req is not None and req not in REQUESTS:
         raise TagError(f"AdminComment {admin_comment!r}: req must be one of {', '.join(REQUESTS)}")

@@ -40,6 +40,20 @@ CONTROL_SOCKET_NAME = "control.sock"
 AGENT_SOCKET_NAME = "agent.sock"
 # The agent finds its endpoint in this variable (set from the Prolog's job env file).
 ENDPOINT_ENV = "ANTMAN_SIDECAR_ENDPOINT"
+# The other names C, Lua and Python share (docs/protocol.md, "Environment variables"; the tests
+# compare each language's copy with docs/contracts.json).
+ENV_CLASS = "ANTMAN_CLASS"
+ENV_SPANK_CLASS = "SPANK_ANTMAN_CLASS"
+ENV_JOB_SPANK_CLASS = "SLURM_SPANK_ANTMAN_CLASS"
+ENV_JOB_ID = "ANTMAN_JOB_ID"
+ENV_NODE = "ANTMAN_NODE"
+ENV_GPUS = "ANTMAN_GPUS"
+ENV_GPU_DEVICES = "ANTMAN_GPU_DEVICES"
+ENV_REFUSED = "ANTMAN_REFUSED"
+ENV_JOB_NODEID = "ANTMAN_JOB_NODEID"
+ENV_PROLOG_FROM_SPANK = "ANTMAN_PROLOG_FROM_SPANK"
+ENV_AGENT_DISABLE = "ANTMAN_AGENT_DISABLE"
+ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 JOB_ID_RE = re.compile(r"^[0-9]{1,10}$")
 # Slurm node names; they also become key file names on the coordinator.

@@ -414,13 +414,13 @@ def install(
         if _agent is not None:
             return _agent
         env = os.environ
-        job_id = job_id or env.get("ANTMAN_JOB_ID") or env.get("SLURM_JOB_ID")
-        job_class = job_class or env.get("ANTMAN_CLASS") or "none"
-        endpoint = endpoint or env.get("ANTMAN_SIDECAR_ENDPOINT") or None
+        job_id = job_id or env.get(P.ENV_JOB_ID) or env.get("SLURM_JOB_ID")
+        job_class = job_class or env.get(P.ENV_CLASS) or "none"
+        endpoint = endpoint or env.get(P.ENDPOINT_ENV) or None
         if "fallback_share" not in kwargs:
             kwargs["fallback_share"] = _env_float("ANTMAN_AGENT_FALLBACK_SHARE", DEFAULT_FALLBACK_SHARE, 0.01, 1.0)
         if endpoint is None and job_id is not None:
-            sys.stderr.write("slurm-antman: ANTMAN_SIDECAR_ENDPOINT is not set; the agent runs without a sidecar\n")
+            sys.stderr.write(f"slurm-antman: {P.ENDPOINT_ENV} is not set; the agent runs without a sidecar\n")
         _installing.active = True
         try:
             agent = Agent(job_id=job_id, job_class=job_class, endpoint=endpoint, **kwargs)  # type: ignore[arg-type]

@@ -65,7 +65,7 @@ if os.path.exists(sys.argv[1]):
     sys.exit(0)  # once per job, whichever run of it gets here first
 open(sys.argv[1], "w").close()
 s = zmq.Context().socket(zmq.DEALER)
-s.connect(os.environ["ANTMAN_SIDECAR_ENDPOINT"])
+s.connect(os.environ[p.ENDPOINT_ENV])
 s.send_multipart(p.encode(p.Message(body=p.Register(job_id=os.environ["SLURM_JOB_ID"], pid=os.getpid(), rank=0,
     local_rank=0, world_size=1, hostname="x", agent_version="torn", torch_version="none", device="cuda",
     job_class="opportunistic"))))
@@ -91,7 +91,7 @@ ctx = zmq.Context()
 socks = []
 for rank in (0, 1):
     s = ctx.socket(zmq.DEALER)
-    s.connect(os.environ["ANTMAN_SIDECAR_ENDPOINT"])
+    s.connect(os.environ[p.ENDPOINT_ENV])
     s.send_multipart(p.encode(p.Message(body=p.Register(job_id=os.environ["SLURM_JOB_ID"], pid=os.getpid(), rank=rank,
         local_rank=0, world_size=2, hostname="x", agent_version="rogue", torch_version="none", device="cuda",
         job_class="opportunistic"))))
