@@ -1,5 +1,5 @@
 """``antman bench simulate``: replay a trace window on a simulated cluster under one or more policies
-with the production policy code (see slurm_antman/lab/evaluation/simulator.py), print a table or JSON,
+with the production policy code (see slurm_antman/lab/evaluation/simulator/), print a table or JSON,
 and write results.json, per-job CSVs and plots with ``--out``."""
 
 from __future__ import annotations

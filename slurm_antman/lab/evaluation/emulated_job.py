@@ -2,7 +2,7 @@
 
 Each trace job becomes a real sbatch job that runs this module. It speaks the real agent protocol
 through the real torch_patch agent, so the sidecar and the coordinator cannot tell it from a PyTorch
-job, and it behaves like the simulator's workload model (``workloads.Profile``, ``simulator._model_gpu``),
+job, and it behaves like the simulator's workload model (``workloads.Profile``, ``simulator.interference``),
 so a replay and a simulation of the same trace can be compared:
 
 - a mini-batch takes ``iter_ms * slowdown``, the workload model's measured interference of the other
@@ -43,7 +43,7 @@ from typing import Any, Iterator, Optional, Sequence
 from .emulated_gpu import OOM, WAIT, Board, BoardError, OomCheck, write_json_atomic
 from .workloads import BY_NAME, Profile
 
-DEFAULT_SPILL_RATE = 0.5  # simulator.SPILL_RATE; not imported so the job does not load the simulator
+DEFAULT_SPILL_RATE = 0.5  # simulator.interference.SPILL_RATE; not imported so the job does not load the simulator
 CHECKPOINT_EVERY_S = 10.0
 PUBLISH_EVERY_S = 1.0
 # The longest sleep between two "kernel launches": the throttle pays at most 1 s of idle per hook, so

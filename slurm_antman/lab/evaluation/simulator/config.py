@@ -1,0 +1,114 @@
+"""The simulator's settings: the cluster, how the trace is scaled, and the knobs of each policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from slurm_antman.policy import cluster as cp
+from slurm_antman.policy.node import core as lp
+
+from .. import utilisation
+from ..workloads import GiB
+
+POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
+NO_ROOM = ("fallback", "wait")
+# Policies under which every job holds whole GPUs alone.
+WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    policy: str = "antman"
+    nodes: int = 4
+    gpus_per_node: int = 8
+    gpu_mem_bytes: int = 32 * GiB
+    speedup: float = 1.0          # every trace time divided by this
+    quota_scale: float = 1.0
+    slots_per_gpu: int = 2
+    util_threshold: float = 0.8
+    # opportunistic.utilization_window_s: the sidecar's utilisation average, and how long a new
+    # guaranteed job must have iterated before its GPU counts as measured (slurm_antman.policy.node.placement).
+    util_window_s: float = 10.0
+    # antman: pause in place before requeue (sidecar.pause_max_s; None: requeue at once, as before
+    # issue 16), its resume hold (sidecar.resume_hold_s), and the cost of one pause and resume: the
+    # job's GPU memory over this bandwidth, each way, lost from its progress. 12e9 B/s: PCIe 3.0 x16
+    # (15.75 GB/s raw, the bus of PipeSwitch's testbed, OSDI'20 section 6) at the ~75 % pinned copies
+    # reach; `antman bench gpu` part 7 measures this on the lent GPU nodes.
+    pause_max_s: Optional[float] = None
+    resume_hold_s: float = 10.0
+    pause_bandwidth_bytes_s: float = 12e9
+    grace_s: float = 30.0
+    checkpoint_s: float = 1800.0  # opportunistic jobs checkpoint this often (estimate)
+    oom_retry_s: float = 60.0
+    seed: int = 0
+    max_samples: int = 2000       # points kept for the utilisation-over-time plot
+    # The coordinator loop: at most one cycle per batch of events at one instant, and at least this
+    # many simulated seconds between cycles (the daemon's loop is ~1 s; jobs last minutes to days, and
+    # docs/evaluation.md shows 5, 30 and 60 s give the same results within 3 %).
+    # The quota file job_submit.lua reads is rewritten at the same pace, under every policy.
+    cycle_s: float = 30.0
+    # torch_patch's agent runs the job's on_preempt hook at the notice: the job saves then and loses
+    # only what it computes during the grace time. False: it loses the work since its last periodic
+    # checkpoint (a job that registered no hook).
+    checkpoint_on_notice: bool = True
+    # Seconds from a job's start to its first progress, added to every (re)start. 0 for trace-scale
+    # runs (minutes to days of work); the devcluster replay's emulated jobs spend a few seconds
+    # starting Python and torch, which ``antman bench trace --with-simulator`` measures and passes.
+    start_overhead_s: float = 0.0
+    # The local policy's preemption for speed (``sidecar.slow_preempt_s``); None: throttle only.
+    slow_preempt_s: Optional[float] = lp.PolicyParams.slow_preempt_s
+    # How busy jobs keep their GPUs (utilisation.py): production (drawn from published cluster
+    # figures) or saturated (every job as busy as its benchmark).
+    utilisation: str = "production"
+    # production: every drawn utilisation times this (capped at the benchmark's), for the sweep of
+    # docs/evaluation.md: where sharing pays and where it breaks even.
+    util_scale: float = 1.0
+    # scavenger: a requeued job is not eligible before this (Slurm's BeginTime after a requeue,
+    # ~121 s on 22.05, docs/architecture.md); antman clears it with MakeEligible.
+    requeue_delay_s: float = 120.0
+    # antman: opportunistic.min_progress, move_after_s, move_gain (antman.yaml).
+    min_progress: float = cp.PolicyParams.__dataclass_fields__["min_progress"].default
+    move_after_s: Optional[float] = cp.PolicyParams.__dataclass_fields__["move_after_s"].default
+    move_gain: float = cp.PolicyParams.__dataclass_fields__["move_gain"].default
+    # antman: what an opportunistic job does on a node where fewer GPUs than it asks meet the
+    # opportunistic rules (antman.yaml opportunistic.no_room). wait (the default): it waits for room
+    # (``choose_gpus(wait_without_room=True)``; the daemons requeue it from its Prolog and keep it off
+    # such nodes, policy.keep_off, which the simulator models as nothing starting there); fallback: it
+    # starts on the least-loaded GPUs.
+    no_room: str = "wait"
+    # antman: opportunistic.upgrade_running (off by default, as in antman.yaml).
+    upgrade_running: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy {self.policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
+        for name in ("nodes", "gpus_per_node", "slots_per_gpu"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.speedup > 0:
+            raise ValueError(f"--speedup must be > 0, got {self.speedup}")
+        from ..workloads import MIN_GPU_MEMORY_BYTES
+        if self.gpu_mem_bytes < MIN_GPU_MEMORY_BYTES:
+            raise ValueError(f"--gpu-mem-gib must be >= {MIN_GPU_MEMORY_BYTES / GiB:g}: every profile of the "
+                             "workload model must fit a GPU alone")
+        if self.quota_scale < 0:
+            raise ValueError(f"quota_scale must be >= 0, got {self.quota_scale}")
+        if not self.cycle_s >= 0:
+            raise ValueError(f"--cycle-s must be >= 0, got {self.cycle_s}")
+        if self.slow_preempt_s is not None and not self.slow_preempt_s > 0:
+            raise ValueError(f"--slow-preempt-s must be > 0 (or 'none'), got {self.slow_preempt_s}")
+        utilisation.check_mode(self.utilisation)
+        if not self.util_scale > 0:
+            raise ValueError(f"--util-scale must be > 0, got {self.util_scale}")
+        if not 0 < self.min_progress <= 1:
+            raise ValueError(f"--min-progress must be in (0, 1], got {self.min_progress}")
+        if self.move_after_s is not None and not self.move_after_s > 0:
+            raise ValueError(f"--move-after-s must be > 0 (or 'none'), got {self.move_after_s}")
+        if not self.move_gain >= 1:
+            raise ValueError(f"--move-gain must be >= 1, got {self.move_gain}")
+        if self.no_room not in NO_ROOM:
+            raise ValueError(f"--no-room {self.no_room!r} is not allowed; allowed: {', '.join(NO_ROOM)}")
+        if not self.requeue_delay_s >= 0:
+            raise ValueError(f"requeue_delay_s must be >= 0, got {self.requeue_delay_s}")
+

@@ -1,0 +1,273 @@
+"""Slurm's scheduler as each policy configures it: the queue, scheduling passes, tenant quotas,
+scavenger preemption and the choice of nodes and GPUs. The baselines a Slurm site would choose
+between (docs/evaluation.md) are this module alone:
+
+- ``exclusive``: plain Slurm, one job per GPU, FIFO with backfill-lite (any pending job that fits
+  starts, in submission order).
+- ``quota``: whole GPUs, each tenant limited to its quota of GPUs at once (``sacctmgr ... set
+  GrpTRES=gres/gpu=N``); a job over its tenant's quota waits. A job larger than its tenant's whole
+  quota runs when the tenant has nothing else running (Slurm would hold it forever; a site sets the
+  quota at least its largest job).
+- ``scavenger``: Slurm's native preemption. A job within its tenant's quota at submission goes to the
+  high partition (quota-limited as above), any other to a preemptible scavenger partition that runs
+  on idle whole GPUs (``PreemptType=preempt/partition_prio``, ``PreemptMode=REQUEUE``). A high job
+  that finds too few idle GPUs has scavenger jobs preempted (the youngest first): a signal, the grace
+  time, a requeue; the requeued job waits ``requeue_delay_s`` (Slurm's BeginTime) and restarts from
+  its checkpoint.
+- ``shared``: opportunistic jobs packed onto GPUs beside others with no control (gres/shard today):
+  every job on a GPU slows by the workload model's interference (``interference``); a GPU whose
+  footprints exceed its memory makes the job that arrived last fail with OOM (counted, retried after
+  ``oom_retry_s``).
+
+Under ``antman`` the same scheduler starts the jobs, within the node slot counts the coordinator sets
+and on the GPUs the node policy's ``choose_gpus`` picks (``antman``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Iterable, Iterator, Optional
+
+from slurm_antman.policy.cluster.quota import fits_quota
+from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
+
+from .config import WHOLE_GPU
+from .state import REQUEUE, SimJob
+
+
+class SlurmScheduler:
+    """The scheduler's half of ``Simulator``: it works on the simulator's state (``engine``)."""
+
+    def _enqueue(self, j: SimJob) -> None:
+        self.seq += 1
+        j.ticket = self.seq
+        entry = (j.job.job_id, j.ticket)
+        self.queues.setdefault(self._queue_key(j), []).append(entry)
+        self.fresh.append(entry)
+
+    def _queue_key(self, j: SimJob) -> tuple[bool, str, int]:
+        return self.cfg.policy == "scavenger" and self._is_high(j), j.job.tenant, j.job.gpus
+
+    def _queued(self, entry: tuple[str, int]) -> bool:
+        j = self.jobs[entry[0]]
+        return j.ticket == entry[1] and j.state == "PENDING"
+
+    def _schedule(self) -> None:
+        """One scheduling pass over the queue. A pass costs the length of the queue, which under a
+        quota or a busy scavenger partition holds thousands of jobs, so passes that cannot start
+        anything are skipped: a whole-GPU policy with no idle GPU starts nothing."""
+        fresh, self.fresh = self.fresh, []
+        if not self.n_pending:
+            return
+        policy = self.cfg.policy
+        # Under whole GPUs a queued job can start only once GPUs, quota or its eligibility free up:
+        # until then, only the jobs submitted since the last pass are worth looking at.
+        only_fresh = policy in WHOLE_GPU and not self.sched_dirty
+        if policy in WHOLE_GPU:
+            self.sched_dirty = False
+
+        def queue(high: Optional[bool]) -> Iterable[tuple[str, int]]:
+            if only_fresh:
+                return [e for e in fresh if self._queued(e)
+                        and (high is None or self._is_high(self.jobs[e[0]]) == high)]
+            return self._in_order(high)
+
+        if policy != "scavenger":
+            if policy not in WHOLE_GPU or self.free_gpus:
+                self._schedule_pass(queue(None))
+            return
+        # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
+        if self.free_gpus:
+            self._schedule_pass(queue(True))
+        # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed,
+        # and the idle GPUs they wait to gather are theirs: the scavenger partition gets what is left
+        # (a GPU freed for a waiting 8-GPU job is not handed to a scavenger job, which it would only
+        # preempt again).
+        spare = self._preempt_scavengers(self._in_order(True))
+        if spare > 0:
+            self._schedule_pass(queue(False), budget=spare)
+
+    def _in_order(self, high: Optional[bool]) -> Iterator[tuple[str, int]]:
+        """The queued entries of one partition (None: both) in submission order, merged from the
+        per-tenant, per-size queues. A queue is left out, or dropped the moment a start in this very
+        pass gets its tenant there, when the tenant's quota has no room for its size: a pass then
+        costs the jobs that could start, not the thousands that wait for their tenant's quota.
+        Entries that left a queue are stepped over once at its front and compacted away when they
+        are half of it."""
+        heap = []
+        for key, q in self.queues.items():
+            if high is not None and key[0] != high:
+                continue
+            if self.dead.get(key, 0) * 2 > len(q):
+                q = self.queues[key] = [e for e in q if self._queued(e)]
+                self.dead[key] = self.heads[key] = 0
+            h = self.heads.get(key, 0)
+            while h < len(q) and not self._queued(q[h]):
+                h += 1
+            self.heads[key] = h
+            if h < len(q) and not self._at_quota(key):
+                heap.append((q[h][1], key, h))
+        heapq.heapify(heap)
+        while heap:
+            _, key, i = heapq.heappop(heap)
+            q = self.queues[key]
+            yield q[i]
+            # Only the tenant whose job was just looked at can have reached its quota since.
+            if i + 1 < len(q) and not self._at_quota(key):
+                heapq.heappush(heap, (q[i + 1][1], key, i + 1))
+
+    def _at_quota(self, key: tuple[bool, str, int]) -> bool:
+        """No job of this queue can be within its tenant's quota (``_within_quota``): the tenant
+        holds GPUs (in this partition) and this many more do not fit."""
+        policy = self.cfg.policy
+        if policy == "quota":
+            held = self.tenant_gpus
+        elif policy == "scavenger" and key[0]:
+            held = self.high_gpus
+        else:
+            return False
+        have = held.get(key[1], 0)
+        return have > 0 and not fits_quota(self.quotas.get(key[1]), have, key[2])
+
+    def _is_high(self, j: SimJob) -> bool:
+        return j.submitted_as == "guaranteed"
+
+    def _within_quota(self, j: SimJob) -> bool:
+        """quota, and scavenger's high partition: the tenant's GPUs held plus this job's fit its
+        quota; a job larger than the whole quota runs when the tenant holds nothing (module doc)."""
+        policy = self.cfg.policy
+        if policy == "quota":
+            held = self.tenant_gpus
+        elif policy == "scavenger" and self._is_high(j):
+            held = self.high_gpus
+        else:
+            return True
+        q = self.quotas.get(j.job.tenant)
+        have = held.get(j.job.tenant, 0)
+        if fits_quota(q, have, j.job.gpus):
+            return True
+        return have == 0 and q is not None and j.job.gpus > q
+
+    def _schedule_pass(self, ids: Iterable[tuple[str, int]], budget: Optional[int] = None) -> None:
+        """Start what fits, in queue order; ``budget``: at most this many GPUs in all."""
+        whole = self.cfg.policy in WHOLE_GPU
+        # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit;
+        # likewise per tenant for its quota (its GPUs only grow during a pass).
+        smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
+        over_quota: dict[str, int] = {}
+        for jid, ticket in ids:
+            j = self.jobs[jid]
+            if j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now:
+                continue
+            tenant = j.job.tenant
+            if j.job.gpus >= over_quota.get(tenant, 1 << 30):
+                continue
+            if not self._within_quota(j):
+                over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
+                continue
+            if budget is not None and j.job.gpus > budget:
+                if budget <= 0:
+                    break
+                continue
+            kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
+            gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
+            if gpus is None:
+                smallest_failed[kind] = min(smallest_failed[kind], j.job.gpus)
+                if smallest_failed["guaranteed"] <= 1 and (whole or smallest_failed["opportunistic"] <= 1):
+                    break  # not even a 1-GPU job fits: the rest waits
+                continue
+            smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
+            self._start(j, gpus)
+            if budget is not None:
+                budget -= len(gpus)
+
+    def _preempt_scavengers(self, high: Iterable[tuple[str, int]]) -> int:
+        """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
+        few idle GPUs has scavenger jobs signalled (the youngest first, so the least work is lost);
+        they are requeued when the grace time is over (``REQUEUE``). GPUs already being freed count.
+        Returns how many idle GPUs no waiting high job claims."""
+        free = len(self.free_gpus)
+        freeing: Optional[int] = None  # counted at the first job that needs more than is idle
+        victims: Optional[list[SimJob]] = None
+        for jid, ticket in high:
+            j = self.jobs[jid]
+            if (j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now
+                    or not self._within_quota(j)):
+                continue
+            deficit = j.job.gpus - free
+            free = max(0, free - j.job.gpus)
+            if deficit <= 0:
+                continue
+            if freeing is None:
+                freeing = sum(len(x.gpus) for x in self.active.values()
+                              if x.state == "RUNNING" and x.notice_at is not None)
+            cover = min(deficit, freeing)
+            deficit, freeing = deficit - cover, freeing - cover
+            if victims is None:
+                victims = sorted((x for x in self.active.values()
+                                  if x.state == "RUNNING" and x.notice_at is None and not self._is_high(x)),
+                                 key=lambda x: (x.start or 0.0, x.job.job_id))
+            while deficit > 0 and victims:
+                v = victims.pop()
+                v.notice_at = self.now
+                self._push(self.now + self.cfg.grace_s, REQUEUE, v.job.job_id, v.restarts)
+                deficit -= len(v.gpus)
+            freeing += max(0, -deficit)
+            if deficit > 0:
+                return 0  # nothing left to preempt
+        return free
+
+    def _place(self, j: SimJob) -> Optional[list[int]]:
+        want = j.job.gpus
+        if j.klass == "guaranteed" or self.cfg.policy in WHOLE_GPU:
+            if len(self.free_gpus) < want:
+                return None
+            return self._pack(sorted(self.free_gpus), want, prefer_empty=self.cfg.policy == "shared")
+        # opportunistic: node slot counts (static under shared, the coordinator's under antman)
+        chosen: list[int] = []
+        per_node = self.cfg.gpus_per_node
+        wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
+        for k in range(self.cfg.nodes):
+            if len(chosen) >= want:
+                break
+            free_slots = self.opp_slots[k] - self.node_opp[k]
+            if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
+                continue
+            node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
+            room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
+            take = min(want - len(chosen), free_slots, len(room))
+            if take <= 0:
+                continue
+            loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp), self.now >= g.measured_at)
+                     for g in room]
+            avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
+            if self.cfg.policy == "antman":
+                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
+                                   self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
+                if wait and not pick.gpus and not avoid:
+                    self.unfit_nodes.add(k)
+            else:
+                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
+            chosen.extend(k * per_node + i for i in pick.gpus)
+        return chosen if len(chosen) >= want else None
+
+    def _pack(self, free: list[int], want: int, prefer_empty: bool) -> list[int]:
+        """Slurm's choice: fill the node with the fewest free GPUs that still fits (less fragmentation),
+        lowest indices first; a job larger than a node takes whole nodes first."""
+        by_node: dict[int, list[int]] = {}
+        for i in free:
+            by_node.setdefault(self.gpus[i].node, []).append(i)
+        if prefer_empty:
+            for lst in by_node.values():
+                lst.sort(key=lambda i: (len(self.gpus[i].opp), i))
+        fits = [n for n, lst in by_node.items() if len(lst) >= want]
+        if fits:
+            n = min(fits, key=lambda n: (len(by_node[n]), n))
+            return by_node[n][:want]
+        out: list[int] = []
+        for n in sorted(by_node, key=lambda n: (-len(by_node[n]), n)):
+            out.extend(by_node[n][:want - len(out)])
+            if len(out) >= want:
+                break
+        return out
+
