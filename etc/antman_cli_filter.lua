@@ -48,8 +48,8 @@ local SETTINGS_PATH = DIR .. "/antman_settings.lua"
 
 local loader
 
--- The settings, or nil: on a login node a missing or broken file must not stop anyone's srun.
-local function load_settings()
+-- antman_settings_loader.lua, or nil: on a login node a missing or broken one must not stop anyone's srun.
+local function shared()
   if loader == nil then
     local ok, l = pcall(dofile, DIR .. "/antman_settings_loader.lua")
     if not ok or type(l) ~= "table" or type(l.load) ~= "function" then
@@ -58,7 +58,14 @@ local function load_settings()
     end
     loader = l
   end
-  local s, err = loader.load(SETTINGS_PATH)
+  return loader
+end
+
+-- The settings, or nil: as above, a missing or broken file leaves the command unchanged.
+local function load_settings()
+  local l = shared()
+  if not l then return nil end
+  local s, err = l.load(SETTINGS_PATH)
   if not s then slurm.log_debug("%s: %s; commands run unchanged", NAME, tostring(err)) end
   return s
 end
@@ -230,25 +237,27 @@ function M.pre_submit(options, offset)
   return slurm.SUCCESS
 end
 
-local HOOKS = { slurm_cli_setup_defaults = true, slurm_cli_pre_submit = true, slurm_cli_post_submit = true }
+local HOOKS = { "slurm_cli_setup_defaults", "slurm_cli_pre_submit", "slurm_cli_post_submit" }
 
 -- As antman_job_submit.lua's chain(): the three globals Slurm calls run the site's functions (defined
--- before or after this call; a metatable on _G catches the later ones), and pre_submit then the rewrite.
+-- before or after this call; antman_settings_loader.lua's chain catches the later ones), and pre_submit
+-- then the rewrite.
 function M.chain()
-  -- Marked on _G's metatable: a second line (a second copy of this module) must not take the hooks away
-  -- from the first, with the site's functions.
-  local marked = getmetatable(_G)
-  if marked ~= nil and rawget(marked, "antman_cli_filter_chained") then return M end
-  local site = {}
-  for name in pairs(HOOKS) do
-    site[name] = rawget(_G, name)
-    rawset(_G, name, nil)
+  local l = shared()
+  if not l or type(l.chain) ~= "function" then
+    -- Without the loader the rewrite leaves every command unchanged anyway; Slurm still needs the three
+    -- hooks, so the ones the site has not defined (yet) pass. A later definition simply replaces them.
+    for _, name in ipairs(HOOKS) do
+      if rawget(_G, name) == nil then rawset(_G, name, function() return slurm.SUCCESS end) end
+    end
+    return M
   end
+  local site
   local function call_site(name, ...)
     if site[name] == nil then return slurm.SUCCESS end
     return tonumber((site[name](...))) or slurm.SUCCESS
   end
-  local entry = {
+  site = l.chain("antman_cli_filter_chained", {
     slurm_cli_setup_defaults = function(options, early) return call_site("slurm_cli_setup_defaults", options, early) end,
     slurm_cli_post_submit = function(offset, job_id, step_id)
       return call_site("slurm_cli_post_submit", offset, job_id, step_id)
@@ -258,32 +267,7 @@ function M.chain()
       if rc ~= slurm.SUCCESS then return rc end
       return M.pre_submit(options, offset)
     end,
-  }
-  local mt = getmetatable(_G)
-  if mt == nil then
-    mt = {}
-    setmetatable(_G, mt)
-  end
-  rawset(mt, "antman_cli_filter_chained", true)
-  local prev_index, prev_newindex = mt.__index, mt.__newindex
-  mt.__index = function(t, k)
-    if entry[k] then return entry[k] end
-    if type(prev_index) == "function" then return prev_index(t, k) end
-    if type(prev_index) == "table" then return prev_index[k] end
-    return nil
-  end
-  mt.__newindex = function(t, k, v)
-    if HOOKS[k] then
-      site[k] = v
-      return
-    end
-    if type(prev_newindex) == "function" then return prev_newindex(t, k, v) end
-    if type(prev_newindex) == "table" then
-      prev_newindex[k] = v
-      return
-    end
-    rawset(t, k, v)
-  end
+  })
   return M
 end
 

@@ -113,10 +113,10 @@ end
 ---------------------------------------------------------------------------------------------
 -- settings
 
--- The shared loader, loaded on first use and kept; a missing one rejects jobs like missing settings.
+-- antman_settings_loader.lua, loaded on first use and kept: chain() needs it, and so does every job.
 local loader
 
-local function load_settings()
+local function shared()
   if loader == nil then
     local ok, l = pcall(dofile, LOADER_PATH)
     if not ok or type(l) ~= "table" or type(l.load) ~= "function" then
@@ -125,7 +125,13 @@ local function load_settings()
     end
     loader = l
   end
-  return loader.load(SETTINGS_PATH, info)
+  return loader
+end
+
+local function load_settings()
+  local l, err = shared()
+  if not l then return nil, err end
+  return l.load(SETTINGS_PATH, info)
 end
 
 ---------------------------------------------------------------------------------------------
@@ -662,8 +668,6 @@ end
 ---------------------------------------------------------------------------------------------
 -- chain(): the site's job_submit.lua first, then the policy
 
-local ENTRY = { slurm_job_submit = "submit", slurm_job_modify = "modify" }
-
 -- The site's own function, as Slurm would run it: its return code (a non-number counts as success, as
 -- job_submit/lua reads it), or an error code when it raised.
 local function run_site(name, fn, for_modify, label, ...)
@@ -682,61 +686,38 @@ local function run_site(name, fn, for_modify, label, ...)
 end
 
 -- Makes the globals Slurm calls run the site's functions, then the policy. The site's functions are
--- taken whether they were defined before this call or after it (a metatable on _G catches the later
--- definitions), so the line may stand anywhere at the top level of the site's script.
+-- taken whether they were defined before this call or after it (antman_settings_loader.lua's chain),
+-- so the line may stand anywhere at the top level of the site's script.
 function M.chain()
-  -- Marked on _G's metatable, not in this chunk: each dofile of the line loads a new copy of the module,
-  -- and a second chain would take the entry points away from the first, with the site's functions.
-  local marked = getmetatable(_G)
-  if marked ~= nil and rawget(marked, "antman_job_submit_chained") then
-    info("chain() called again; the first call already chains the site's functions")
-    return M
+  local l, err = shared()
+  if not l or type(l.chain) ~= "function" then
+    -- Without the chaining there is no telling whether the site's functions, defined after this line,
+    -- would replace the policy: refuse to load rather than let jobs through unclassified.
+    error("slurm-antman: " .. (err or (LOADER_PATH .. " has no chain(); install the one of this release")) ..
+      "; job_submit.lua is not loaded", 0)
   end
-  local site = { submit = rawget(_G, "slurm_job_submit"), modify = rawget(_G, "slurm_job_modify") }
-  rawset(_G, "slurm_job_submit", nil)
-  rawset(_G, "slurm_job_modify", nil)
+  local site
   local entry = {}
   function entry.slurm_job_submit(job_desc, part_list, submit_uid)
     local label = safe_label(job_label, job_desc)
-    local rc = run_site("slurm_job_submit", site.submit, false, label, job_desc, part_list, submit_uid)
+    local rc = run_site("slurm_job_submit", site.slurm_job_submit, false, label, job_desc, part_list, submit_uid)
     if rc ~= slurm.SUCCESS then return rc end
     return M.job_submit(job_desc, part_list, submit_uid)
   end
   function entry.slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
     local label = safe_label(function() return "update of job " .. tostring(job_rec.job_id) end)
-    local rc = run_site("slurm_job_modify", site.modify, true, label, job_desc, job_rec, part_list, modify_uid)
+    local rc = run_site("slurm_job_modify", site.slurm_job_modify, true, label, job_desc, job_rec, part_list,
+      modify_uid)
     if rc ~= slurm.SUCCESS then return rc end
     return M.job_modify(job_desc, job_rec, part_list, modify_uid)
   end
-  -- Slurm looks the entry points up with lua_getglobal, which honours __index; they stay out of _G's own
-  -- table so that a later `function slurm_job_submit` reaches __newindex and becomes the site's function.
-  local mt = getmetatable(_G)
-  if mt == nil then
-    mt = {}
-    setmetatable(_G, mt)
-  end
-  rawset(mt, "antman_job_submit_chained", true)
-  local prev_index, prev_newindex = mt.__index, mt.__newindex
-  mt.__index = function(t, k)
-    if entry[k] then return entry[k] end
-    if type(prev_index) == "function" then return prev_index(t, k) end
-    if type(prev_index) == "table" then return prev_index[k] end
-    return nil
-  end
-  mt.__newindex = function(t, k, v)
-    if ENTRY[k] then
-      site[ENTRY[k]] = v
-      return
-    end
-    if type(prev_newindex) == "function" then return prev_newindex(t, k, v) end
-    if type(prev_newindex) == "table" then
-      prev_newindex[k] = v
-      return
-    end
-    rawset(t, k, v)
+  site = l.chain("antman_job_submit_chained", entry)
+  if site == nil then
+    info("chain() called again; the first call already chains the site's functions")
+    return M
   end
   info("job_submit.lua chained: the site's rules (%s), then slurm-antman's; settings from %s",
-    (site.submit or site.modify) and "defined before the line" or "none yet", SETTINGS_PATH)
+    (site.slurm_job_submit or site.slurm_job_modify) and "defined before the line" or "none yet", SETTINGS_PATH)
   return M
 end
 

@@ -1,6 +1,7 @@
 --[[
-slurm-antman: reads and checks antman_settings.lua (Lua 5.1). Shared by antman_job_submit.lua and
-antman_cli_filter.lua, which load it with dofile from their own directory (the directory of slurm.conf).
+slurm-antman: what antman_job_submit.lua and antman_cli_filter.lua share (Lua 5.1): reading and checking
+antman_settings.lua, and chaining their hooks after the site's own. Both load it with dofile from their
+own directory (the directory of slurm.conf), where it is installed with them.
 
 antman_settings.lua is written by `antman config render` from antman.yaml and returns a table of plain
 data (format in docs/architecture.md). It runs with an empty environment: no access to slurm, io or os.
@@ -11,6 +12,11 @@ data (format in docs/architecture.md). It runs with an empty environment: no acc
 Returns the settings table with defaults filled in, or nil and one sentence naming the file and field.
 What a caller does with an error is its own policy: job_submit rejects every job (skipping the policy
 silently would let opportunistic work onto guaranteed GPUs); cli_filter leaves the command unchanged.
+
+  local site = loader.chain("antman_job_submit_chained", { slurm_job_submit = fn, ... })
+
+makes Slurm's global hooks named in the table call its functions, and keeps the site's own functions of
+those names, defined before the call or after it, in `site` (see chain below).
 ]]
 
 local SLURM_NAME = "^[A-Za-z][A-Za-z0-9_%-]*$"
@@ -86,6 +92,51 @@ local function validate(s, warn)
 end
 
 local M = {}
+
+--[[
+Slurm looks its hooks up with lua_getglobal, which honours _G's __index: `entry`'s functions answer there,
+outside _G's own table, so that a site's `function slurm_job_submit` written after the chaining line
+reaches __newindex and lands in the returned `site` table instead of replacing slurm-antman's hook.
+Whatever __index/__newindex _G had before keeps working for every other name.
+
+`marker` is set on _G's metatable, not in the caller's chunk: each dofile of a module's line loads a new
+copy of it, and a second chain would take the hooks away from the first, with the site's functions. A
+second call returns nil and changes nothing.
+]]
+function M.chain(marker, entry)
+  local mt = getmetatable(_G)
+  if mt ~= nil and rawget(mt, marker) then return nil end
+  local site = {}
+  for name in pairs(entry) do
+    site[name] = rawget(_G, name)
+    rawset(_G, name, nil)
+  end
+  if mt == nil then
+    mt = {}
+    setmetatable(_G, mt)
+  end
+  rawset(mt, marker, true)
+  local prev_index, prev_newindex = mt.__index, mt.__newindex
+  mt.__index = function(t, k)
+    if entry[k] then return entry[k] end
+    if type(prev_index) == "function" then return prev_index(t, k) end
+    if type(prev_index) == "table" then return prev_index[k] end
+    return nil
+  end
+  mt.__newindex = function(t, k, v)
+    if entry[k] then
+      site[k] = v
+      return
+    end
+    if type(prev_newindex) == "function" then return prev_newindex(t, k, v) end
+    if type(prev_newindex) == "table" then
+      prev_newindex[k] = v
+      return
+    end
+    rawset(t, k, v)
+  end
+  return site
+end
 
 -- Read on every call by the callers, so an admin's re-render takes effect without touching the scripts.
 function M.load(path, warn)

@@ -27,14 +27,15 @@ IN_JOB = {"SLURM_JOB_ID": "77", "ANTMAN_CLASS": "opportunistic"}
 
 
 def run(tmp_path: Path, options: dict[str, Any], *, env: Optional[dict[str, str]] = None, spank: Optional[str] = None,
-        script: Path | str = SCRIPT, settings: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        script: Path | str = SCRIPT, settings: Optional[dict[str, Any]] = None,
+        modules: tuple[str, ...] = ("antman_cli_filter.lua", "antman_settings_loader.lua")) -> dict[str, Any]:
     d = tmp_path / "etc"
     d.mkdir(exist_ok=True)
     if isinstance(script, Path):
         shutil.copy(script, d / "cli_filter.lua")
     else:
         (d / "cli_filter.lua").write_text(script)
-    for name in ("antman_cli_filter.lua", "antman_settings_loader.lua"):
+    for name in modules:
         shutil.copy(ROOT / "etc" / name, d / name)
     if settings != {}:
         merged = {**SETTINGS, "gpu_types": {"h100": 4, "a100": 4}, **(settings or {})}
@@ -96,6 +97,16 @@ def test_guaranteed_and_sbatch_are_left_alone(tmp_path: Path) -> None:
 def test_without_settings_the_command_runs_unchanged(tmp_path: Path) -> None:
     out = run(tmp_path, {"gres": "gpu:1"}, env=IN_JOB, settings={})
     assert out["rc"] == 0 and out["options"]["gres"] == "gpu:1"
+
+
+def test_without_the_loader_every_command_runs_unchanged(tmp_path: Path) -> None:
+    """On a login node a missing antman_settings_loader.lua must not stop srun: the three hooks still
+    exist (Slurm needs them), the site's own rules still run, and antman's rewrite does nothing."""
+    out = run(tmp_path, {"gres": "gpu:1"}, env=IN_JOB, modules=("antman_cli_filter.lua",))
+    assert out["rc"] == 0 and out["options"]["gres"] == "gpu:1"
+    out = run(tmp_path, {"gres": "gpu:1", "overcommit": "set"}, env=IN_JOB, script=SITE_SCRIPT,
+              modules=("antman_cli_filter.lua",))
+    assert out["rc"] == -1 and out["options"]["gres"] == "gpu:1"
 
 
 def test_site_example_rule_then_antman(tmp_path: Path) -> None:

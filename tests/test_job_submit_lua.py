@@ -799,8 +799,30 @@ def test_chain_twice_runs_the_policy_once(tmp_path: Path) -> None:
     assert sum("class opportunistic" in m for m in out["info"]) == 1
 
 
+EXPLICIT_CALL = ('local antman = dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. '
+                 '"antman_job_submit.lua")\n'
+                 "function slurm_job_submit(j, p, u) return antman.job_submit(j, p, u) end\n"
+                 "function slurm_job_modify(j, r, p, u) return antman.job_modify(j, r, p, u) end\n")
+
+
 def test_missing_loader_rejects_every_job_naming_it(tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "antman_settings_loader.lua").write_text("return 42\n")
-    msg = rejected(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1")))
+    msg = rejected(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:1"), script=EXPLICIT_CALL))
     assert "antman_settings_loader.lua" in msg and "every job is rejected" in msg
+
+
+def test_chain_without_the_loader_refuses_to_load_naming_it(tmp_path: Path) -> None:
+    """chain() is the loader's: without it the site's functions defined after the line could replace the
+    policy, so job_submit.lua does not load at all (slurmctld says why) rather than pass jobs unclassified."""
+    d = tmp_path / "etc"
+    d.mkdir()
+    shutil.copy(SCRIPT, d / "job_submit.lua")
+    shutil.copy(ROOT / "etc" / "antman_job_submit.lua", d / "antman_job_submit.lua")
+    (d / "antman_settings_loader.lua").write_text("return 42\n")
+    case = tmp_path / "case.lua"
+    case.write_text("return " + lua_literal({"call": "submit", "job_desc": desc("guaranteed")}) + "\n")
+    proc = subprocess.run([LUA, str(HARNESS), str(d / "job_submit.lua"), str(case)],
+                          capture_output=True, text=True, timeout=20)
+    out = json.loads(proc.stdout)
+    assert "antman_settings_loader.lua" in out["load_error"] and "not loaded" in out["load_error"]
