@@ -70,11 +70,8 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
         if a.with_simulator:
             # The devcluster's coordinator cycles every second; so does the simulated one here. Its
             # jobs take seconds to start (Python, torch, registering): the simulator is told how long.
-            sims.append(simulate(jobs, SimConfig(policy=policy, nodes=a.nodes, gpus_per_node=a.gpus,
-                                                 gpu_mem_bytes=cfg.gpu_mem_bytes, speedup=a.speedup,
-                                                 quota_scale=a.quota_scale, seed=a.seed, cycle_s=1.0,
+            sims.append(simulate(jobs, SimConfig(**{**cfg.common(), "grace_s": float(cfg.grace_s)}, cycle_s=1.0,
                                                  utilisation="saturated",
-                                                 grace_s=float(cfg.grace_s), oom_retry_s=cfg.oom_retry_s,
                                                  start_overhead_s=results[-1].metrics["start_overhead_s"] or 0.0)))
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs),
             "jobs_left_out_too_wide": len(too_wide), "nodes": a.nodes, "gpus_per_node": a.gpus,

@@ -29,15 +29,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 from slurm_antman.lab.devcluster import cluster as dc
 from slurm_antman.errors import AntmanError
 from slurm_antman.policy.cluster.quota import fits_quota
 from .metrics import summarize
 from .simulator import SimResult, tenant_quotas
+from .trace_run import TraceRunConfig
 from .traces import Job
-from .workloads import MIN_GPU_MEMORY_BYTES, GiB, Profile, assign
+from .workloads import Profile, assign
 
 POLICIES = ("exclusive", "shared", "antman")
 _TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
@@ -51,21 +52,20 @@ class ReplayError(AntmanError):
 
 
 @dataclass(frozen=True)
-class ReplayConfig:
-    policy: str = "antman"
+class ReplayConfig(TraceRunConfig):
+    """A devcluster replay: the fields every run of a trace has (``TraceRunConfig``), then the replay's own."""
+
+    # The devcluster is a few emulated GPUs that run in real time: a small cluster and a fast trace.
     nodes: int = 2
     gpus_per_node: int = 4
-    gpu_mem_bytes: int = 32 * GiB
     speedup: float = 60.0
-    quota_scale: float = 1.0
-    seed: int = 0
+    grace_s: int = 30             # the devcluster's antman.yaml takes whole seconds (grace_time_s)
     iter_scale: float = 1.0       # emulated mini-batch time = profile.iter_ms * iter_scale
-    slots_per_gpu: int = 2
-    grace_s: int = 30             # the simulator's default grace time, in replay seconds
     poll_s: float = 1.0
     max_wall_s: float = 1800.0    # jobs not done by then are reported as not done
     port_base: int = 18900
-    oom_retry_s: float = 60.0     # SimConfig.oom_retry_s: replay seconds from an OOM to the resubmission
+
+    _error: ClassVar[type[Exception]] = ReplayError
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -74,10 +74,7 @@ class ReplayConfig:
             raise ReplayError("--nodes and --gpus must be at least 1")
         if self.speedup <= 0 or self.iter_scale <= 0:
             raise ReplayError("--speedup and --iter-scale must be positive")
-        if self.gpu_mem_bytes < MIN_GPU_MEMORY_BYTES:
-            # A profile that cannot fit a GPU alone would fail with OOM and be resubmitted forever.
-            raise ReplayError(f"--gpu-mem-gib must be >= {MIN_GPU_MEMORY_BYTES / GiB:g}: every profile of the "
-                              "workload model must fit a GPU alone")
+        self._check_gpu_memory()
         if not (0 <= self.oom_retry_s < float("inf")):
             raise ReplayError(f"--oom-retry-s must be a number of seconds >= 0, got {self.oom_retry_s}")
 

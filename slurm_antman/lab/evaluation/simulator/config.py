@@ -9,7 +9,7 @@ from slurm_antman.policy import cluster as cp
 from slurm_antman.policy.node import core as lp
 
 from .. import utilisation
-from ..workloads import GiB
+from ..trace_run import TraceRunConfig
 
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
 NO_ROOM = ("fallback", "wait")
@@ -18,14 +18,9 @@ WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    policy: str = "antman"
-    nodes: int = 4
-    gpus_per_node: int = 8
-    gpu_mem_bytes: int = 32 * GiB
-    speedup: float = 1.0          # every trace time divided by this
-    quota_scale: float = 1.0
-    slots_per_gpu: int = 2
+class SimConfig(TraceRunConfig):
+    """A simulated run: the fields every run of a trace has (``TraceRunConfig``), then the simulator's own."""
+
     util_threshold: float = 0.8
     # opportunistic.utilization_window_s: the sidecar's utilisation average, and how long a new
     # guaranteed job must have iterated before its GPU counts as measured (slurm_antman.policy.node.placement).
@@ -38,10 +33,7 @@ class SimConfig:
     pause_max_s: Optional[float] = None
     resume_hold_s: float = 10.0
     pause_bandwidth_bytes_s: float = 12e9
-    grace_s: float = 30.0
     checkpoint_s: float = 1800.0  # opportunistic jobs checkpoint this often (estimate)
-    oom_retry_s: float = 60.0
-    seed: int = 0
     max_samples: int = 2000       # points kept for the utilisation-over-time plot
     # The coordinator loop: at most one cycle per batch of events at one instant, and at least this
     # many simulated seconds between cycles (the daemon's loop is ~1 s; jobs last minutes to days, and
@@ -88,10 +80,7 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.speedup > 0:
             raise ValueError(f"--speedup must be > 0, got {self.speedup}")
-        from ..workloads import MIN_GPU_MEMORY_BYTES
-        if self.gpu_mem_bytes < MIN_GPU_MEMORY_BYTES:
-            raise ValueError(f"--gpu-mem-gib must be >= {MIN_GPU_MEMORY_BYTES / GiB:g}: every profile of the "
-                             "workload model must fit a GPU alone")
+        self._check_gpu_memory()
         if self.quota_scale < 0:
             raise ValueError(f"quota_scale must be >= 0, got {self.quota_scale}")
         if not self.cycle_s >= 0:
