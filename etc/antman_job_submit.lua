@@ -691,10 +691,28 @@ end
 function M.chain()
   local l, err = shared()
   if not l or type(l.chain) ~= "function" then
-    -- Without the chaining there is no telling whether the site's functions, defined after this line,
-    -- would replace the policy: refuse to load rather than let jobs through unclassified.
-    error("slurm-antman: " .. (err or (LOADER_PATH .. " has no chain(); install the one of this release")) ..
-      "; job_submit.lua is not loaded", 0)
+    -- Fail closed, but keep job_submit.lua loadable: a script that does not load is fatal when slurmctld
+    -- starts, which would stop the whole cluster for one missing file. The policy runs alone (it rejects
+    -- every job naming the loader), and a site function defined after this line is dropped rather than
+    -- allowed to replace it and let jobs through unclassified.
+    slurm.log_error("%s", "slurm-antman: " .. (err or (LOADER_PATH .. " has no chain(); install the one of " ..
+      "this release")) .. "; the site's rules are not chained and every job is rejected")
+    local hooks = { slurm_job_submit = M.job_submit, slurm_job_modify = M.job_modify }
+    for name in pairs(hooks) do rawset(_G, name, nil) end
+    local mt = getmetatable(_G) or {}
+    local prev_index, prev_newindex = mt.__index, mt.__newindex
+    mt.__index = function(t, k)
+      if hooks[k] then return hooks[k] end
+      if type(prev_index) == "function" then return prev_index(t, k) end
+      if type(prev_index) == "table" then return prev_index[k] end
+    end
+    mt.__newindex = function(t, k, v)
+      if hooks[k] then return end
+      if type(prev_newindex) == "function" then return prev_newindex(t, k, v) end
+      rawset(t, k, v)
+    end
+    setmetatable(_G, mt)
+    return M
   end
   local site
   local entry = {}

@@ -812,12 +812,15 @@ def test_missing_loader_rejects_every_job_naming_it(tmp_path: Path) -> None:
     assert "antman_settings_loader.lua" in msg and "every job is rejected" in msg
 
 
-def test_chain_without_the_loader_refuses_to_load_naming_it(tmp_path: Path) -> None:
-    """chain() is the loader's: without it the site's functions defined after the line could replace the
-    policy, so job_submit.lua does not load at all (slurmctld says why) rather than pass jobs unclassified."""
+def test_chain_without_the_loader_still_loads_and_rejects_every_job(tmp_path: Path) -> None:
+    """chain() is the loader's. Without it job_submit.lua must still load (a script that does not load is
+    fatal at slurmctld's start), reject every job naming the file, and not let a site function defined
+    after the line replace the policy."""
     d = tmp_path / "etc"
     d.mkdir()
-    shutil.copy(SCRIPT, d / "job_submit.lua")
+    (d / "job_submit.lua").write_text(
+        'dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. "antman_job_submit.lua").chain()\n'
+        "function slurm_job_submit(j, p, u) return slurm.SUCCESS end  -- after the line: must not take over\n")
     shutil.copy(ROOT / "etc" / "antman_job_submit.lua", d / "antman_job_submit.lua")
     (d / "antman_settings_loader.lua").write_text("return 42\n")
     case = tmp_path / "case.lua"
@@ -825,4 +828,5 @@ def test_chain_without_the_loader_refuses_to_load_naming_it(tmp_path: Path) -> N
     proc = subprocess.run([LUA, str(HARNESS), str(d / "job_submit.lua"), str(case)],
                           capture_output=True, text=True, timeout=20)
     out = json.loads(proc.stdout)
-    assert "antman_settings_loader.lua" in out["load_error"] and "not loaded" in out["load_error"]
+    assert not out.get("load_error"), out
+    assert out["rc"] == -1 and "antman_settings_loader.lua" in " ".join(out["user"]), out
