@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import slurm_antman
+from slurm_antman.protocol import ENV_AGENT_DISABLE
 
 from .gpu_part import PartContext, PartSkipped, read_json
 from .gpu_report import FORMAT_VERSION, write_reports
@@ -229,7 +230,7 @@ def _child_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH", "")) if x)
     # The parts build their agents themselves; the import hook must not start another one.
-    env["ANTMAN_AGENT_DISABLE"] = "1"
+    env[ENV_AGENT_DISABLE] = "1"
     # CUDA's device 0 is then NVML's GPU 0 (CUDA's default order is fastest first).
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     return env

@@ -29,12 +29,13 @@ import sys
 import tempfile
 import threading
 import time
-from slurm_antman.lab import jobs
 from pathlib import Path
 from statistics import median
 from typing import Optional, Sequence
 
 from slurm_antman import config as cfgmod
+from slurm_antman import protocol as p
+from slurm_antman.lab import jobs
 from slurm_antman.lab.fake_agent import FakeAgent
 
 TRAIN = jobs.script("demo_train.py")
@@ -77,8 +78,8 @@ def measure_pause(rounds: int, footprint_gib: float, workdir: Path) -> dict:
         g.register(wait_s=0)
         g.report_memory(1 * GiB)
         o = client.register_job(sockdir, "2", uid=os.getuid(), user="bench", job_class="opportunistic", gpus=1)
-        env = {**os.environ, "ANTMAN_JOB_ID": "2", "ANTMAN_CLASS": "opportunistic",
-               "ANTMAN_SIDECAR_ENDPOINT": o.endpoint, "SLURM_JOB_ID": "2"}
+        env = {**os.environ, p.ENV_JOB_ID: "2", p.ENV_CLASS: "opportunistic",
+               p.ENDPOINT_ENV: o.endpoint, "SLURM_JOB_ID": "2"}
         ckpt = workdir / "pause-ckpt.pt"
         out = open(workdir / "pause-job.out", "w")
         proc = subprocess.Popen([sys.executable, "-c", OPP_TRAIN, str(int(footprint_gib * GiB)), str(TRAIN), str(ckpt),
