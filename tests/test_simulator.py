@@ -19,7 +19,7 @@ PHILLY = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "
 HEADER = "timestamp,duration,num_gpus,gpu_time,cluster\n"
 
 
-def trace(tmp_path: Path, rows: list[tuple[str, float, int, str]]) -> list[traces.Job]:
+def trace(tmp_path: Path, rows: list[tuple[str, float, int, str]]) -> list[traces.TraceJob]:
     p = tmp_path / "t.csv"
     p.write_text(HEADER + "".join(f"{t},{d},{g},{d * g},{c}\n" for t, d, g, c in rows))
     return traces.load_sorted(p)

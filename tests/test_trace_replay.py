@@ -113,10 +113,10 @@ def test_lost_gpu_time_and_start_overhead_from_records():
 
 
 def _run_of(job_id: str = "philly-3") -> rp._Run:
-    from slurm_antman.lab.evaluation.traces import Job
+    from slurm_antman.lab.evaluation.traces import TraceJob
     from slurm_antman.lab.evaluation.workloads import assign
 
-    return rp._Run(Job(job_id, 3.0, 5.0, 1, "aaaa01"), assign(job_id), 3.0, 5.0)
+    return rp._Run(TraceJob(job_id, 3.0, 5.0, 1, "aaaa01"), assign(job_id), 3.0, 5.0)
 
 
 def _submitted(r: rp._Run, slurm_id: int) -> None:

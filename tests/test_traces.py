@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman.lab.evaluation import traces
-from slurm_antman.lab.evaluation.traces import Job, TraceError, Window, load, load_sorted, parse_window
+from slurm_antman.lab.evaluation.traces import TraceError, TraceJob, Window, load, load_sorted, parse_window
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 PHILLY = TRACES / "philly_pollux.csv"
@@ -38,7 +38,7 @@ def test_philly_slice_relative_times_ids_and_sort(tmp_path):
     jobs = load_sorted(p)
     assert [j.job_id for j in jobs] == ["philly-3", "philly-2", "philly-4"]
     assert [j.submit_s for j in jobs] == [0.0, 600.0, 3600.0]
-    assert jobs[0] == Job("philly-3", 0.0, 100.0, 2, "bbb")
+    assert jobs[0] == TraceJob("philly-3", 0.0, 100.0, 2, "bbb")
     assert all(j.gpu_fraction is None and j.qos is None for j in jobs)
 
 
@@ -97,8 +97,8 @@ def test_openb_fractions_qos_and_skips(tmp_path):
               + "pod-d,1000,100,2,1000,,LS,Succeeded,30,100,40\n")
     skips = traces.OpenbSkips()
     jobs = list(load(p, skips=skips))
-    assert jobs == [Job("pod-a", 10.0, 90.0, 1, "default", 0.46, "BE"),
-                    Job("pod-d", 30.0, 60.0, 2, "default", 1.0, "LS")]
+    assert jobs == [TraceJob("pod-a", 10.0, 90.0, 1, "default", 0.46, "BE"),
+                    TraceJob("pod-d", 30.0, 60.0, 2, "default", 1.0, "LS")]
     assert (skips.cpu_only, skips.never_ran) == (1, 1)
     assert [j.job_id for j in load(p, "20:")] == ["pod-d"]
 

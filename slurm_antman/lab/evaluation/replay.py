@@ -37,7 +37,7 @@ from slurm_antman.policy.cluster.quota import fits_quota
 from .metrics import summarize
 from .simulator import SimResult, tenant_quotas
 from .trace_run import TraceRunConfig
-from .traces import Job
+from .traces import TraceJob
 from .workloads import Profile, assign
 
 POLICIES = ("exclusive", "shared", "antman")
@@ -83,7 +83,7 @@ class ReplayConfig(TraceRunConfig):
 class _Run:
     """One trace job's life on the devcluster."""
 
-    job: Job
+    job: TraceJob
     profile: Profile
     submit_s: float                     # replay time it is due
     work_s: float
@@ -121,7 +121,7 @@ def oom_failed(records: Sequence[dict]) -> bool:
     return any(x.get("oom") is True for x in records)
 
 
-def fits(jobs: Sequence[Job], gpus_per_node: int) -> tuple[list[Job], list[Job]]:
+def fits(jobs: Sequence[TraceJob], gpus_per_node: int) -> tuple[list[TraceJob], list[TraceJob]]:
     """Jobs one node can hold, and the rest: an emulated job runs its ranks on one node."""
     ok = [j for j in jobs if j.gpus <= gpus_per_node]
     return ok, [j for j in jobs if j.gpus > gpus_per_node]
@@ -145,7 +145,7 @@ def _account(tenant: str) -> str:
 
 
 class Replay:
-    def __init__(self, jobs: Sequence[Job], cfg: ReplayConfig, workdir: Path,
+    def __init__(self, jobs: Sequence[TraceJob], cfg: ReplayConfig, workdir: Path,
                  log: Callable[[str], None] = lambda s: None):
         self.cfg = cfg
         self.dir = Path(workdir)
@@ -392,7 +392,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def replay(jobs: Sequence[Job], cfg: ReplayConfig, workdir: Path, log: Callable[[str], None] = lambda s: None) -> SimResult:
+def replay(jobs: Sequence[TraceJob], cfg: ReplayConfig, workdir: Path, log: Callable[[str], None] = lambda s: None) -> SimResult:
     return Replay(jobs, cfg, workdir, log).run()
 
 

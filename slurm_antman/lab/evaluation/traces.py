@@ -38,7 +38,9 @@ class TraceError(AntmanError):
 
 
 @dataclass(frozen=True, slots=True)
-class Job:
+class TraceJob:
+    """One job as the trace records it (Slurm's jobs are ``slurm.models.Job``, the simulator's ``SimJob``)."""
+
     job_id: str
     submit_s: float                   # seconds from the trace start
     duration_s: float                 # run time alone on its GPUs
@@ -204,7 +206,7 @@ def _tenant_ok(tenant: str, tenants: Optional[Collection[str]]) -> bool:
     return not tenants or tenant in tenants
 
 
-def _philly(path, window: Window, tenants, start: float) -> Iterator[Job]:
+def _philly(path, window: Window, tenants, start: float) -> Iterator[TraceJob]:
     for line, row in _rows(path, _PHILLY_COLUMNS):
         submit = _timestamp(path, line, row, "timestamp") - start
         duration = _number(path, line, row, "duration")
@@ -214,7 +216,7 @@ def _philly(path, window: Window, tenants, start: float) -> Iterator[Job]:
             raise TraceError(path, line, "cluster", "empty; expected the virtual cluster (tenant) id")
         if window.contains(submit) and _tenant_ok(tenant, tenants):
             # The file has no job id; its line number is stable and lets a reader find the row.
-            yield Job(f"philly-{line}", submit, float(duration), int(gpus), tenant)
+            yield TraceJob(f"philly-{line}", submit, float(duration), int(gpus), tenant)
 
 
 @dataclass(slots=True)
@@ -225,7 +227,7 @@ class OpenbSkips:
     never_ran: int = 0     # no scheduled_time: pending at the trace end, no run time to replay
 
 
-def _openb(path, window: Window, tenants, skips: Optional[OpenbSkips]) -> Iterator[Job]:
+def _openb(path, window: Window, tenants, skips: Optional[OpenbSkips]) -> Iterator[TraceJob]:
     for line, row in _rows(path, _OPENB_COLUMNS):
         created = _number(path, line, row, "creation_time")
         deleted = _number(path, line, row, "deletion_time")
@@ -251,12 +253,12 @@ def _openb(path, window: Window, tenants, skips: Optional[OpenbSkips]) -> Iterat
             continue
         tenant = "default"  # the pod list is one namespace; the qos class is kept apart
         if window.contains(created) and _tenant_ok(tenant, tenants):
-            yield Job(row["name"].strip(), float(created), float(deleted - scheduled), int(gpus), tenant,
+            yield TraceJob(row["name"].strip(), float(created), float(deleted - scheduled), int(gpus), tenant,
                       (milli / 1000.0) if milli else 1.0, qos)
 
 
 def load(path: str | Path, window: Window | str | None = None, tenants: Optional[Collection[str]] = None,
-         skips: Optional[OpenbSkips] = None) -> Iterator[Job]:
+         skips: Optional[OpenbSkips] = None) -> Iterator[TraceJob]:
     """Jobs of the trace submitted inside ``window`` (of the listed tenants), in file order."""
     fmt = detect_format(path)
     start = trace_start_unix(path) if fmt == PHILLY else None
@@ -270,6 +272,6 @@ def load(path: str | Path, window: Window | str | None = None, tenants: Optional
 
 
 def load_sorted(path: str | Path, window: Window | str | None = None,
-                tenants: Optional[Collection[str]] = None) -> list[Job]:
+                tenants: Optional[Collection[str]] = None) -> list[TraceJob]:
     """The window's jobs ordered by submission (ties by id), as a replay consumes them."""
     return sorted(load(path, window, tenants), key=lambda j: (j.submit_s, j.job_id))

@@ -23,7 +23,7 @@ from slurm_antman.policy.cluster.quota import fits_quota
 from slurm_antman.policy.node import core as lp
 
 from .. import utilisation
-from ..traces import Job
+from ..traces import TraceJob
 from ..workloads import assign
 from .antman import AntmanAdapter
 from .config import WHOLE_GPU, SimConfig
@@ -35,7 +35,7 @@ from .state import CYCLE, FINISH, MEASURED, PAUSE_CHECK, REQUEUE, SUBMIT, WAKE, 
 class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
     """One run: the state every part works on, the event loop, and each job's life."""
 
-    def __init__(self, jobs: Sequence[Job], cfg: SimConfig):
+    def __init__(self, jobs: Sequence[TraceJob], cfg: SimConfig):
         self.cfg = cfg
         n = cfg.nodes * cfg.gpus_per_node
         self.gpus = [SimGpu(i, i // cfg.gpus_per_node, i % cfg.gpus_per_node, cfg.gpu_mem_bytes) for i in range(n)]
@@ -117,10 +117,10 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
 
     # -- setup ----------------------------------------------------------------------------------
 
-    def _quotas(self, jobs: Sequence[Job]) -> Mapping[str, int]:
+    def _quotas(self, jobs: Sequence[TraceJob]) -> Mapping[str, int]:
         return tenant_quotas(jobs, len(self.gpus), self.cfg.quota_scale)
 
-    def _add(self, j: Job) -> None:
+    def _add(self, j: TraceJob) -> None:
         requested = ("opportunistic" if j.qos == "BE" else "guaranteed") if j.qos is not None else "auto"
         prof = assign(j.job_id, self.cfg.seed)
         submit = j.submit_s / self.cfg.speedup
@@ -393,7 +393,7 @@ def _downsample(series: list[tuple[float, float, float]], k: int) -> list[tuple[
     return [series[int(i * step)] for i in range(k)]
 
 
-def tenant_quotas(jobs: Sequence[Job], gpus: int, quota_scale: float) -> dict[str, int]:
+def tenant_quotas(jobs: Sequence[TraceJob], gpus: int, quota_scale: float) -> dict[str, int]:
     """Each tenant's guaranteed GPUs: its share of the jobs' GPU-time times the cluster size times
     ``quota_scale`` (at least 1). None for an openb pod list, whose pods carry their class."""
     if any(j.qos is not None for j in jobs):
@@ -406,5 +406,5 @@ def tenant_quotas(jobs: Sequence[Job], gpus: int, quota_scale: float) -> dict[st
     return {t: max(1, int(size * g / total)) for t, g in gpu_time.items()}
 
 
-def simulate(jobs: Sequence[Job], cfg: SimConfig) -> SimResult:
+def simulate(jobs: Sequence[TraceJob], cfg: SimConfig) -> SimResult:
     return Simulator(jobs, cfg).run()

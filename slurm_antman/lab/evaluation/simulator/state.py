@@ -8,7 +8,7 @@ from typing import Optional
 from slurm_antman.policy import cluster as cp
 from slurm_antman.policy.node import core as lp
 
-from ..traces import Job
+from ..traces import TraceJob
 from ..workloads import Profile
 
 # Event kinds, in the order they are handled at one instant: finishes free GPUs before new jobs look.
@@ -19,7 +19,7 @@ FINISH, SUBMIT, WAKE, CYCLE, SLOW, REQUEUE, MEASURED, PAUSE_CHECK = 0, 1, 2, 3, 
 class SimJob:
     """A trace job's life in the simulator, across its restarts."""
 
-    job: Job
+    job: TraceJob
     profile: Profile
     requested: str
     klass: str
