@@ -41,12 +41,12 @@ def _c_grid(c: float) -> float:
         return 0.0
     return math.exp(round(math.log(c) / _C_STEP) * _C_STEP)
 
+
 @dataclass(frozen=True, slots=True)
 class _Jobs:
     """The one field of a snapshot the coordinator's quota-file writer reads."""
 
     jobs: tuple[cp.JobView, ...]
-
 
 
 class AntmanAdapter:

@@ -33,7 +33,9 @@ from .state import CYCLE, FINISH, MEASURED, PAUSE_CHECK, REQUEUE, SUBMIT, WAKE, 
 
 
 class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
-    """One run: the state every part works on, the event loop, and each job's life."""
+    """One run: the state every part works on, the event loop, and each job's life. The scheduler, the
+    GPU model and the antman adapter are mixins, not objects of their own: they read and change the
+    same jobs, GPUs and counters at every event, so the split follows the ideas and the state stays here."""
 
     def __init__(self, jobs: Sequence[TraceJob], cfg: SimConfig):
         self.cfg = cfg
