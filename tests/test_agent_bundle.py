@@ -39,7 +39,7 @@ def test_bundle_holds_the_agent_and_this_pythons_pyzmq(bundle):
     assert (bundle / "_zmq" / TAG / "zmq" / "__init__.py").is_file()
     assert (bundle / "sitecustomize.py").read_text() == \
         (Path(agent_bundle.__file__).parents[1] / "torch_patch" / "bundle_loader.py").read_text()
-    assert (bundle / "slurm_antman" / "protocol.py").is_file() and (bundle / "torch_patch" / "agent.py").is_file()
+    assert (bundle / "slurm_antman" / "protocol" / "codec.py").is_file() and (bundle / "torch_patch" / "agent.py").is_file()
     assert not list(bundle.rglob("__pycache__"))
     # Every file readable by every job's user, none writable but by its owner.
     for p in bundle.rglob("*"):

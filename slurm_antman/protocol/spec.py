@@ -1,0 +1,134 @@
+"""The protocol's fixed parts: its version and limits, the names every side shares (socket names, the
+environment variables C, Lua and Python agree on), the error codes, and how a message body declares
+its fields (wire type and bounds in dataclass metadata, read by codec.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Optional
+
+
+PROTOCOL_VERSION = 1
+MARKER = b"ANTMAN"
+MAX_MESSAGE_BYTES = 1 << 20
+# Every number on the wire is within +-2^53 (what a JSON number holds exactly, RFC 8259 section 6),
+# whatever narrower bound its field has: a peer can send nothing a sum or a str() cannot handle.
+MAX_NUMBER = 1 << 53
+
+
+def clamp_number(v: int) -> int:
+    """A sum of bounded numbers (e.g. the memory several agents of one job report), kept sendable."""
+    return min(v, MAX_NUMBER)
+
+CONTROL_SOCKET_NAME = "control.sock"
+AGENT_SOCKET_NAME = "agent.sock"
+# The agent finds its endpoint in this variable (set from the Prolog's job env file).
+ENDPOINT_ENV = "ANTMAN_SIDECAR_ENDPOINT"
+# The other names C, Lua and Python share (docs/protocol.md, "Environment variables"; the tests
+# compare each language's copy with docs/contracts.json).
+ENV_CLASS = "ANTMAN_CLASS"
+ENV_SPANK_CLASS = "SPANK_ANTMAN_CLASS"
+ENV_JOB_SPANK_CLASS = "SLURM_SPANK_ANTMAN_CLASS"
+ENV_JOB_ID = "ANTMAN_JOB_ID"
+ENV_NODE = "ANTMAN_NODE"
+ENV_GPUS = "ANTMAN_GPUS"
+ENV_GPU_DEVICES = "ANTMAN_GPU_DEVICES"
+ENV_REFUSED = "ANTMAN_REFUSED"
+ENV_JOB_NODEID = "ANTMAN_JOB_NODEID"
+ENV_PROLOG_FROM_SPANK = "ANTMAN_PROLOG_FROM_SPANK"
+ENV_AGENT_DISABLE = "ANTMAN_AGENT_DISABLE"
+ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+JOB_ID_RE = re.compile(r"^[0-9]{1,10}$")
+# Slurm node names; they also become key file names on the coordinator.
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+ENVELOPE_KEYS = frozenset(("v", "type", "id", "ts", "ref", "body"))
+MAX_ID_LEN = 128
+
+
+class ErrorCode(str, enum.Enum):
+    """Codes carried by ``error`` messages and by :class:`ProtocolError`. docs/protocol.md lists them."""
+
+    bad_frames = "bad_frames"
+    too_large = "too_large"
+    bad_json = "bad_json"
+    bad_envelope = "bad_envelope"
+    version_mismatch = "version_mismatch"
+    unknown_type = "unknown_type"
+    missing_field = "missing_field"
+    extra_field = "extra_field"
+    bad_type = "bad_type"
+    bad_value = "bad_value"
+    wrong_direction = "wrong_direction"
+    not_registered = "not_registered"
+    unknown_job = "unknown_job"
+    forbidden = "forbidden"
+    internal = "internal"
+    # The query channel's (a munge credential that munged refused, or a peer asking too often).
+    bad_credential = "bad_credential"
+    expired_credential = "expired_credential"
+    replayed_credential = "replayed_credential"
+    rate_limited = "rate_limited"
+
+
+class ProtocolError(Exception):
+    """A message that cannot be used. ``ref`` is the offending message's id when it could be read."""
+
+    def __init__(self, code: ErrorCode, message: str, ref: Optional[str] = None,
+                 peer_version: Optional[int] = None):
+        self.code = ErrorCode(code)
+        self.message = message
+        self.ref = ref
+        self.peer_version = peer_version
+        super().__init__(f"{self.code.value}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Field declarations. Each body field carries its wire type and constraints in dataclass
+# metadata, so one declaration drives both the Python API and the validator.
+
+_MISSING = dataclasses.MISSING
+
+
+def _f(kind: Any, *, nullable: bool = False, ge: Optional[float] = None, gt: Optional[float] = None,
+       le: Optional[float] = None, choices: Optional[Iterable[str]] = None,
+       pattern: Optional[re.Pattern[str]] = None, max_len: Optional[int] = None,
+       default: Any = _MISSING) -> Any:
+    meta = dict(kind=kind, nullable=nullable, ge=ge, gt=gt, le=le,
+                choices=frozenset(choices) if choices is not None else None,
+                pattern=pattern, max_len=max_len)
+    return field(default=default, metadata=meta)
+
+
+JOB_CLASSES = ("guaranteed", "opportunistic")
+AGENT_CLASSES = ("guaranteed", "opportunistic", "none")
+DEVICES = ("cuda", "cpu")
+THROTTLE_MODES = ("off", "iteration", "launch")
+TELEMETRY_KINDS = ("nvml", "emulated")
+PLACEMENTS = ("requested", "fit", "fallback", "wait")
+FEATURE_PAUSE = "pause"  # register.features: the agent answers pause / resume
+
+
+def _job_id(**kw: Any) -> Any:
+    return _f(str, pattern=JOB_ID_RE, **kw)
+
+
+def _bytes_(nullable: bool = False, **kw: Any) -> Any:
+    return _f(int, ge=0, nullable=nullable, **kw)
+
+
+def _text(**kw: Any) -> Any:
+    return _f(str, max_len=kw.pop("max_len", 4096), **kw)
+
+
+class Body:
+    """Base of all message bodies. ``TYPE`` is the wire ``type``."""
+
+    TYPE: ClassVar[str] = ""
+    __slots__ = ()
+
+
+_dc = dataclass(slots=True, kw_only=True)
