@@ -39,6 +39,7 @@ SLURM_TIMEOUT_S = 15.0
 def _slurm(gpu_gres: str = "gpu") -> SlurmBackend:
     return CliBackend(timeout=SLURM_TIMEOUT_S, gres_name=gpu_gres)
 
+
 _TRES_OPP = r"gres[:/]{name}(?::[^,:]+)?:(\d+)"  # 22.05 gres:NAME:N, 24.11 gres/NAME:N
 
 

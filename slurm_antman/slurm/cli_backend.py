@@ -111,7 +111,7 @@ class CliBackend(SlurmBackend):
         return self._version
 
     # -- running commands ------------------------------------------------------------------
-    def _run(self, argv: list[str], job_id: Optional[int] = None, input: Optional[str] = None,
+    def _run(self, argv: list[str], job_id: Optional[int | str] = None, input: Optional[str] = None,
              env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
         run_env = dict(self.env if self.env is not None else os.environ)
         if env:
@@ -132,7 +132,7 @@ class CliBackend(SlurmBackend):
         return r
 
     @staticmethod
-    def _raise(argv: list[str], r: subprocess.CompletedProcess, job_id: Optional[int]) -> None:
+    def _raise(argv: list[str], r: subprocess.CompletedProcess, job_id: Optional[int | str]) -> None:
         err = r.stderr.strip() or r.stdout.strip()
         lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(f"{argv[0]}: Terminating")]
         message = "; ".join(lines) or f"{argv[0]} exited with status {r.returncode}"
