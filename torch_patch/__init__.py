@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-__version__ = "0.1.0"
+# The agent is released with slurm-antman: one version for both (the sidecar reads it in register).
+from slurm_antman import __version__
 
 __all__ = ["install", "uninstall", "step", "on_preempt", "current", "__version__"]
 

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from . import __version__
+from slurm_antman import __version__
 from .client import LimitsUpdate, PreemptNotice, ProtocolClient, check_endpoint, default_register
 from .memory import MemoryController
 from .pause import Pauser
