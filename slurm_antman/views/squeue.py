@@ -19,14 +19,13 @@ import argparse
 import json
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from ..slurm import Job, default_backend
 from ..slurm.models import TERMINAL_STATES
-from .live import gather, sidecar_states
+from .live import gather
 
 # States in which a job holds its allocation, so its GPUs are meaningful.
 HOLDING_STATES = frozenset({"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING"})

@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
+from slurm_antman.protocol import ENV_CLASS, ENV_CUDA_VISIBLE_DEVICES, ENV_GPUS
+
 from .emulated_gpu import OOM, WAIT, Board, BoardError, OomCheck, write_json_atomic
 from .workloads import BY_NAME, Profile
 
@@ -81,7 +83,7 @@ def identity_from_env(env: Optional[dict] = None) -> Identity:
                          "run this under sbatch/srun or set it")
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     gpus_raw, gpus_var = "0", "default"
-    for var in ("ANTMAN_GPUS", "CUDA_VISIBLE_DEVICES"):
+    for var in (ENV_GPUS, ENV_CUDA_VISIBLE_DEVICES):
         if env.get(var):
             gpus_raw, gpus_var = env[var], var
             break
@@ -94,7 +96,7 @@ def identity_from_env(env: Optional[dict] = None) -> Identity:
     rc_raw = env.get("SLURM_RESTART_COUNT") or "0"
     if not rc_raw.isdigit():
         raise UsageError(f"SLURM_RESTART_COUNT={rc_raw!r}: expected an integer >= 0")
-    return Identity(job_id, node, gpus, int(rc_raw), env.get("ANTMAN_CLASS"))
+    return Identity(job_id, node, gpus, int(rc_raw), env.get(ENV_CLASS))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -259,7 +261,7 @@ class EmulatedJob:
             "gpus": list(self.ident.gpus),
             "mean_slowdown": self._slowdown_sum / self._iterations if self._iterations else 1.0,
             "iterations": self._iterations,
-            "class": os.environ.get("ANTMAN_CLASS"),
+            "class": os.environ.get(ENV_CLASS),
             "rank": int(os.environ.get("SLURM_PROCID", "0") or 0),
         }
         # One write() of one line with O_APPEND: lines of concurrent writers (there are none per job

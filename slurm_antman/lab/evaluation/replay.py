@@ -273,7 +273,7 @@ class Replay:
     # -- watching ----------------------------------------------------------------------------------
 
     def _poll(self) -> None:
-        from slurm_antman.views.squeue import sidecar_states
+        from slurm_antman.views.live import sidecar_states
 
         now = self._now()
         try:
