@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from . import envfile
+from . import protocol as p
 from .jobtag import JobTag
 from .slurm import SlurmBackend, SlurmError
 from .slurm.cli_backend import CliBackend
@@ -71,7 +72,7 @@ class JobContext:
             uid=int(env.get("SLURM_JOB_UID", "0")),
             gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
             user=env.get("SLURM_JOB_USER", ""),
-            spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
+            spank_class=env.get(p.ENV_SPANK_CLASS) or None,
             partition=env.get("SLURM_JOB_PARTITION", ""),
             slurm_gpus=gpus,
             account=env.get("SLURM_JOB_ACCOUNT", ""),
@@ -86,7 +87,7 @@ class JobContext:
         index in the job: ANTMAN_JOB_NODEID); the node, partition, account and GPUs come from slurmctld."""
         job_id = env["SLURM_JOB_ID"]
         job = _slurm(gpu_gres).job(job_id)
-        index = env.get("ANTMAN_JOB_NODEID", "")
+        index = env.get(p.ENV_JOB_NODEID, "")
         if index.isdigit() and int(index) < len(job.nodes):
             node = job.nodes[int(index)]
         elif len(job.nodes) == 1:
@@ -99,7 +100,7 @@ class JobContext:
             uid=int(env.get("SLURM_JOB_UID", "0")),
             gid=int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID", "").isdigit() else None,
             user=env.get("SLURM_JOB_USER", ""),
-            spank_class=env.get("SPANK_ANTMAN_CLASS") or None,
+            spank_class=env.get(p.ENV_SPANK_CLASS) or None,
             partition=job.partition,
             slurm_gpus=sorted(job.gpus_by_node.get(node, [])),
             account=job.account,
@@ -154,7 +155,7 @@ def _record_gpus_in_slurm(slurm: SlurmBackend, job: JobContext, tag: JobTag) -> 
 
 def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     s = cfg.slurm
-    from_spank = env.get("ANTMAN_PROLOG_FROM_SPANK") == "1"
+    from_spank = env.get(p.ENV_PROLOG_FROM_SPANK) == "1"
     job = JobContext.from_slurm(env, s.gpu_gres) if from_spank else JobContext.from_env(env)
     # Most jobs on a mixed cluster are plain Slurm jobs: decide that without a controller round trip.
     if (not from_spank and job.spank_class is None and cfg.default_class.value == "none"
@@ -178,7 +179,7 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
         count = int(m.group(1)) if m else 0
     else:
         count = len(job.slurm_gpus)
-    values = {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_CLASS": tag.job_class, "ANTMAN_NODE": job.node}
+    values = {p.ENV_JOB_ID: job.job_id, p.ENV_CLASS: tag.job_class, p.ENV_NODE: job.node}
     if tag.job_class == "opportunistic":
         try:
             return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
@@ -204,8 +205,8 @@ def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: 
             raise RuntimeError(f"{paths[g]} (GPU {g} of {job.node}) is not a character device")
         devices.append(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
     visible = ",".join(map(str, range(len(gpus)) if cgroup_conf.constrain_devices() else gpus))
-    return {"CUDA_VISIBLE_DEVICES": visible, "GPU_DEVICE_ORDINAL": visible,
-            "ANTMAN_GPU_DEVICES": ",".join(devices)}
+    return {p.ENV_CUDA_VISIBLE_DEVICES: visible, "GPU_DEVICE_ORDINAL": visible,
+            p.ENV_GPU_DEVICES: ",".join(devices)}
 
 
 def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: JobContext, tag: JobTag, count: int,
@@ -218,9 +219,9 @@ def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: Jo
             gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus)
         except NoRoom as e:
             return refuse(cfg, job, values, str(e), slurm)
-        values["ANTMAN_GPUS"] = ",".join(map(str, gpus))
+        values[p.ENV_GPUS] = ",".join(map(str, gpus))
         if endpoint:
-            values["ANTMAN_SIDECAR_ENDPOINT"] = endpoint
+            values[p.ENDPOINT_ENV] = endpoint
         if tag.job_class == "opportunistic":
             values.update(_opportunistic_gpu_env(cfg, job, gpus))
         try:
@@ -231,7 +232,7 @@ def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: Jo
             if endpoint:
                 _retire_quietly(cfg, job)
             raise
-    log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values["ANTMAN_GPUS"] or "-")
+    log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values[p.ENV_GPUS] or "-")
     _record_gpus_in_slurm(slurm, job, tag.with_gpus(job.node, gpus))
     return 0
 
@@ -250,7 +251,7 @@ def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str]
     file) and Slurm requeues it. Returns the hook's exit code."""
     # A NUL would make the plugin skip the ANTMAN_REFUSED line, and the format refuses it: the job must stay refused.
     reason = " ".join(reason.replace("\0", " ").split())[:512] or "no reason given"
-    refused = {**values, "ANTMAN_GPUS": "", "CUDA_VISIBLE_DEVICES": "", "ANTMAN_REFUSED": reason}
+    refused = {**values, p.ENV_GPUS: "", p.ENV_CUDA_VISIBLE_DEVICES: "", p.ENV_REFUSED: reason}
     try:
         envfile.write(envfile.path(cfg.state_dir, job.node, job.job_id), refused)
     except OSError as e:
@@ -352,7 +353,7 @@ def main(hook: str, config_path: str) -> int:
                                 or job.spank_class == "opportunistic"):
             # Before its class was read: the opportunistic partition holds only jobs that must not run unmanaged.
             log.exception("prolog for job %s failed", job.job_id)
-            return refuse(cfg, job, {"ANTMAN_JOB_ID": job.job_id, "ANTMAN_NODE": job.node},
+            return refuse(cfg, job, {p.ENV_JOB_ID: job.job_id, p.ENV_NODE: job.node},
                           f"the Prolog failed ({type(e).__name__}: {e})")
         log.exception("%s for job %s failed; job left to plain Slurm", hook, env.get("SLURM_JOB_ID"))
         return 0

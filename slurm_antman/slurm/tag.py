@@ -33,7 +33,8 @@ class AntmanTag:
 
 
 def read_admin_comment(text: Optional[str]) -> AntmanTag:
-    text = "" if text in _UNSET else text.strip()
+    # Not stripped: the contract (docs/protocol.md) makes " antman:..." no tag, for every reader alike.
+    text = "" if text in _UNSET else text
     try:
         tag = parse_tag(text)
     except TagError as e:
