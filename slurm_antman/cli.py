@@ -57,7 +57,7 @@ def _cmd_devcluster(a: argparse.Namespace) -> int:
 
 def _cmd_config(a: argparse.Namespace) -> int:
     from . import config as cm
-    from .render import RenderOptions, write_all
+    from slurm_antman.admin.render import RenderOptions, write_all
 
     try:
         cfg = cm.load(a.file)
@@ -65,7 +65,7 @@ def _cmd_config(a: argparse.Namespace) -> int:
         print(str(e), file=sys.stderr)
         return 2
     if a.action == "merge-slurm-conf":
-        from . import site_settings
+        from slurm_antman.admin import site_settings
 
         return site_settings.merge_command(cfg, a.slurm_conf, a.hook_dir, a.dry_run)
     if a.action == "check":
@@ -133,8 +133,8 @@ _PASSTHROUGH = {
     "sidecar": ("slurm_antman.sidecar.cli", "the per-node daemon"),
     "coordinator": ("slurm_antman.coordinator.daemon", "the cluster coordinator (beside slurmctld)"),
     "keys": ("slurm_antman.curve_keys", "CURVE keys for the sidecar-coordinator link"),
-    "doctor": ("slurm_antman.doctor", "check a node or the controller and name what is missing or wrong"),
-    "agent-bundle": ("slurm_antman.agent_bundle", "build the directory a job's own Python loads the agent from"),
+    "doctor": ("slurm_antman.admin.doctor", "check a node or the controller and name what is missing or wrong"),
+    "agent-bundle": ("slurm_antman.admin.agent_bundle", "build the directory a job's own Python loads the agent from"),
 }
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman import agent_bundle
+import torch_patch
+from slurm_antman.admin import agent_bundle
 from slurm_antman.config import AntmanConfig
-from slurm_antman.render import RenderOptions, plugstack_conf
+from slurm_antman.admin.render import RenderOptions, plugstack_conf
 
 TAG = sys.implementation.cache_tag
 PROBE = ("import torch, sys, torch_patch; z = sys.modules.get('zmq'); "
@@ -38,7 +39,7 @@ def test_bundle_holds_the_agent_and_this_pythons_pyzmq(bundle):
     assert TAG in marker["zmq_builds"]
     assert (bundle / "_zmq" / TAG / "zmq" / "__init__.py").is_file()
     assert (bundle / "sitecustomize.py").read_text() == \
-        (Path(agent_bundle.__file__).parents[1] / "torch_patch" / "bundle_loader.py").read_text()
+        (Path(torch_patch.__file__).parent / "bundle_loader.py").read_text()
     assert (bundle / "slurm_antman" / "protocol" / "codec.py").is_file() and (bundle / "torch_patch" / "agent.py").is_file()
     assert not list(bundle.rglob("__pycache__"))
     # Every file readable by every job's user, none writable but by its owner.
@@ -123,7 +124,7 @@ def test_plugstack_line_names_the_bundle_only_when_configured():
 def test_doctor_checks_the_bundle_on_gpu_nodes(tmp_path):
     import os
 
-    from slurm_antman import doctor
+    from slurm_antman.admin import doctor
 
     path = agent_bundle.build(tmp_path / "agent").path
     cfg = AntmanConfig.model_validate({"nodes": [{"name": "gpu01", "gpus": 1}], "agent_path": str(path)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from slurm_antman.config import AntmanConfig
-from slurm_antman.config_reference import BEGIN, END, reference_markdown
+from slurm_antman.admin.config_reference import BEGIN, END, reference_markdown
 
 ADMIN = Path(__file__).resolve().parent.parent / "docs" / "admin.md"
 
@@ -17,7 +17,7 @@ def test_admin_guide_has_the_generated_reference():
     current = text[start:text.index(END) + len(END)] + "\n"
     assert current == reference_markdown(), (
         "docs/admin.md's configuration reference is out of date: replace the text between the markers with "
-        "the output of `python -m slurm_antman.config_reference`")
+        "the output of `python -m slurm_antman.admin.config_reference`")
 
 
 def test_reference_lists_every_field_with_its_default():

@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from slurm_antman import config as cfgmod
-from slurm_antman import doctor
+from slurm_antman.admin import doctor
 from slurm_antman.slurm import version as slurm_version
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_doctor(env: dict, *args: str) -> tuple[int, dict[str, dict]]:
-    r = subprocess.run([sys.executable, "-m", "slurm_antman.doctor", "--json", *args], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.admin.doctor", "--json", *args], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode in (0, 1), r.stderr
     return r.returncode, {c["name"]: c for c in json.loads(r.stdout)}
@@ -63,7 +63,7 @@ def test_broken_config_is_named(cluster, tmp_path):
 def test_text_output_and_invalid_config(cluster, tmp_path):
     bad = tmp_path / "antman.yaml"
     bad.write_text("nodes: []\n")
-    r = subprocess.run([sys.executable, "-m", "slurm_antman.doctor", "--config", str(bad), "--node", "node1"],
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.admin.doctor", "--config", str(bad), "--node", "node1"],
                        cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "FAIL  config" in r.stdout and "nodes:" in r.stdout

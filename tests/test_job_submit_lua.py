@@ -662,7 +662,7 @@ def test_the_coordinators_quota_file_is_read_with_its_as_of(tmp_path: Path) -> N
 
 def test_rendered_settings_carry_the_largest_node(tmp_path: Path) -> None:
     from slurm_antman import config
-    from slurm_antman.render import render_all
+    from slurm_antman.admin.render import render_all
 
     cfg = config.parse({"nodes": [{"name": "a[1-2]", "gpus": 8}, {"name": "b1", "gpus": 2}]})
     text = render_all(cfg)["antman_settings.lua"]

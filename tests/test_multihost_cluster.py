@@ -102,7 +102,7 @@ def test_a_job_runs_on_a_node_host_and_its_sidecar_reports_across_the_bridge(hos
 
 
 def _doctor(c, node: str) -> dict:
-    r = c.c.run([sys.executable, "-m", "slurm_antman.doctor", "--node", node, "--json"], host=node,
+    r = c.c.run([sys.executable, "-m", "slurm_antman.admin.doctor", "--node", node, "--json"], host=node,
                 env=dict(c.env, PYTHONPATH=str(REPO)), timeout=60)
     return {x["name"]: x for x in json.loads(r.stdout)}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman import config
-from slurm_antman.render import RenderOptions, render_all
+from slurm_antman.admin.render import RenderOptions, render_all
 
 REPO = Path(__file__).resolve().parent.parent
 

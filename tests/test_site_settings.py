@@ -1,4 +1,4 @@
-"""The site-wide slurm.conf settings slurm-antman needs (slurm_antman.site_settings): judged by membership on
+"""The site-wide slurm.conf settings slurm-antman needs (slurm_antman.admin.site_settings): judged by membership on
 the running Slurm's values, merged into a site's slurm.conf keeping what the site has, conflicts refused."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_antman import config, site_settings as ss
+from slurm_antman import config
+from slurm_antman.admin import site_settings as ss
 
 CFG = config.parse({"nodes": [{"name": "n1", "gpus": 1}]})
 HOOKS = "/etc/slurm-antman/rendered"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman import config as cfgmod
-from slurm_antman import doctor
+from slurm_antman.admin import doctor
 from slurm_antman.slurm import CliBackend, SlurmError
 from slurm_antman.slurm import version as v
 

@@ -21,15 +21,15 @@ from typing import Iterable, Optional
 
 import yaml
 
-from slurm_antman import agent_bundle, site_settings
+from slurm_antman.admin import agent_bundle, site_settings
 from slurm_antman import config as config_mod
-from slurm_antman.render import RenderOptions, write_all
+from slurm_antman.admin.render import RenderOptions, write_all
 from slurm_antman.slurm import version as slurm_version
 
 from .dirs import DEFAULT_DIR
 from .files import (
-    CGROUP_CONF, COORDINATOR_PORT_OFFSET, DEFAULT_PORT_BASE, REPO, _base_slurm_conf, _merge, _which, build_spank,
-    dev_config, make_gpu_devices, run_dir, sidecar_socket_dir, slurmd_spool_dir,
+    CGROUP_CONF, COORDINATOR_PORT_OFFSET, DEFAULT_PORT_BASE, REPO, _base_slurm_conf, _merge, _which,
+    build_spank, dev_config, make_gpu_devices, run_dir, sidecar_socket_dir, slurmd_spool_dir,
 )
 from .hosts import DEV_USER, Hosts, ensure_user, let_users_through  # noqa: F401 - DEV_USER: dc.DEV_USER
 from .processes import DevclusterError, Proc, _descendants, _ensure_munged, _reap, _spawn

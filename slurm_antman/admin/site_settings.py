@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional, Sequence
 
-from .config import AntmanConfig
-from .errors import AntmanError
+from slurm_antman.config import AntmanConfig
+from slurm_antman.errors import AntmanError
 
 LIST, SCALAR, PREEMPT_MODE, HOOK = "list", "scalar", "preempt_mode", "hook"
 SLURMDBD = "accounting_storage/slurmdbd"
@@ -485,8 +485,8 @@ def merge_command(cfg: AntmanConfig, slurm_conf: Optional[str], hook_dir: Option
     2 a usage or file error."""
     import sys
 
-    from .slurm import version as slurm_version
-    from .slurm.errors import SlurmError
+    from slurm_antman.slurm import version as slurm_version
+    from slurm_antman.slurm.errors import SlurmError
 
     if not hook_dir or not hook_dir.startswith("/"):
         print("antman config merge-slurm-conf: give --hook-dir, the absolute directory `antman config render "

@@ -18,13 +18,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .. import config as cfgmod
-from .controller import (CHAIN_LINE, COMMAND_TIMEOUT_S, JOB_SUBMIT_FILES, JOB_SUBMIT_MODULE, QUOTA_FILE_NAME,
-                         SKEW_FAIL_S, SKEW_WARN_S, check_clock, check_hooks, check_job_submit, check_plugstack,
-                         check_quota_file, check_quotas, check_sbatch_option, check_slurm_conf, check_versions,
-                         controller_time, plugin_slurm_version, slurm_config)
-from .node import (check_agent_bundle, check_coordinator, check_enforcement, check_nvml, check_plugin_file,
-                   check_sidecar, check_socket_dir, driver_memory_caps)
+from slurm_antman import config as cfgmod
+from .controller import (
+    CHAIN_LINE, COMMAND_TIMEOUT_S, JOB_SUBMIT_FILES, JOB_SUBMIT_MODULE, QUOTA_FILE_NAME, SKEW_FAIL_S,
+    SKEW_WARN_S, check_clock, check_hooks, check_job_submit, check_plugstack, check_quota_file, check_quotas,
+    check_sbatch_option, check_slurm_conf, check_versions, controller_time, plugin_slurm_version,
+    slurm_config,
+)
+from .node import (
+    check_agent_bundle, check_coordinator, check_enforcement, check_nvml, check_plugin_file, check_sidecar,
+    check_socket_dir, driver_memory_caps,
+)
 from .report import Check, fail, ok, render_text, skip, warn
 
 __all__ = [

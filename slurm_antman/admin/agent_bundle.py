@@ -18,6 +18,7 @@ an upgrade sees the old bundle or the new one, never half of each.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -29,7 +30,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AntmanError
+from slurm_antman.errors import AntmanError
 
 MARKER = ".antman-agent-bundle"
 ZMQ_DIR = "_zmq"
@@ -54,7 +55,6 @@ class Bundle:
 
 
 def _copy_package(name: str, dest: Path) -> None:
-    import importlib
 
     src = Path(importlib.import_module(name).__file__).parent
     shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
@@ -143,7 +143,8 @@ def build(dest: Path, pythons: tuple[str, ...] = (), zmq_wheels: tuple[Path, ...
     try:
         for name in PACKAGES:
             _copy_package(name, work)
-        shutil.copy2(Path(__file__).parents[1] / "torch_patch" / "bundle_loader.py", work / "sitecustomize.py")
+        loader = Path(importlib.import_module("torch_patch").__file__).parent / "bundle_loader.py"
+        shutil.copy2(loader, work / "sitecustomize.py")
         builds = {_own_zmq(work)}
         with tempfile.TemporaryDirectory() as dl:
             # (wheel, the ABI tag it serves): a downloaded wheel serves the version it was asked for
@@ -158,7 +159,7 @@ def build(dest: Path, pythons: tuple[str, ...] = (), zmq_wheels: tuple[Path, ...
                     continue
                 _unpack_wheel(w, work, tag)
                 builds.add(tag)
-        from . import __version__
+        from slurm_antman import __version__
 
         (work / MARKER).write_text(json.dumps({"version": __version__, "zmq_builds": sorted(builds)}) + "\n")
         # Readable by every job's user; written by root only.

@@ -10,13 +10,14 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .. import config as cfgmod
+from slurm_antman import config as cfgmod
 from .report import Check, fail, ok, skip, warn
 
 def check_agent_bundle(cfg: cfgmod.AntmanConfig, node: str) -> Check:
     """The agent bundle a GPU node's jobs load the agent from (agent_path): there, whole, readable
     by every job's user, and of this release."""
-    from .. import __version__, agent_bundle
+    from slurm_antman import __version__
+    from slurm_antman.admin import agent_bundle
 
     name = "agent_bundle"
     if not cfg.agent_path:
@@ -51,7 +52,7 @@ def check_plugin_file(cfg: cfgmod.AntmanConfig) -> Check:
 def check_sidecar(cfg: cfgmod.AntmanConfig, node: str) -> Check:
     if node not in cfg.node_groups_by_host():
         return skip("sidecar", f"{node} is not a GPU node in antman.yaml (controller host?)")
-    from ..clients import sidecar_control as client
+    from slurm_antman.clients import sidecar_control as client
 
     sock = cfg.node_socket_dir(node)
     try:
@@ -82,7 +83,7 @@ def check_coordinator(cfg: cfgmod.AntmanConfig, node: str, timeout_s: float = 5.
     import zmq
     import zmq.utils.monitor as zmon
 
-    from .. import curve_keys
+    from slurm_antman import curve_keys
 
     try:
         server = curve_keys.load_server_public(c.key_dir)
@@ -154,7 +155,7 @@ def check_nvml() -> Check:
 def driver_memory_caps() -> str:
     """Whether this node's driver can cap a job's GPU memory itself (MPS v3 memory partitioning,
     ``slurm_antman.sidecar.driver_caps``): "" when it can, else why not."""
-    from ..sidecar import driver_caps
+    from slurm_antman.sidecar import driver_caps
 
     try:
         import pynvml

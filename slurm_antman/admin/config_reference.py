@@ -1,6 +1,6 @@
 """The configuration reference of docs/admin.md, generated from the pydantic model so it cannot drift.
 
-``python -m slurm_antman.config_reference`` prints it; tests/test_config_reference.py checks that
+``python -m slurm_antman.admin.config_reference`` prints it; tests/test_config_reference.py checks that
 docs/admin.md holds exactly this text between the BEGIN/END markers.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from .config import AntmanConfig
+from slurm_antman.config import AntmanConfig
 
-BEGIN = "<!-- BEGIN GENERATED CONFIG REFERENCE (python -m slurm_antman.config_reference) -->"
+BEGIN = "<!-- BEGIN GENERATED CONFIG REFERENCE (python -m slurm_antman.admin.config_reference) -->"
 END = "<!-- END GENERATED CONFIG REFERENCE -->"
 
 

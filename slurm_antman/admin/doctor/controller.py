@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from .. import config as cfgmod
-from .. import site_settings
-from ..coordinator import tenants
-from ..slurm import SlurmBackend, SlurmError, SlurmOutputError
-from ..slurm import version as slurm_version
+from slurm_antman import config as cfgmod
+from slurm_antman.admin import site_settings
+from slurm_antman.coordinator import tenants
+from slurm_antman.slurm import SlurmBackend, SlurmError, SlurmOutputError
+from slurm_antman.slurm import version as slurm_version
 from .report import Check, fail, ok, warn
 
 SKEW_WARN_S = 2.0
@@ -26,7 +26,7 @@ COMMAND_TIMEOUT_S = 20.0
 
 
 def _slurm() -> SlurmBackend:
-    from ..slurm.cli_backend import CliBackend
+    from slurm_antman.slurm.cli_backend import CliBackend
 
     return CliBackend(timeout=COMMAND_TIMEOUT_S)
 
@@ -241,7 +241,7 @@ def check_hooks(sconf: dict[str, str]) -> Check:
 
 
 def _read_associations(cluster: str) -> list:
-    from ..slurm.cli_backend import CliBackend
+    from slurm_antman.slurm.cli_backend import CliBackend
 
     return CliBackend(timeout=COMMAND_TIMEOUT_S).associations(cluster)
 
