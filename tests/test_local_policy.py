@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from slurm_antman.policy.node.core import (
-    GiB, MiB, GpuInfo, JobInfo, PolicyParams, PolicyState, Snapshot, UNLIMITED, decide,
+    GiB, MiB, GpuInfo, JobInfo, NodePolicyParams, PolicyState, NodeSnapshot, UNLIMITED, decide,
 )
 from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
 
-P = PolicyParams()
+P = NodePolicyParams()
 GPU0 = GpuInfo(0, 80 * GiB)
 
 
@@ -22,7 +22,7 @@ def opp(job_id: str, t: float, gpus=(0,)) -> JobInfo:
 
 
 def run(jobs, state=None, gpus=(GPU0,), now=1000.0, params=P):
-    return decide(Snapshot(tuple(gpus), tuple(jobs)), state or PolicyState(), params, now)
+    return decide(NodeSnapshot(tuple(gpus), tuple(jobs)), state or PolicyState(), params, now)
 
 
 def test_guaranteed_unlimited_opportunistic_gets_the_rest():
@@ -122,7 +122,7 @@ def _slow_at_floor(params=P, start=0.0, ms=110.0, steps=40, jobs_opp=(("201", 2.
 
 
 def test_preempt_newest_when_the_floor_share_is_not_enough():
-    params = PolicyParams(slow_preempt_s=20.0)
+    params = NodePolicyParams(slow_preempt_s=20.0)
     ds = _slow_at_floor(params, steps=70)
     floor_at = next(i for i, d in enumerate(ds) if d.state.gpu_budget[0] <= P.min_share)
     asked = [(i, r) for i, d in enumerate(ds) for r in d.new_preemptions]
@@ -139,14 +139,14 @@ def test_preempt_newest_when_the_floor_share_is_not_enough():
 
 def test_relief_or_no_limit_means_no_preemption_for_speed():
     # Over target only briefly: the loop's backoff brings it under, nobody is preempted.
-    params = PolicyParams(slow_preempt_s=20.0)
+    params = NodePolicyParams(slow_preempt_s=20.0)
     d = run([guar(10, 1, 100.0)], now=0.0, params=params)
     for i in range(60):
         ms = 110.0 if i % 15 < 10 else 100.5   # relief every 15 s
         d = run([guar(10, i + 2, ms), opp("201", 2.0)], d.state, now=1.0 + i, params=params)
         assert not d.new_preemptions, i
     # Throttle-only sites: never.
-    assert not any(d.new_preemptions for d in _slow_at_floor(PolicyParams(slow_preempt_s=None), steps=300))
+    assert not any(d.new_preemptions for d in _slow_at_floor(NodePolicyParams(slow_preempt_s=None), steps=300))
     # Not slow, only at the floor from an earlier phase: nothing either.
     assert not any(d.new_preemptions for d in _slow_at_floor(params, ms=100.5, steps=60))
 
@@ -260,7 +260,7 @@ def test_a_job_reporting_itself_slow_cannot_make_its_neighbour_crawl():
 
 def test_opportunistic_job_at_the_floor_beside_a_guaranteed_job_crawls():
     # Never alone: its best time stands in for its solo time, capped by its share.
-    params = PolicyParams(initial_share=0.05)
+    params = NodePolicyParams(initial_share=0.05)
     d = run([guar(iteration=1, ms=100.0)], params=params)
     d = run([guar(iteration=2, ms=104.0), opp_at("201", 5.0, 1, 900.0)], state=d.state, params=params, now=10.0)
     assert d.limits["201"].compute_share == params.min_share
@@ -303,7 +303,7 @@ def _pausable(job_id: str, t: float) -> JobInfo:
     return JobInfo(job_id, "opportunistic", (0,), t, 2 * GiB, None, None, can_pause=True)
 
 
-PAUSE = PolicyParams(pause_max_s=120.0, resume_hold_s=10.0)
+PAUSE = NodePolicyParams(pause_max_s=120.0, resume_hold_s=10.0)
 
 
 def test_a_memory_burst_pauses_the_newest_pausable_job_instead_of_requeuing_it():

@@ -13,7 +13,7 @@ from slurm_antman.lab.bench import simulate as bench_simulate
 from slurm_antman.lab.evaluation import traces
 from slurm_antman.lab.evaluation.simulator import POLICIES, SimConfig, simulate
 from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, assign
-from slurm_antman.policy.node.core import PolicyParams
+from slurm_antman.policy.node.core import NodePolicyParams
 
 PHILLY = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "philly_pollux.csv"
 HEADER = "timestamp,duration,num_gpus,gpu_time,cluster\n"
@@ -66,7 +66,7 @@ def test_shared_slows_guaranteed_antman_protects_it(tmp_path):
     assert g["shared"]["class"] == g["antman"]["class"] == "guaranteed"
     gp, op = (BY_NAME[next(x for x in shared.jobs if x["job_id"] == j)["profile"]] for j in ("philly-2", "philly-3"))
     uncontrolled = gp.slowdown([(op.kind, 1.0)])
-    at_floor = gp.slowdown([(op.kind, PolicyParams().min_share)])
+    at_floor = gp.slowdown([(op.kind, NodePolicyParams().min_share)])
     assert uncontrolled > 1.1  # the measured pair (Gavel) slows it by at least 16 %
     # Uncontrolled for the 5,000 s the neighbour runs (it runs slower too, so at least that long):
     assert g["shared"]["end_s"] > 100 + 5_000.0 * uncontrolled
@@ -133,8 +133,8 @@ def test_a_neighbour_the_floor_cannot_tame_is_preempted(tmp_path):
     o_on = next(x for x in on.jobs if x["job_id"] == "philly-3")
     assert SimConfig().slow_preempt_s is None and off.metrics["preemptions"] == 0
     assert o_on["submitted_as"] == "opportunistic" and o_on["preemptions"] == on.metrics["preemptions"] >= 1
-    floor_cost = BY_NAME[g_off["profile"]].slowdown([(BY_NAME[o_on["profile"]].kind, PolicyParams().min_share)]) - 1
-    assert floor_cost > PolicyParams().target_slowdown
+    floor_cost = BY_NAME[g_off["profile"]].slowdown([(BY_NAME[o_on["profile"]].kind, NodePolicyParams().min_share)]) - 1
+    assert floor_cost > NodePolicyParams().target_slowdown
     # One preemption per slow_preempt_s + grace time at most, while the two overlap.
     overlap = g_on["end_s"] - o_on["first_start_s"]
     assert on.metrics["preemptions"] <= overlap / (120.0 + 30.0) + 1
@@ -326,7 +326,7 @@ def test_antman_moves_a_crawling_job_to_a_gpu_that_frees_up(tmp_path):
     assert s["end_s"] > 20_000.0  # crawled beside b's job until it ended
     assert 3000.0 + 30.0 < m["end_s"] < 3000.0 + 30.0 + 5000.0
     g = {x["job_id"]: x for x in moved.jobs}["philly-4"]
-    assert g["end_s"] - g["first_start_s"] < 20_000.0 * (1 + PolicyParams().target_slowdown + 0.05)
+    assert g["end_s"] - g["first_start_s"] < 20_000.0 * (1 + NodePolicyParams().target_slowdown + 0.05)
 
 
 def test_antman_no_room_wait_keeps_a_job_off_a_gpu_where_it_would_crawl(tmp_path):

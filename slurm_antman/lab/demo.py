@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from slurm_antman.policy.node.core import PolicyParams
+from slurm_antman.policy.node.core import NodePolicyParams
 
 from . import jobs
 from .devcluster import cluster as dc
@@ -119,7 +119,7 @@ class Demo:
                 low = j.compute_share if low is None else min(low, j.compute_share)
                 # At its floor already (the guaranteed job ran over its target on a loaded machine), the
                 # share cannot drop further: the limit is what shows the rise.
-                if low < before.compute_share or before.compute_share <= PolicyParams().min_share:
+                if low < before.compute_share or before.compute_share <= NodePolicyParams().min_share:
                     return limit, low
             time.sleep(0.05)
         if limit is None:

@@ -14,7 +14,7 @@ from slurm_antman.service import serve_until_stopped
 from slurm_antman.policy.node.compliance import ComplianceParams
 from .daemon import Sidecar, SidecarOptions
 from .endpoints import SocketDirError
-from slurm_antman.policy.node.core import MiB, PolicyParams
+from slurm_antman.policy.node.core import MiB, NodePolicyParams
 from .telemetry import TelemetryError, open_telemetry
 from .uplink import uplink_options
 
@@ -33,10 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def policy_params(conf: cfgmod.AntmanConfig) -> PolicyParams:
+def policy_params(conf: cfgmod.AntmanConfig) -> NodePolicyParams:
     """Policy knobs from the config."""
     sc = conf.sidecar
-    return PolicyParams(
+    return NodePolicyParams(
         headroom_bytes=sc.memory_headroom_mb * MiB,
         min_opportunistic_bytes=sc.min_opportunistic_memory_mb * MiB,
         target_slowdown=sc.target_slowdown,

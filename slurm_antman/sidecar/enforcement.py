@@ -13,7 +13,7 @@ from typing import Optional
 from slurm_antman import protocol as p
 from slurm_antman.policy.node import compliance
 from slurm_antman.policy.node.core import (
-    UNLIMITED, GpuInfo, JobInfo, PolicyState, PreemptRequest, Snapshot, decide,
+    UNLIMITED, GpuInfo, JobInfo, PolicyState, PreemptRequest, NodeSnapshot, decide,
 )
 from slurm_antman.policy.node.placement import util_measured
 
@@ -90,7 +90,7 @@ class Enforcement:
                                  max(j.registered_unix, self.started_unix), j.first_report_unix)
                    for j in on if j.job_class == "guaranteed")
 
-    def _snapshot(self) -> Snapshot:
+    def _snapshot(self) -> NodeSnapshot:
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
         managed: dict[int, int] = {}
         jobs = []
@@ -113,7 +113,7 @@ class Enforcement:
         gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
                              max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
                      for s in self.gpu_samples)
-        return Snapshot(gpus, tuple(jobs))
+        return NodeSnapshot(gpus, tuple(jobs))
 
     def _run_policy(self, now: float) -> None:
         self._dirty = False

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from slurm_antman.policy.node import compliance
-from slurm_antman.policy.node.core import PolicyParams
+from slurm_antman.policy.node.core import NodePolicyParams
 
 from .uplink import UplinkOptions
 
@@ -22,7 +22,7 @@ class SidecarOptions:
     utilization_window_s: float = 10.0
     tick_s: float = 1.0
     opportunistic_throttle: str = "launch"
-    params: PolicyParams = PolicyParams()
+    params: NodePolicyParams = NodePolicyParams()
     uplink: Optional[UplinkOptions] = None  # None: no coordinator; the sidecar notifies preemptions itself
     enforce: bool = True  # False: observe only (sidecar.enforce)
     no_room_wait: bool = True  # opportunistic.no_room == "wait"

@@ -19,7 +19,7 @@ compared with it.
 registered over its control socket, the guaranteed one first and alone so the policy learns its solo
 time: then the AIMD loop sets the opportunistic share from the guaranteed job's reports, and the
 guaranteed job's own mini-batch times show whether it holds the 2 % target
-(``PolicyParams.target_slowdown``; TGS, NSDI'23, holds the guaranteed job's rate the same way).
+(``NodePolicyParams.target_slowdown``; TGS, NSDI'23, holds the guaranteed job's rate the same way).
 """
 
 from __future__ import annotations
@@ -124,13 +124,13 @@ def sweep(workdir: str, window_s: float, shares: Sequence[float] = SHARES,
 
 def closed_loop(workdir: str, seconds: float = CLOSED_LOOP_S, alone_s: float = 4.0,
                 batch: Optional[int] = None, device: str = "cuda", telemetry=None) -> dict:
-    from slurm_antman.policy.node.core import PolicyParams
+    from slurm_antman.policy.node.core import NodePolicyParams
 
     from .gpu_node import RunningSidecar
     from .gpu_worker import Worker, start
 
     log = os.path.join(workdir, "closed-loop.log")
-    target = PolicyParams().target_slowdown
+    target = NodePolicyParams().target_slowdown
     sc = RunningSidecar(telemetry=telemetry)
     workers: list = []
     trace: list[dict] = []

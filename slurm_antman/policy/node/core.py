@@ -49,7 +49,7 @@ GiB = 1 << 30
 
 
 @dataclass(frozen=True)
-class PolicyParams:
+class NodePolicyParams:
     headroom_bytes: int = 512 * MiB          # kept free on every GPU for allocator slack and contexts
     min_opportunistic_bytes: int = 1 * GiB   # below this an opportunistic job is preempted instead
     quantum_bytes: int = 64 * MiB            # limits are rounded down to this, so noise sends no updates
@@ -94,7 +94,7 @@ class JobInfo:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class NodeSnapshot:
     gpus: tuple[GpuInfo, ...]
     jobs: tuple[JobInfo, ...]
 
@@ -179,7 +179,7 @@ def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float
 
 
 def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
-             prev: Mapping[str, float], now: float, p: PolicyParams) -> dict[str, float]:
+             prev: Mapping[str, float], now: float, p: NodePolicyParams) -> dict[str, float]:
     """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or, on a
     GPU without a guaranteed job whose opportunistic jobs together make less progress than one of
     them alone, the one making the least (the newest on a tie). ``order``: each GPU's opportunistic
@@ -201,7 +201,7 @@ def _quantize(n: int, q: int) -> int:
 
 
 def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
-                      p: PolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
+                      p: NodePolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
     """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
     fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
     solo, best, slowdown = prev.solo_ms, prev.best_ms, None
@@ -218,7 +218,7 @@ def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bo
     return track, slowdown, rose
 
 
-def decide(snap: Snapshot, state: PolicyState, p: PolicyParams, now: float) -> Decision:
+def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: float) -> Decision:
     jobs = {j.job_id: j for j in snap.jobs}
     gpus = {g.index: g for g in snap.gpus}
     on_gpu: dict[int, list[JobInfo]] = {g: [] for g in gpus}

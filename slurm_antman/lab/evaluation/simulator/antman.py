@@ -10,7 +10,7 @@ Speed: at most one coordinator cycle per batch of events at one instant and per 
 sees only active jobs, with running guaranteed jobs summed per tenant (docs/evaluation.md).
 
 The compute share an opportunistic job gets is the steady state of the local policy's AIMD loop,
-found by running ``local_policy.decide`` on the modelled iteration times of the GPU's guaranteed job
+found by running ``policy.node.core.decide`` on the modelled iteration times of the GPU's guaranteed job
 (cached per combination of profiles: the loop converges in seconds, jobs run for minutes to days).
 See docs/workload_model.md for the formulas.
 """
@@ -55,7 +55,7 @@ class AntmanAdapter:
     # -- the node-local policy on each GPU ----------------------------------------------------------
 
     def _local_policy(self, g: SimGpu, guar: list[SimJob], opp: list[SimJob]) -> tuple[dict[str, float], set[str]]:
-        """Memory limits and preemption needs from ``local_policy.decide`` on this GPU; compute
+        """Memory limits and preemption needs from ``policy.node.core.decide`` on this GPU; compute
         shares from its AIMD loop's steady state for this mix of profiles."""
         info = lp.GpuInfo(0, g.mem_total)
         can_pause = self.lp_params.pause_max_s is not None
@@ -63,7 +63,7 @@ class AntmanAdapter:
         js += [lp.JobInfo(j.job.job_id, "opportunistic", (0,), j.start or 0.0, j.profile.mem_bytes,
                           can_pause=can_pause) for j in opp]
         before = g.lp_state.paused
-        d = lp.decide(lp.Snapshot((info,), tuple(js)), g.lp_state, self.lp_params, self.now)
+        d = lp.decide(lp.NodeSnapshot((info,), tuple(js)), g.lp_state, self.lp_params, self.now)
         g.lp_state = d.state
         if before or d.state.paused:
             self._pauses_changed(g, before, d)
@@ -147,7 +147,7 @@ class AntmanAdapter:
 
     def _steady_shares(self, c: float, n: int) -> tuple[float, bool]:
         """The mean compute share of each of ``n`` opportunistic jobs beside a guaranteed job that
-        slows by 1 + share x ``c``, over the last half of 120 reports of ``local_policy.decide``, and
+        slows by 1 + share x ``c``, over the last half of 120 reports of ``policy.node.core.decide``, and
         whether the guaranteed job ends over target at the floor share (its slow_preempt_s rule)."""
         key = (self.lp_params, c, n)
         hit = _SHARE_CACHE.get(key)
@@ -159,12 +159,12 @@ class AntmanAdapter:
         info = (lp.GpuInfo(0, 1 << 50),)
         # A baseline report alone first, as the sidecar sees it before the opportunistic job arrives.
         alone = (replace(gjob, iteration=0, iteration_ms=base_ms),)
-        state = lp.decide(lp.Snapshot(info, alone), lp.PolicyState(), self.lp_params, 0.0).state
+        state = lp.decide(lp.NodeSnapshot(info, alone), lp.PolicyState(), self.lp_params, 0.0).state
         history: list[float] = []
         share = self.lp_params.initial_share
         for it in range(1, 121):
             rep = replace(gjob, iteration=it, iteration_ms=base_ms * (1.0 + share * c))
-            d = lp.decide(lp.Snapshot(info, (rep,) + ojobs), state, self.lp_params, float(it))
+            d = lp.decide(lp.NodeSnapshot(info, (rep,) + ojobs), state, self.lp_params, float(it))
             state = d.state
             share = d.limits["o0"].compute_share
             history.append(share)

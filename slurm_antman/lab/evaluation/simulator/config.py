@@ -49,7 +49,7 @@ class SimConfig(TraceRunConfig):
     # starting Python and torch, which ``antman bench trace --with-simulator`` measures and passes.
     start_overhead_s: float = 0.0
     # The local policy's preemption for speed (``sidecar.slow_preempt_s``); None: throttle only.
-    slow_preempt_s: Optional[float] = lp.PolicyParams.slow_preempt_s
+    slow_preempt_s: Optional[float] = lp.NodePolicyParams.slow_preempt_s
     # How busy jobs keep their GPUs (utilisation.py): production (drawn from published cluster
     # figures) or saturated (every job as busy as its benchmark).
     utilisation: str = "production"

@@ -65,11 +65,11 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
         self.quotas = self._quotas(jobs)
         self.cp_params = cp.PolicyParams(
             grace_s=cfg.grace_s, slots_per_gpu=cfg.slots_per_gpu, util_threshold=cfg.util_threshold,
-            min_opp_mem_bytes=lp.PolicyParams().min_opportunistic_bytes,
-            headroom_bytes=lp.PolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
+            min_opp_mem_bytes=lp.NodePolicyParams().min_opportunistic_bytes,
+            headroom_bytes=lp.NodePolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
         self.cp_params = replace(self.cp_params, min_progress=cfg.min_progress, move_after_s=cfg.move_after_s,
                                  move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running)
-        self.lp_params = lp.PolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
+        self.lp_params = lp.NodePolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
                                          min_progress=cfg.min_progress, pause_max_s=cfg.pause_max_s,
                                          resume_hold_s=cfg.resume_hold_s)
         self.cp_state = cp.CoordinatorState.empty()
