@@ -28,7 +28,9 @@ def job_view(job: Job, cfg: AntmanConfig, checkpoints: Mapping[str, float]) -> J
         submit_unix=_unix(job.submit_time) or 0.0,
         start_unix=_unix(job.start_time) if job.state != "PENDING" else None,
         restarts=job.restarts, last_checkpoint_unix=checkpoints.get(job_id), held_for_quota=held,
-        excluded_nodes=tuple(job.excluded_nodes), begin_wait=job.state == "PENDING" and job.reason == "BeginTime")
+        excluded_nodes=tuple(job.excluded_nodes), begin_wait=job.state == "PENDING" and job.reason == "BeginTime",
+        # Slurm gives every node of a job its per-node GRES (TresPerNode): the slots are on each of them.
+        gpus_by_node=tuple((n, per_node) for n in job.nodes) if len(job.nodes) > 1 else ())
 
 
 def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, Any], slurm_class: Mapping[str, str],

@@ -64,6 +64,15 @@ class JobView:
     held_for_quota: bool
     excluded_nodes: tuple[str, ...] = ()  # Slurm's ExcNodeList, expanded
     begin_wait: bool = False  # pending with Reason=BeginTime (a requeued job's ~121 s wait)
+    # GRES Slurm allocated the job on each of its nodes, (node, count), for a job holding an allocation:
+    # a multi-node job holds slots on every node, not only on ``node`` (its first). Empty: all ``gpus`` on ``node``.
+    gpus_by_node: tuple[tuple[str, int], ...] = ()
+
+    def allocation(self) -> tuple[tuple[str, int], ...]:
+        """(node, GRES count) of every node the job holds; nothing for a job without a node."""
+        if self.gpus_by_node:
+            return self.gpus_by_node
+        return ((self.node, self.gpus),) if self.node is not None else ()
 
 
 @dataclass(frozen=True, slots=True)

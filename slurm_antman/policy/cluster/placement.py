@@ -22,11 +22,13 @@ def gpu_qualifies(g: GpuView, params: PolicyParams) -> bool:
 
 
 def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
-    """Opportunistic GRES Slurm has allocated per node (one per GPU of each opportunistic job)."""
+    """Opportunistic GRES Slurm has allocated per node (one per GPU of each opportunistic job, on each
+    of its nodes)."""
     used: dict[str, int] = {}
     for j in jobs:
-        if j.job_class == "opportunistic" and j.node is not None and j.state in HOLDING_STATES:
-            used[j.node] = used.get(j.node, 0) + j.gpus
+        if j.job_class == "opportunistic" and j.state in HOLDING_STATES:
+            for node, count in j.allocation():
+                used[node] = used.get(node, 0) + count
     return used
 
 

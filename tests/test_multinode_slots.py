@@ -1,0 +1,48 @@
+"""A multi-node opportunistic job holds opportunistic GRES on every node it runs on (issue 29): the
+coordinator's snapshot must charge each node its share, or it offers too many slots on the others and
+Slurm, which subtracts its own allocations from the count, is told a count below what it has handed out."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timezone
+
+from slurm_antman import config
+from slurm_antman.coordinator.snapshot_builder import job_view
+from slurm_antman.lab.snapshots import NOW, PARAMS, gpu, job, node
+from slurm_antman.policy.cluster import placement
+from slurm_antman.slurm.models import Job
+
+CFG = config.parse({"nodes": [{"name": "n[1-2]", "gpus": 4}]})
+START = datetime.fromtimestamp(NOW - 100, timezone.utc)
+
+
+def _slurm_job(nodes: list[str], per_node: int) -> Job:
+    return Job(5, "wide", "alice", "research", "opportunistic", "RUNNING", "None", ",".join(nodes), nodes, 0,
+               "antman:class=opportunistic", "", "opportunistic", {}, f"gres:antman_opp:{per_node}", START, START)
+
+
+def test_a_job_on_two_nodes_holds_its_per_node_slots_on_each():
+    v = job_view(_slurm_job(["n1", "n2"], 2), CFG, {})
+    assert v.gpus == 4 and v.node == "n1"
+    assert v.allocation() == (("n1", 2), ("n2", 2))
+    assert placement.opp_in_use_by_node([v]) == {"n1": 2, "n2": 2}
+
+
+def test_a_job_on_one_node_keeps_the_plain_reading():
+    v = job_view(_slurm_job(["n1"], 3), CFG, {})
+    assert v.gpus_by_node == () and v.allocation() == (("n1", 3),)
+    assert placement.opp_in_use_by_node([v]) == {"n1": 3}
+    assert job("9", state="PENDING").allocation() == ()
+
+
+def test_each_node_s_count_includes_what_slurm_gave_the_job_there():
+    """One slot per GPU. n2: the wide job's 2 slots on GPUs 0 and 1, GPU 2 free (one slot of room), GPU 3
+    busy: Slurm's count must be 3 (its 2 allocated plus 1), not 1, which would leave Slurm over-allocated.
+    n1: exactly the job's 2 slots, not the 4 of the whole job."""
+    params = replace(PARAMS, slots_per_gpu=1)
+    wide = job_view(_slurm_job(["n1", "n2"], 2), CFG, {})
+    n1 = node("n1", (gpu(0, o=("5",)), gpu(1, o=("5",))), in_slurm=8)
+    n2 = node("n2", (gpu(0, o=("5",)), gpu(1, o=("5",)), gpu(2), gpu(3, util=0.95)), in_slurm=8)
+    changes, _ = placement.step([n1, n2], [wide], params, {})
+    assert {c.node: c.slots for c in changes} == {"n1": 2, "n2": 3}, changes
