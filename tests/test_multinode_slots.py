@@ -1,6 +1,7 @@
 """A multi-node opportunistic job holds opportunistic GRES on every node it runs on (issue 29): the
-coordinator's snapshot must charge each node its share, or it offers too many slots on the others and
-Slurm, which subtracts its own allocations from the count, is told a count below what it has handed out."""
+coordinator's snapshot must charge each node its share. Charged all to its first node, that node's count
+rose above what fits there, and each other node's count fell below what Slurm (which subtracts its own
+allocations from the count) had already handed out."""
 
 from __future__ import annotations
 
