@@ -47,3 +47,19 @@ def test_each_node_s_count_includes_what_slurm_gave_the_job_there():
     n2 = node("n2", (gpu(0, o=("5",)), gpu(1, o=("5",)), gpu(2), gpu(3, util=0.95)), in_slurm=8)
     changes, _ = placement.step([n1, n2], [wide], params, {})
     assert {c.node: c.slots for c in changes} == {"n1": 2, "n2": 3}, changes
+
+
+def test_a_job_on_two_nodes_is_upgraded_only_when_no_gpu_on_either_shares_a_guaranteed_job():
+    """The upgrade rule (a running opportunistic job becomes guaranteed when its tenant has quota again and
+    no guaranteed job shares its GPUs) must look at every node the job holds, not only its first."""
+    from slurm_antman.policy.cluster import Upgrade, quota
+
+    params = replace(PARAMS, upgrade_running=True)
+    wide = replace(job_view(_slurm_job(["n1", "n2"], 1), CFG, {}), requested="guaranteed")
+    n1 = node("n1", (gpu(0, o=("5",)), gpu(1)))
+    shared = node("n2", (gpu(0, g=("7",), o=("5",)), gpu(1)))
+    free = node("n2", (gpu(0, o=("5",)), gpu(1)))
+    assert quota.step(NOW, [wide], {"research": 8}, params, (), {"n1": n1, "n2": shared}) == []
+    assert quota.step(NOW, [wide], {"research": 8}, params, (), {"n1": n1}) == []  # n2 silent: cannot tell
+    got = quota.step(NOW, [wide], {"research": 8}, params, (), {"n1": n1, "n2": free})
+    assert [type(d) for d in got] == [Upgrade] and got[0].inputs["gpu_nodes"] == ["n1", "n2"]

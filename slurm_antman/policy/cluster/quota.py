@@ -24,12 +24,16 @@ def usage_by_account(jobs: Collection[JobView]) -> dict[str, int]:
     return used
 
 
-def _reported_gpus(job: JobView, nodes: Mapping[str, NodeView]) -> list[GpuView]:
-    """The GPUs the sidecar of the job's node shows it on (none when that node does not report)."""
-    node = nodes.get(job.node) if job.node is not None else None
-    if node is None or node.last_report_unix is None:
-        return []
-    return [g for g in node.gpus if job.job_id in g.opportunistic_jobs]
+def _reported_gpus(job: JobView, nodes: Mapping[str, NodeView]) -> list[tuple[str, GpuView]]:
+    """(node, GPU) for every GPU the sidecars of the job's nodes show it on; none unless every node the
+    job holds reports (a multi-node job's GPUs on a silent node could share a guaranteed job)."""
+    out: list[tuple[str, GpuView]] = []
+    for name, _ in job.allocation():
+        node = nodes.get(name)
+        if node is None or node.last_report_unix is None:
+            return []
+        out.extend((name, g) for g in node.gpus if job.job_id in g.opportunistic_jobs)
+    return out
 
 
 def fits_quota(quota: Optional[int], have: int, gpus: int) -> bool:
@@ -64,11 +68,11 @@ def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], param
                   "held_for_quota": j.held_for_quota, "submit_unix": j.submit_unix, "now": now}
         if j.state == "RUNNING":
             gpus = _reported_gpus(j, nodes) if fits else None
-            if gpus and any((j.node, g.index) in upgraded_gpus for g in gpus):
+            if gpus and any((n, g.index) in upgraded_gpus for n, g in gpus):
                 gpus = None  # another job on this GPU was just upgraded: it is no longer shared-free
             d = _upgrade(j, fits, quota, have, gpus, inputs)
             if isinstance(d, Upgrade):
-                upgraded_gpus.update((j.node, g.index) for g in gpus or ())
+                upgraded_gpus.update((n, g.index) for n, g in gpus or ())
         else:
             d = _pending(now, j, fits, quota, have, params, inputs)
         if d is not None:
@@ -116,13 +120,13 @@ def _pending(now: float, j: JobView, fits: bool, quota: Optional[int], have: int
     return HoldForQuota(j.job_id, reason=f"guaranteed job would exceed its tenant's quota ({text()})", inputs=inputs)
 
 
-def _upgrade(j: JobView, fits: bool, quota: Optional[int], have: int, gpus: Optional[list[GpuView]],
-             inputs: dict) -> Optional[Decision]:
+def _upgrade(j: JobView, fits: bool, quota: Optional[int], have: int,
+             gpus: Optional[list[tuple[str, GpuView]]], inputs: dict) -> Optional[Decision]:
     if not fits or not gpus:
-        return None  # no quota, or the sidecar has not shown where it runs: cannot tell it shares nothing
-    if any(g.guaranteed_jobs for g in gpus):
+        return None  # no quota, or the sidecars have not shown where it runs: cannot tell it shares nothing
+    if any(g.guaranteed_jobs for _, g in gpus):
         return None
     text = "no quota configured" if quota is None else _quota_text(j.account, quota, have, j.gpus)
     return Upgrade(j.job_id, reason=f"tenant has quota again ({text}) and no guaranteed job shares its GPUs",
-                   inputs={**inputs, "gpus_shared_with": [list(g.opportunistic_jobs) for g in gpus],
-                           "gpu_indices": [g.index for g in gpus]})
+                   inputs={**inputs, "gpus_shared_with": [list(g.opportunistic_jobs) for _, g in gpus],
+                           "gpu_indices": [g.index for _, g in gpus], "gpu_nodes": [n for n, _ in gpus]})
