@@ -61,31 +61,6 @@ class SidecarView:
     pause_bytes_moved: int = 0
 
 
-def sidecar_view(sidecar: Any) -> SidecarView:
-    """The metrics view of a running ``slurm_antman.sidecar.daemon.Sidecar``; call it from the sidecar's loop thread."""
-    proc_mem = {s.pid: s.memory_bytes for s in sidecar.proc_samples if s.memory_bytes is not None}
-    gpus = tuple(GpuPoint(s.index, s.memory_used_bytes, s.memory_total_bytes, s.utilization)
-                 for s in sidecar.gpu_samples)
-    jobs = []
-    for j in sidecar.jobs.values():
-        reports = [a.report for a in j.agents.values() if a.report is not None]
-        # Older agents lack the optional fields: absent, not zero, so a dashboard does not show a
-        # throttle that nobody measured.
-        delays = [r.throttle_delay_ms for r in reports if getattr(r, "throttle_delay_ms", None) is not None]
-        spills = [r.spilled_bytes for r in reports if getattr(r, "spilled_bytes", None) is not None]
-        jobs.append(JobPoint(
-            job_id=j.job_id, account=getattr(j, "account", None) or "", job_class=j.job_class,
-            mem_limit_bytes=j.limits.mem_limit_bytes,
-            mem_used_bytes=sum(sidecar._agent_mem(a, proc_mem) for a in j.agents.values()),
-            compute_share=j.limits.compute_share,
-            iteration_ms=max((r.iteration_ms for r in reports), default=None),
-            throttle_delay_ms=max(delays) if delays else None,
-            spilled_bytes=sum(spills) if spills else None))
-    return SidecarView(sidecar.opt.node, gpus, tuple(jobs), sidecar.placement_waits, sidecar.noncompliant_total,
-                       sidecar.state_write_errors, sidecar.pauses_total, sidecar.pause_seconds_total,
-                       sidecar.pause_bytes_moved_total)
-
-
 class SidecarCollector(Collector):
     def __init__(self) -> None:
         self.view: Optional[SidecarView] = None

@@ -377,7 +377,6 @@ def test_a_burst_pauses_a_pausable_job_in_place_and_it_resumes_once_the_burst_ha
     """Issue 16's ladder on the real sidecar: the guaranteed job's burst leaves the opportunistic one less
     than its minimum; its agent can pause, so it is paused (no preemption), shown paused, not held to
     compliance, and resumed after the burst has been over for sidecar.resume_hold_s."""
-    from slurm_antman.metrics import sidecar_view
 
     r = Running(sockdir, make_config(gpus=1, resume_hold_s=1.0, compliance_grace_s=0.5))
     ga = oa = None
@@ -413,7 +412,7 @@ def test_a_burst_pauses_a_pausable_job_in_place_and_it_resumes_once_the_burst_ha
         assert resume.seq == 1 and time.monotonic() - t0 >= 0.9
         oa.send(p.Resumed(seq=1, resume_ms=2.0))
         wait_for(lambda: not job_of(client.node_state(sockdir), "200").paused, what="resumed shown")
-        v = sidecar_view(r.sidecar)
+        v = r.sidecar.metrics_view()
         assert v.pauses == 1 and v.pause_bytes_moved == 2 * GiB and v.pause_seconds > 0.5
     finally:
         for a in (ga, oa):
@@ -757,7 +756,6 @@ def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, so
     """Issue 15's fault, at the sidecar: its state directory full (a real tmpfs, filled). The job is
     still registered, placed and limited, its agent served; only the record a restarted sidecar
     would read is missing, counted in a metric, and no partial file takes the space."""
-    from slurm_antman.metrics import sidecar_view
 
     state = os.path.join(sockdir, "state")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", state], capture_output=True, text=True)
@@ -776,7 +774,7 @@ def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, so
         finally:
             a.close()
         assert [j.job_id for j in client.node_state(sockdir).jobs] == ["901"]
-        assert sidecar_view(sidecar.sidecar).state_write_errors == 1
+        assert sidecar.sidecar.metrics_view().state_write_errors == 1
         assert sorted(os.listdir(state)) == ["filler"]
         # The node says why it takes no new opportunistic job, and a Prolog that can requeue is told to.
         assert client.node_state(sockdir).unhealthy.startswith(f"{state} is full")

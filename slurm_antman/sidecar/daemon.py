@@ -32,7 +32,7 @@ from .endpoints import SocketDir
 from .enforcement import Enforcement
 from .loop import SocketLoop, bound_router
 from .options import SidecarOptions
-from .records import AgentConnection, RegisteredJob, agent_memory
+from .records import AgentConnection, RegisteredJob
 from .registry import JobRegistry
 from .telemetry import GpuSample, ProcessSample, Telemetry, UtilizationWindow
 from .uplink import Uplink
@@ -145,9 +145,7 @@ class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, C
 
     def _publish_metrics(self) -> None:
         if self.metrics is not None:
-            from slurm_antman.metrics import sidecar_view
-
-            self.metrics.publish(sidecar_view(self))
+            self.metrics.publish(self.metrics_view())
 
     def close(self) -> None:
         """Close sockets but keep the job directories and records: a restarted sidecar rebinds them."""
@@ -164,5 +162,3 @@ class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, C
         self.dir.release()
         self.telemetry.close()
 
-    # slurm_antman.metrics reads a job's memory through the sidecar it is given: it may not import the sidecar.
-    _agent_mem = staticmethod(agent_memory)

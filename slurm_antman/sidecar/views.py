@@ -1,5 +1,5 @@
 """The node as the sidecar shows it: the control socket's ``node_state`` (``antman`` on the node, the
-Prolog) and the ``node_report`` sent to the coordinator."""
+Prolog), the ``node_report`` sent to the coordinator and what its Prometheus endpoint shows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 
 import slurm_antman
 from slurm_antman import protocol as p
+from slurm_antman.metrics import GpuPoint, JobPoint, SidecarView
 from slurm_antman.policy.node.core import PolicyState, PreemptRequest
 
 from .records import RegisteredJob, agent_memory
@@ -113,3 +114,27 @@ class ReportViews:
                 for r in self.noncompliant.values() if r.job_id in self.jobs]
         return p.NodeReport(node=self.opt.node, telemetry=self.telemetry.kind, gpus=gpus, jobs=jobs,
                             preempt_requests=pre, unhealthy=self.unhealthy[:1024])
+
+    def metrics_view(self) -> SidecarView:
+        """What the Prometheus endpoint shows of this sidecar (slurm_antman.metrics); from the loop thread."""
+        proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
+        gpus = tuple(GpuPoint(s.index, s.memory_used_bytes, s.memory_total_bytes, s.utilization)
+                     for s in self.gpu_samples)
+        jobs = []
+        for j in self.jobs.values():
+            reports = [a.report for a in j.agents.values() if a.report is not None]
+            # Older agents lack the optional fields: absent, not zero, so a dashboard does not show a
+            # throttle that nobody measured.
+            delays = [r.throttle_delay_ms for r in reports if getattr(r, "throttle_delay_ms", None) is not None]
+            spills = [r.spilled_bytes for r in reports if getattr(r, "spilled_bytes", None) is not None]
+            jobs.append(JobPoint(
+                job_id=j.job_id, account=getattr(j, "account", None) or "", job_class=j.job_class,
+                mem_limit_bytes=j.limits.mem_limit_bytes,
+                mem_used_bytes=sum(agent_memory(a, proc_mem) for a in j.agents.values()),
+                compute_share=j.limits.compute_share,
+                iteration_ms=max((r.iteration_ms for r in reports), default=None),
+                throttle_delay_ms=max(delays) if delays else None,
+                spilled_bytes=sum(spills) if spills else None))
+        return SidecarView(self.opt.node, gpus, tuple(jobs), self.placement_waits, self.noncompliant_total,
+                           self.state_write_errors, self.pauses_total, self.pause_seconds_total,
+                           self.pause_bytes_moved_total)
