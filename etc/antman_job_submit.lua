@@ -48,6 +48,7 @@ The policy:
   * opportunistic has its GPU requests (--gres/--gpus-per-node, and on one node also --gpus,
     --gpus-per-task, --gpus-per-socket) rewritten to the count-only settings.opp_gres with the
     same count, is routed to settings.opp_partition (and settings.opp_qos when set), made requeueable,
+    asked onto one leaf switch within settings.opp_switch_wait_s (unless the user set --switches),
     and tagged antman:class=opportunistic. A GPU type stays: --gres=gpu:h100:1 becomes
     opp_gres:h100:1, which only nodes whose opportunistic slots are typed h100 (antman.yaml
     nodes[].gpu_type) offer, so Slurm itself places the job on a node of that type. One type per job;
@@ -424,6 +425,13 @@ local function make_opportunistic(job_desc, s)
   job_desc.partition = s.opp_partition
   if s.opp_qos then job_desc.qos = s.opp_qos end
   job_desc.requeue = 1
+  -- One leaf switch if Slurm can find it within the wait (topology/tree; without it Slurm ignores this):
+  -- an opportunistic job spread over switches runs slower and has no deadline to trade that for. The
+  -- user's own --switches stands.
+  if s.opp_switch_wait_s ~= nil and not is_set(job_desc.req_switch, NO_VAL) then
+    job_desc.req_switch = 1
+    job_desc.wait4switch = s.opp_switch_wait_s
+  end
   job_desc.admin_comment = render_tag("opportunistic")
   info("%s: class opportunistic; GPUs %s -> %s; partition %s -> %s%s", job_label(job_desc),
     table.concat(requested, " "), job_desc.tres_per_node,

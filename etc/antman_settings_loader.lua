@@ -24,7 +24,7 @@ local CLASS_VALUES = { none = true, guaranteed = true, opportunistic = true }
 local KNOWN_KEYS = {
   default_class = true, auto_class = true, gpu_gres = true, opp_gres = true,
   guaranteed_partition = true, opp_partition = true, opp_qos = true, max_node_gpus = true,
-  gpu_types = true,
+  gpu_types = true, opp_switch_wait_s = true,
 }
 
 local function quoted(v)
@@ -69,6 +69,10 @@ local function validate(s, warn)
   end
   if not whole_positive(m) then
     return string.format("field max_node_gpus must be a positive whole number of GPUs, got %s", quoted(m))
+  end
+  local w = s.opp_switch_wait_s
+  if w ~= nil and not (type(w) == "number" and w >= 0 and w == math.floor(w) and w < math.huge) then
+    return string.format("field opp_switch_wait_s must be a whole number of seconds or nil, got %s", quoted(w))
   end
   -- gpu_types: { h100 = 8, ... }: the GPU types of antman.yaml's node groups, each with the most GPUs
   -- one node of that type has. Absent: no node group declares a type.

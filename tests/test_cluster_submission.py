@@ -49,6 +49,7 @@ def test_opportunistic_rewritten_and_sees_one_gpu(clean_cluster):
     assert info["Partition"] == "opportunistic"
     assert tres_body(info["TresPerNode"]) == "antman_opp:1"
     assert info["Requeue"] == "1"
+    assert info["Switches"] == "1@00:05:00"  # one leaf switch, waiting up to opportunistic.switch_wait_s
     assert seen["CLASS"] == "opportunistic"
     assert re.fullmatch(r"[0-3]", seen["GPUS"]), seen  # exactly one physical GPU...
     assert seen["CVD"] == "0", seen  # ...which its devices cgroup lets it open as CUDA device 0

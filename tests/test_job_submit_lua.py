@@ -33,6 +33,7 @@ SETTINGS: dict[str, Any] = {
     "guaranteed_partition": "gpu",
     "opp_partition": "opportunistic",
     "max_node_gpus": 4,
+    "opp_switch_wait_s": 300,
 }
 
 
@@ -59,7 +60,7 @@ def desc(cls: Optional[str] = None, **fields: Any) -> dict[str, Any]:
         "name": "train", "user_name": "alice", "user_id": 1000,
         "min_nodes": NO_VAL, "max_nodes": NO_VAL, "num_tasks": NO_VAL,
         "ntasks_per_node": NO_VAL16, "sockets_per_node": NO_VAL16, "ntasks_per_tres": NO_VAL16,
-        "requeue": NO_VAL16, "het_job_offset": NO_VAL,
+        "requeue": NO_VAL16, "het_job_offset": NO_VAL, "req_switch": NO_VAL, "wait4switch": NO_VAL,
     }
     if cls is not None:
         # the plugin's own option mirror sits next to ANTMAN_CLASS, as seen on a real 22.05 ctld
@@ -148,6 +149,25 @@ def test_opportunistic_rewritten_routed_requeueable_tagged(tmp_path: Path) -> No
     assert jd["admin_comment"] == "antman:class=opportunistic"
     assert "qos" not in jd
     assert any("class opportunistic" in m and "alice" in m for m in out["info"])
+
+
+def test_opportunistic_asks_for_one_switch_within_the_wait(tmp_path: Path) -> None:
+    """Read and set on a real 22.05 slurmctld: unset, both are NO_VAL; set, scontrol shows Switches=1@00:05:00."""
+    jd = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2", min_nodes=2)))
+    assert (jd["req_switch"], jd["wait4switch"]) == (1, 300)
+    own = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2", req_switch=2, wait4switch=60)))
+    assert (own["req_switch"], own["wait4switch"]) == (2, 60)  # the user's --switches stands
+    off = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2"),
+                       settings={"opp_switch_wait_s": None}))
+    assert (off["req_switch"], off["wait4switch"]) == (NO_VAL, NO_VAL)
+    guaranteed = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:2", min_nodes=2)))
+    assert (guaranteed["req_switch"], guaranteed["wait4switch"]) == (NO_VAL, NO_VAL)
+
+
+def test_a_bad_switch_wait_in_the_settings_rejects_naming_it(tmp_path: Path) -> None:
+    msg = rejected(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:1"),
+                       settings={"opp_switch_wait_s": -5}))
+    assert "opp_switch_wait_s" in msg
 
 
 def test_opportunistic_qos_from_settings(tmp_path: Path) -> None:

@@ -184,6 +184,7 @@ def job_submit_settings(cfg: AntmanConfig, src: str) -> str:
         # The opportunistic GRES offers gpus*slots_per_gpu per node, so Slurm accepts an opportunistic job
         # asking for more GPUs than any node has, and no placement can ever start it.
         "max_node_gpus": max(g.gpus for g in cfg.nodes),
+        "opp_switch_wait_s": cfg.opportunistic.switch_wait_s,
     }
     # Each GPU type and the most GPUs one node of it has: an opportunistic job asking for a type keeps it
     # (its slots are typed), and is refused when no node has that type or it asks for more than fit.

@@ -329,6 +329,14 @@ class Opportunistic(_Strict):
         default=2.0, ge=1,
         description="How many times its current progress a GPU must promise before a crawling job is moved there "
                     "(a move costs a checkpoint, a restart and the grace time).")
+    switch_wait_s: Optional[int] = Field(
+        default=300, ge=0,
+        description="job_submit.lua asks Slurm to put an opportunistic job under one leaf switch (sbatch "
+                    "--switches=1@TIME, with a tree topology), waiting at most this many seconds before it starts "
+                    "on more: a job spread over switches runs slower, and an opportunistic job has no deadline "
+                    "to trade that for. A job's own --switches is kept; a job on one node is always under one "
+                    "switch. Slurm caps the wait at SchedulerParameters=max_switch_wait (300 s unless set). "
+                    "null: ask nothing.")
 
 
 def _bind_address(v: str) -> str:
