@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import slurm_antman
 from slurm_antman import protocol as p
-from slurm_antman.metrics import GpuPoint, JobPoint, SidecarView
 from slurm_antman.policy.node.core import PolicyState, PreemptRequest
 
 from .records import RegisteredJob, agent_memory
 from .telemetry import GpuSample, ProcessSample, UtilizationWindow
+
+if TYPE_CHECKING:
+    from slurm_antman.metrics import SidecarView
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class ReportViews:
 
     def metrics_view(self) -> SidecarView:
         """What the Prometheus endpoint shows of this sidecar (slurm_antman.metrics); from the loop thread."""
+        # Imported here: metrics needs prometheus_client, which a GPU node without metrics may not have.
+        from slurm_antman.metrics import GpuPoint, JobPoint, SidecarView
+
         proc_mem = {s.pid: s.memory_bytes for s in self.proc_samples if s.memory_bytes is not None}
         gpus = tuple(GpuPoint(s.index, s.memory_used_bytes, s.memory_total_bytes, s.utilization)
                      for s in self.gpu_samples)
