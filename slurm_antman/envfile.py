@@ -39,7 +39,13 @@ class EnvFileError(AntmanError, ValueError):
 
 
 def path(state_dir: str | os.PathLike[str], node: str, job_id: str | int) -> Path:
-    """Where the plugin looks for this job's file on this node (envfile.c's env_file_path)."""
+    """Where the plugin looks for this job's file on this node (envfile.c's env_file_path). A node name
+    or job id the plugin would never look under is refused: root writes here, so the path must not be
+    able to leave STATE_DIR."""
+    if not NODE_NAME_RE.fullmatch(node):
+        raise EnvFileError(f"node name {node!r} does not match {NODE_NAME_RE.pattern}")
+    if not str(job_id).isdigit():
+        raise EnvFileError(f"job id {job_id!r} is not a number")
     return Path(state_dir) / node / "jobs" / f"{job_id}.env"
 
 

@@ -163,6 +163,11 @@ def test_python_env_file_limits(envfile: Any) -> None:
         assert envfile.NODE_NAME_RE.fullmatch(name), name
     for name in ENV["node_names"]["invalid"]:
         assert not envfile.NODE_NAME_RE.fullmatch(name), name
+        # root writes at this path: a name the plugin would never read under is refused, not written
+        with pytest.raises(envfile.EnvFileError):
+            envfile.path("/var/lib/antman", name, "7")
+    with pytest.raises(envfile.EnvFileError):
+        envfile.path("/var/lib/antman", "node1", "7/../../x")
 
 
 @pytest.mark.parametrize("v", ENV["parse"], ids=_id)
