@@ -282,3 +282,45 @@ def test_bad_endpoint_and_class_are_rejected_clearly():
         Agent(job_id="42", job_class="best", use_cuda=False)
     with pytest.raises(AgentConfigError, match="ANTMAN_JOB_ID"):
         Agent(job_id="../1", use_cuda=False)
+
+
+def test_dear_reports_are_spread_out_to_keep_their_cost_within_budget(peer):
+    """A report that takes 2 ms (on a GPU, reading the allocator costs that much) would take 4 % of a
+    job reporting every 50 ms: the agent stretches the gap until reports cost REPORT_BUDGET, at most
+    REPORT_MAX_GAP_S apart, and goes back to the base interval when they are cheap again."""
+    from torch_patch.agent import REPORT_BUDGET, REPORT_MAX_GAP_S
+
+    agent = _agent(peer.endpoint)
+    it = _job()
+    real_stats = agent.memory.stats
+    slow = [True]
+
+    def stats():
+        if slow[0]:
+            time.sleep(0.002)
+        return real_stats()
+
+    agent.memory.stats = stats
+    try:
+        assert agent.client.registered.wait(5)
+        _train_until(it, lambda: len(peer.of_type("report")) >= 6, what="six reports")
+        assert 0.002 / REPORT_BUDGET * 0.5 <= agent._report_gap <= REPORT_MAX_GAP_S
+        slow[0] = False
+        _train_until(it, lambda: agent._report_gap < 0.2, timeout=30, what="the gap coming back down")
+    finally:
+        agent.stop()
+
+
+def test_root_modules_are_the_models_not_their_layers():
+    """GpuBusy hooks the roots only: one pre-hook call per iteration, not one per layer."""
+    from torch_patch.busy import root_modules
+
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    model = torch.nn.Sequential(inner, torch.nn.Linear(4, 1))
+    other = torch.nn.Linear(3, 3)
+    no_params = torch.nn.ReLU()
+    roots = root_modules(torch, torch.device("cpu"))
+    ids = {id(m) for m in roots}
+    assert id(model) in ids and id(other) in ids
+    assert id(inner) not in ids and id(no_params) not in ids
+    assert not any(id(m) == id(inner[0]) for m in roots)

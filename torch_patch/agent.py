@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 from slurm_antman import __version__
 from .client import LimitsUpdate, PreemptNotice, ProtocolClient, check_endpoint, default_register
+from .busy import GpuBusy
 from .memory import MemoryController
 from .pause import Pauser
 from .steps import StepCounter
@@ -39,6 +40,10 @@ from slurm_antman.protocol import JOB_ID_RE
 log = logging.getLogger("torch_patch")
 
 DEFAULT_FALLBACK_SHARE = 0.25
+# The most of a job's time its reports may take (see _boundary): the report interval grows to keep it.
+REPORT_BUDGET = 0.002
+# ... up to this gap: the sidecar's policy ticks once a second (sidecar/options.py tick_s).
+REPORT_MAX_GAP_S = 0.5
 PreemptHook = Callable[[PreemptNotice], None]
 
 
@@ -89,6 +94,9 @@ class Agent:
         sync = torch.cuda.synchronize if self.cuda else None
         self.throttle = Throttle(mode=throttle_mode, synchronize=sync)
         self.pauser = Pauser(torch, self.memory)
+        # On a GPU, busy time comes from CUDA events (torch_patch/busy.py), hooked at the first boundary.
+        self._gpu_busy = GpuBusy(torch, torch.device("cuda", self.memory.device)) if self.cuda else None
+        self._gpu_busy_tried = False
         self.steps = StepCounter(self._boundary, on_optimizer=self.pauser.saw_optimizer)
         self.applied_seq = 0
         # (seq, iteration during which it arrived, applied_iteration, seconds it waited in the
@@ -115,6 +123,8 @@ class Agent:
         self._busy_mark = 0.0
         self._busy_scale = 1.0  # emulate_device(): the emulated GPU is busy sm_util of the busy time
         self._last_report = time.monotonic()
+        self._report_gap = report_interval_s
+        self._report_cost: Optional[float] = None
         self._peak = 0
         self.client: Optional[ProtocolClient] = None
         if endpoint is not None and job_id is not None:
@@ -143,6 +153,8 @@ class Agent:
 
     def stop(self, reason: str = "exit") -> None:
         self.steps.unhook()
+        if self._gpu_busy is not None:
+            self._gpu_busy.detach()
         self.throttle.close()
         if self.client is not None:
             self.client.stop(reason)
@@ -294,6 +306,12 @@ class Agent:
             throttle.end_iteration()  # learns the unthrottled reference
             busy = seconds
             self._busy_mark = throttle.busy_s
+        gpu_busy = self._gpu_busy
+        if gpu_busy is not None:
+            if not self._gpu_busy_tried:
+                self._gpu_busy_tried = True  # once: the model exists by the first optimizer step
+                gpu_busy.attach()
+            gpu_busy.boundary()
         client = self.client
         if client is not None:
             client.exchange(ended, next_within_s=2.0 * seconds)
@@ -319,20 +337,35 @@ class Agent:
         self._acc_ms += seconds * 1000.0
         self._acc_busy_ms += busy * 1000.0
         now = time.monotonic()
-        if now - self._last_report >= self.report_interval_s:
+        if now - self._last_report >= self._report_gap:
             self._send_report(ended, now)
             client.flush_queued(ended + 1)
+            # A report's own cost (reading the allocator, encoding, sending) stays within
+            # REPORT_BUDGET of the job's time: on a GPU it is far dearer than on a CPU.
+            # Smoothed, so one report delayed by the OS scheduler does not stretch the gap by itself.
+            cost = time.monotonic() - now
+            self._report_cost = cost if self._report_cost is None else 0.8 * self._report_cost + 0.2 * cost
+            self._report_gap = min(REPORT_MAX_GAP_S, max(self.report_interval_s, self._report_cost / REPORT_BUDGET))
 
     def _send_report(self, iteration: int, now: float) -> None:
         from slurm_antman.protocol import Report
 
+        self.memory.maintain()
         st = self.memory.stats()
         n = self._acc_n
+        iteration_ms = self._acc_ms / n
+        busy_ms = self._acc_busy_ms / n * self._busy_scale
+        if self._gpu_busy is not None and self._gpu_busy.attached:
+            gpu_s, gpu_n = self._gpu_busy.collect()
+            if gpu_n and not self.throttle._ratio:
+                # Unthrottled, the host clock counts a data-loader stall as busy; the events do not.
+                # (Throttled, the throttle's own account, drained by synchronize, is the busy time.)
+                busy_ms = min(iteration_ms, gpu_s / gpu_n * 1000.0)
         self.client.send(Report(
             iteration=iteration,
             iterations=n,
-            iteration_ms=self._acc_ms / n,
-            busy_ms=self._acc_busy_ms / n * self._busy_scale,
+            iteration_ms=iteration_ms,
+            busy_ms=busy_ms,
             mem_allocated_bytes=st.allocated_bytes,
             mem_reserved_bytes=st.reserved_bytes,
             mem_peak_bytes=st.peak_bytes,

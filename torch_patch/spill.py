@@ -13,6 +13,18 @@ The allocator is two ctypes callbacks into the CUDA runtime already loaded by Py
 PyTorch itself uses for ``torch.cuda._use_uvm``; no compiled extension is needed, so it works on nodes
 without a compiler. The callbacks only run when the caching allocator creates or frees a whole
 segment of the spill pool, not per tensor, so their Python cost is small.
+
+The pool must be filled ahead of time. On an OOM PyTorch's caching allocator only looks for a *free
+block already cached* in a ``use_on_oom`` pool (``get_free_block``); it never asks the pool's allocator
+for a new segment there (c10/cuda/CUDACachingAllocator.cpp, ``malloc``, "try to use existing mempools
+as a last resort"; torch 2.8 to 2.13). The first GPU run (2026-11-26, H200, torch 2.11) found this the
+hard way: an empty pool turned the first allocation over the limit into an OOM. So :meth:`HostSpill.grow`
+allocates host segments into the pool and frees them at once: they stay cached there, free, for the OOM
+path to split.
+
+Those host segments count towards the per-process memory fraction (the allocator adds every segment,
+device or not, to ``total_allocated_memory``), so the memory controller sets the fraction to the
+limit *plus* the host bytes held (torch_patch/memory.py).
 """
 
 from __future__ import annotations
@@ -27,6 +39,11 @@ log = logging.getLogger("torch_patch.spill")
 
 _CUDA_HOST_ALLOC_MAPPED = 0x02
 _CUDA_HOST_ALLOC_PORTABLE = 0x01
+
+# What grow() first sets aside for small (<= 1 MiB) requests: 16 segments of 2 MiB (the caching
+# allocator's kSmallBuffer), two 1 MiB blocks each.
+SMALL_BLOCK = 1 << 20
+SMALL_SEGMENTS = 16
 
 _ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _FREE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
@@ -69,9 +86,12 @@ class HostSpill:
         self._cudart.cudaHostAlloc.restype = ctypes.c_int
         self._cudart.cudaFreeHost.argtypes = [ctypes.c_void_p]
         self._cudart.cudaFreeHost.restype = ctypes.c_int
+        self._torch = torch
+        self.device = device
         self._lock = threading.Lock()
-        self.spilled_bytes = 0  # host bytes held now
-        self.spilled_total_bytes = 0  # host bytes ever handed out
+        self._segments: dict[int, int] = {}  # host pointer -> size, for the snapshot fallback
+        self.held_bytes = 0  # host bytes held now (segments of the pool, used or free)
+        self.held_total_bytes = 0  # host bytes ever handed out
         self.failures = 0
         # The callbacks must outlive the pool: keep them on the instance.
         self._alloc_cb = _ALLOC_FN(self._alloc)
@@ -90,8 +110,9 @@ class HostSpill:
                 self.failures += 1
             return None  # PyTorch turns a null pointer into its usual OOM error
         with self._lock:
-            self.spilled_bytes += size
-            self.spilled_total_bytes += size
+            self.held_bytes += size
+            self.held_total_bytes += size
+            self._segments[ptr.value] = size
         return ptr.value
 
     def _free(self, ptr: Optional[int], size: int, device: int, stream: Optional[int]) -> None:
@@ -99,4 +120,45 @@ class HostSpill:
             return
         self._cudart.cudaFreeHost(ptr)
         with self._lock:
-            self.spilled_bytes -= size
+            self.held_bytes -= size
+            self._segments.pop(ptr, None)
+
+    def _pool_segments(self) -> list[dict]:
+        torch = self._torch
+        try:
+            return list(torch.cuda.memory_snapshot(self.pool.id, include_traces=False))
+        except TypeError:  # an older torch: the whole allocator's snapshot, ours picked by address
+            with self._lock:
+                ours = set(self._segments)
+            return [s for s in torch.cuda.memory_snapshot() if s.get("address") in ours]
+
+    def in_use_bytes(self) -> int:
+        """Host bytes of the pool that hold live tensors now (the rest is free, waiting for an OOM)."""
+        if not self.held_bytes:
+            return 0
+        return sum(int(s.get("allocated_size", 0)) for s in self._pool_segments())
+
+    def grow(self, add_bytes: int) -> int:
+        """Caches at least ``add_bytes`` more free host memory in the pool (see the module's note);
+        returns the host bytes held after. The caller lifts the memory fraction around this call:
+        the new segments count towards it."""
+        torch = self._torch
+        if add_bytes <= 0:
+            return self.held_bytes
+        start = self.held_bytes
+        held = []
+        with torch.cuda.use_mem_pool(self.pool, device=self.device):
+            if not start:
+                # Requests of 1 MiB or less come from the pool's small blocks, 2 MiB segments of
+                # their own: a few for the small tensors an iteration allocates over the limit.
+                held += [torch.empty(SMALL_BLOCK, dtype=torch.uint8, device=self.device)
+                         for _ in range(2 * SMALL_SEGMENTS)]
+            # Free blocks already in the pool would serve a request first, so keep allocating (and
+            # holding) until the pool has really grown by add_bytes.
+            for _ in range(8):
+                missing = start + add_bytes - self.held_bytes
+                if missing <= 0:
+                    break
+                held.append(torch.empty(missing, dtype=torch.uint8, device=self.device))
+        del held
+        return self.held_bytes

@@ -36,6 +36,11 @@ from .gpu_part import PartContext
 # ResNet-50 beside ResNet-50: the zoo's heaviest common pair, so the interference, and what the
 # throttle takes off it, stand well above the noise of a window.
 GUARANTEED = OPPORTUNISTIC = "resnet50"
+# Batch 128, not the zoo's 32: on the first GPU run (2026-11-26, H200) ResNet-50 at batch 32 was bound by
+# kernel launches (NVML 0.76 busy alone, 21-25 ms a step) and its time alone drifted by 10 % between
+# windows (22.4 ms, then 24.8 ms with the neighbour launching nothing), as large as the effects measured.
+# At 128 the GPU, not the launching CPU thread, sets the pace.
+BATCH = 128
 SHARES = (1.0, 0.5, 0.25, 0.1, 0.05, 0.0)
 REDUCED_DUTY = 0.5
 # Absolute error allowed between the formula's slowdown and the measured one: the formula is a first-
@@ -78,7 +83,8 @@ def sweep(workdir: str, window_s: float, shares: Sequence[float] = SHARES,
     g = Worker("guaranteed", GUARANTEED, log, batch=batch, seed=1, device=device, job_class="guaranteed")
     o = Worker("opportunistic", OPPORTUNISTIC, log, batch=batch, seed=2, device=device, job_id="202",
                job_class="opportunistic", endpoint=P.ipc(peer.path))
-    out: dict = {"guaranteed": GUARANTEED, "opportunistic": OPPORTUNISTIC, "window_s": window_s, "series": []}
+    out: dict = {"guaranteed": GUARANTEED, "opportunistic": OPPORTUNISTIC, "window_s": window_s, "batch": batch,
+                 "series": []}
     try:
         start([g, o])
         g_full = _win([g], window_s, nvml=nvml)[0]
@@ -115,6 +121,9 @@ def sweep(workdir: str, window_s: float, shares: Sequence[float] = SHARES,
                                   "baseline_iter_ms": base["iter_ms"], "baseline_util": base.get("util"),
                                   "rows": rows})
         out["calibration_slowdown"] = calibration
+        # The guaranteed job alone once more: how far its own pace drifted over the sweep (the noise
+        # floor every slowdown above sits on).
+        out["guaranteed_alone_after"] = _win([g], window_s, nvml=nvml)[0]
     finally:
         for w in (g, o):
             w.stop()
@@ -212,10 +221,18 @@ def check_sweep(ctx: PartContext, sw: dict) -> None:
         ctx.check(f"{d}: interference formula", bool(errors) and max(errors) <= FORMULA_TOL,
                   {"max_error": max(errors) if errors else None, "b_g": series["formula_duty"]},
                   f"|formula - measured| <= {FORMULA_TOL} at every share")
-        ctx.note(f"{d} (b_g {series['formula_duty']:.2f} from {series['duty_source']}): share -> guaranteed "
+        ctx.note(f"{d} (b_g {series['formula_duty']:.2f} from {series['duty_source']}, batch "
+                 f"{sw.get('batch') or 'zoo default'}): share -> guaranteed "
                  "slowdown / formula / opportunistic progress: " + "; ".join(
                      f"{r['share']:g}: {r['slowdown']:.3f} / {r.get('formula_slowdown', float('nan')):.3f} / "
                      f"{r['progress']:.2f}" for r in series["rows"]))
+
+
+def drift_note(ctx: PartContext, sw: dict) -> None:
+    before, after = sw.get("guaranteed_alone"), sw.get("guaranteed_alone_after")
+    if before and after:
+        ctx.note(f"the guaranteed job alone: {before['iter_ms']:.1f} ms a step before the sweep, "
+                 f"{after['iter_ms']:.1f} ms after it (drift {after['iter_ms'] / before['iter_ms'] - 1:+.1%})")
 
 
 def check_closed_loop(ctx: PartContext, cl: dict) -> None:
@@ -231,13 +248,14 @@ def check_closed_loop(ctx: PartContext, cl: dict) -> None:
 
 def run(ctx: PartContext) -> None:
     reserve = 60.0  # the closed loop: the sidecar, two worker start-ups, 4 s alone, 30 s together
-    windows_needed = 2 + len(SHARES) * 2 + 1  # alone x2, both series, the reduced baseline
+    windows_needed = 3 + len(SHARES) * 2 + 1  # alone x2 (+ once more at the end), both series, the reduced baseline
     window_s = min(4.0, max(1.5, (ctx.left() - reserve - 20.0) / windows_needed - SETTLE_S))
-    sw = ctx.put("sweep", sweep(ctx.workdir, window_s))
+    sw = ctx.put("sweep", sweep(ctx.workdir, window_s, batch=BATCH))
     check_sweep(ctx, sw)
+    drift_note(ctx, sw)
     seconds = min(CLOSED_LOOP_S, ctx.left() - 30.0)
     if seconds < 10:
         ctx.check("AIMD holds the 2% target", False, f"{ctx.left():.0f} s left", "time left for the closed loop")
         return
-    cl = ctx.put("closed_loop", closed_loop(ctx.workdir, seconds))
+    cl = ctx.put("closed_loop", closed_loop(ctx.workdir, seconds, batch=BATCH))
     check_closed_loop(ctx, cl)

@@ -34,7 +34,28 @@ def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
             torch.cuda.synchronize()
 
         r = measure_overhead(agent, iters=iters, rounds=rounds, iteration=iteration)
+        r["report_gap_s"] = agent._report_gap  # as the agent spaced them while it trained
+        # The same rounds with reports off: what the boundary costs without them, to tell which it is.
+        base_ivl, agent.report_interval_s, agent._report_gap = agent.report_interval_s, 1e9, 1e9
+        quiet = measure_overhead(agent, iters=iters, rounds=max(2, rounds // 2), iteration=iteration)
+        agent.report_interval_s = agent._report_gap = base_ivl
+        r["ratio_without_reports"], r["control_without_reports"] = quiet["ratio"], quiet["control"]
+        r["report_us"] = _report_us(agent)
     return {"model": MODEL, "batch": BATCH, "iters": iters, "rounds": rounds, **r}
+
+
+def _report_us(agent, n: int = 20) -> float:
+    """One report's own cost on this GPU (reading the allocator, encoding, sending): the agent spaces
+    its reports by it (torch_patch.agent.REPORT_BUDGET)."""
+    import time
+
+    total = 0.0
+    for _ in range(n):
+        agent._acc_n, agent._acc_ms, agent._acc_busy_ms = 1, 1.0, 1.0
+        t = time.perf_counter()
+        agent._send_report(agent.iteration, time.monotonic())
+        total += time.perf_counter() - t
+    return total / n * 1e6
 
 
 def run(ctx: PartContext) -> None:
@@ -45,4 +66,6 @@ def run(ctx: PartContext) -> None:
               {"ratio": r["ratio"], "control": r["control"]},
               f"agent/no-agent ratio - 1 <= {MAX_OVERHEAD:.0%} + |A/A ratio - 1|")
     ctx.note(f"{MODEL} batch {BATCH}: {r['iteration_us'] / 1000:.1f} ms per step; with/without agent "
-             f"{r['ratio']:.4f}, A/A control {r['control']:.4f}; one boundary {r['boundary_us']:.0f} us")
+             f"{r['ratio']:.4f}, A/A control {r['control']:.4f}; one boundary {r['boundary_us']:.0f} us; "
+             f"one report {r['report_us']:.0f} us, reports {r['report_gap_s'] * 1000:.0f} ms apart; with reports "
+             f"off {r['ratio_without_reports']:.4f} (A/A {r['control_without_reports']:.4f})")

@@ -3,8 +3,10 @@ memory limit below its footprint.
 
 Two runs of zoo ResNet-50 from the same seed and the same synthetic batch, in this process: first
 unlimited (the reference: its losses, its mini-batch time, its footprint), then under the real agent as
-an opportunistic job, whose memory controller has the spill pool, with the limit at ``LIMIT_FRACTION``
-of the reference's footprint. What does not fit goes to pinned, mapped host memory.
+an opportunistic job, whose memory controller has the spill pool. The second run's first step is
+unlimited, as a running job's is before a guaranteed job claims its memory; then the limit comes, at
+``LIMIT_FRACTION`` of the reference's footprint. What does not fit goes to pinned, mapped host memory.
+"Spilled" is sampled at the end of each forward pass, when the activations are all alive.
 
 Losses: cuDNN is put in deterministic mode for both runs, so the same kernels see the same numbers; the
 comparison is within ``LOSS_RTOL`` (relative, per step), and whether the runs agree bit for bit is
@@ -36,7 +38,26 @@ NVML_SLACK_BYTES = 64 * MiB
 def _train(loop, steps: int, deadline: float, spill=None) -> dict:
     import torch
 
-    losses, times, spilled = [], [], 0
+    losses, times, spilled = [], [], [0]
+    hook = None
+    if spill is not None:
+        def sample(*_args) -> None:
+            spilled[0] = max(spilled[0], spill.in_use_bytes())
+        hook = loop.model.register_forward_hook(sample)
+    try:
+        _steps(loop, steps, deadline, losses, times)
+    finally:
+        if hook is not None:
+            hook.remove()
+    # The first steps include cuDNN's set-up and, spilled, the pool's first segments: not steady state.
+    steady = times[2:] or times
+    return {"losses": losses, "step_ms": sum(steady) / len(steady) * 1000.0, "steps": len(losses),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "spilled_peak_bytes": spilled[0]}
+
+
+def _steps(loop, steps: int, deadline: float, losses: list, times: list) -> None:
+    import torch
+
     for _ in range(steps):
         if time.monotonic() > deadline and len(losses) >= 3:
             break
@@ -45,12 +66,6 @@ def _train(loop, steps: int, deadline: float, spill=None) -> dict:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loop.last_loss))
-        if spill is not None:
-            spilled = max(spilled, spill.spilled_bytes)
-    # The first steps include cuDNN's set-up and, spilled, the pool's first segments: not steady state.
-    steady = times[2:] or times
-    return {"losses": losses, "step_ms": sum(steady) / len(steady) * 1000.0, "steps": len(losses),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(), "spilled_peak_bytes": spilled}
 
 
 def compare(ref: dict, run: dict) -> dict:
@@ -89,13 +104,21 @@ def measure(deadline_s: float, steps: int = STEPS, fraction: float = LIMIT_FRACT
     try:
         if agent.memory.spill is None:
             raise RuntimeError("the agent's memory controller has no host spill (see the log for why)")
+        torch.manual_seed(0)
+        loop = build(MODEL, device="cuda", batch=BATCH)
+        loop.step()
+        torch.cuda.synchronize()
+        first_loss = float(loop.last_loss)
+        t = time.perf_counter()
         agent.memory.set_limit(limit)
+        limit_s = time.perf_counter() - t
         with NvmlSampler() as sampler:
-            torch.manual_seed(0)
-            loop = build(MODEL, device="cuda", batch=BATCH)
-            run = _train(loop, len(ref["losses"]), deadline, agent.memory.spill)
+            run = _train(loop, len(ref["losses"]) - 1, deadline, agent.memory.spill)
+        run["losses"].insert(0, first_loss)
+        run["steps"] += 1
+        run["set_limit_s"] = limit_s  # includes pinning the pool's host memory
         nvml_peak = sampler.peak_mem(os.getpid())
-        run["spilled_total_bytes"] = agent.memory.spill.spilled_total_bytes
+        run["host_held_bytes"] = agent.memory.spill.held_bytes
         run["spill_failures"] = agent.memory.spill.failures
         del loop
     finally:
@@ -122,7 +145,8 @@ def run(ctx: PartContext) -> None:
               r["nvml_peak_bytes"], f"<= limit + memory outside torch's allocator + {NVML_SLACK_BYTES // MiB} MiB "
               f"= {bound / MiB:.0f} MiB")
     ctx.note(f"{MODEL} batch {BATCH}: footprint {r['footprint_bytes'] / MiB:.0f} MiB, limit "
-             f"{r['limit_bytes'] / MiB:.0f} MiB, spilled up to {sp['spilled_peak_bytes'] / MiB:.0f} MiB; "
+             f"{r['limit_bytes'] / MiB:.0f} MiB, spilled up to {sp['spilled_peak_bytes'] / MiB:.0f} MiB "
+             f"(pool {sp['host_held_bytes'] / MiB:.0f} MiB of host memory, set up in {sp['set_limit_s']:.2f} s); "
              f"step {r['reference']['step_ms']:.1f} ms unspilled, {sp['step_ms']:.1f} ms spilled "
              f"(slowdown {r['slowdown']:.2f}x); losses " + ("bit for bit equal" if r["bit_for_bit"] else
                                                              f"within {r['max_rel_diff']:.2g} relative"))
