@@ -144,12 +144,175 @@ def test_a_paused_job_whose_sidecar_goes_away_resumes_by_itself(peer):
         agent.stop()
 
 
-@pytest.mark.gpu
-def test_pause_moves_parameters_grads_buffers_and_optimizer_state_to_the_host_and_back():
-    """On a GPU: the device memory a model, its gradients, a BatchNorm's buffers and Adam's state
-    hold is freed by a pause, and training resumes with identical numbers to an unpaused twin."""
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+def test_bench_pause_runs_a_real_sidecar_and_training_process_through_every_round():
+    """`antman bench pause --no-requeue`: each round a burst pauses the job and its end resumes it,
+    acked by the job's real agent (the numbers themselves go to docs/benchmarks.md, not here)."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.cli", "bench", "pause", "--no-requeue", "--rounds", "2",
+                        "--footprint-gib", "2", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)["pause"]
+    assert doc["rounds"] == 2 and len(doc["pause_ack_ms"]) == len(doc["resume_ms"]) == 2
+    assert all(v >= 0 for v in doc["pause_ack_ms"] + doc["resume_ms"])
+    bad = subprocess.run([sys.executable, "-m", "slurm_antman.cli", "bench", "pause", "--footprint-gib", "20"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--footprint-gib must be in (0, 14]" in bad.stderr
+
+
+# The pinned arena of the offload (torch_patch.pinned): its layout and bookkeeping run on CPU against
+# a stand-in CUDA runtime that records what would have been registered.
+
+class _FakeRuntime:
+    """cudaSetDevice / cudaHostRegister / cudaHostUnregister as the arena calls them (plain ints)."""
+
+    def __init__(self, fail_after: int | None = None, err: int = 201):
+        import threading as th
+
+        self.local = th.local()
+        self.lock = th.Lock()
+        self.registered: list[tuple[int, int, int]] = []  # (address, bytes, flags)
+        self.unregistered: list[int] = []
+        self.fail_after, self.err, self.calls = fail_after, err, 0
+
+    def cudaSetDevice(self, dev: int) -> int:
+        self.local.dev = dev
+        return 0
+
+    def cudaHostRegister(self, addr: int, n: int, flags: int) -> int:
+        assert getattr(self.local, "dev", None) == 3, "a worker registered before binding the job's device"
+        with self.lock:
+            self.calls += 1
+            if self.fail_after is not None and self.calls > self.fail_after:
+                return self.err
+            self.registered.append((addr, n, flags))
+        return 0
+
+    def cudaHostUnregister(self, addr: int) -> int:
+        with self.lock:
+            self.unregistered.append(addr)
+        return 0
+
+
+def _sources():
+    torch.manual_seed(1)
+    return [torch.arange(7), torch.zeros(0, 4), torch.rand(3, 3) > 0.5, torch.tensor(2.5),
+            torch.randn(20_000).to(torch.bfloat16), torch.randn(300, 500), torch.randn(70_000),
+            torch.randint(0, 9, (5, 3), dtype=torch.int8)]
+
+
+def test_the_arena_layout_aligns_every_slice_and_cuts_whole_pages_into_registrations():
+    from torch_patch.pinned import layout
+
+    lay = layout([10, 0, 4096, 5000, 1], align=4096, chunk=8192, page=4096)
+    assert lay.offsets == (0, 4096, 4096, 8192, 16384)
+    assert lay.total == 20480 and lay.chunks == ((0, 8192), (8192, 16384), (16384, 20480))
+    assert [lay.needs(i) for i in range(5)] == [range(0, 1), range(0), range(0, 1), range(1, 2), range(2, 3)]
+    # A slice over a chunk boundary needs both chunks; the last chunk ends on a page, past the bytes.
+    lay = layout([6000, 6000], align=512, chunk=8192, page=4096)
+    assert lay.offsets == (0, 6144) and lay.total == 12288
+    assert lay.chunks == ((0, 8192), (8192, 12288)) and lay.needs(1) == range(0, 2)
+    assert layout([], chunk=8192, page=4096).chunks == () and layout([0], chunk=8192, page=4096).total == 0
+    with pytest.raises(ValueError):
+        layout([1], align=3)
+    with pytest.raises(ValueError):
+        layout([1], chunk=5000, page=4096)
+
+
+def test_copy_out_copies_each_tensor_into_its_slice_only_once_its_chunks_are_registered(monkeypatch):
+    from torch_patch import pinned
+
+    taken = []
+    real_slice = pinned.Arena.slice
+
+    def checked_slice(self, i, like):
+        # The pipelining's one rule: a copy lands in a slice only after every chunk under it is pinned.
+        with self._lock:
+            assert set(self.plan.needs(i)) <= set(self.registered)
+        taken.append(i)
+        return real_slice(self, i, like)
+
+    monkeypatch.setattr(pinned.Arena, "slice", checked_slice)
+    src, rt, timings = _sources(), _FakeRuntime(), {}
+    chunk = 64 << 10
+    hosts, arena = pinned.copy_out(torch, src, rt=rt, device=3, fallback=lambda t: pytest.fail("fell back"),
+                                   sync=lambda: None, timings=timings, threads=4, chunk=chunk)
+    plan = pinned.layout([t.numel() * t.element_size() for t in src], chunk=chunk)
+    assert arena is not None and arena.plan == plan and taken == list(range(len(src)))
+    for t, h, off in zip(src, hosts, plan.offsets):
+        assert h.dtype == t.dtype and h.shape == t.shape and torch.equal(h, t)
+        if t.numel():
+            assert h.data_ptr() == arena.base + off
+            assert h.untyped_storage().data_ptr() == arena.base  # is_pinned() asks about the storage's start
+    assert arena.base % pinned.ARENA_ALIGN == 0 and plan.total % pinned.PAGE == 0
+    # Every chunk registered once, page-aligned, exactly covering the arena, with the default flags.
+    assert sorted(rt.registered) == [(arena.base + s, e - s, 0) for s, e in plan.chunks]
+    assert plan.offsets[-1] + plan.sizes[-1] <= plan.total == sum(n for _, n, _ in rt.registered)
+    assert timings["fallback_tensors"] == 0 and timings["chunks"] == len(plan.chunks) > 4 and timings["threads"] == 4
+    assert timings["error"] is None and timings["arena_bytes"] == plan.total and timings["pin_s"] >= 0
+    registered = sorted(a for a, _, _ in rt.registered)
+    kept = hosts[0]
+    arena.release()
+    assert sorted(rt.unregistered) == registered and arena.buf is None and arena.registered == []
+    assert torch.equal(kept, src[0])  # a slice still held keeps its memory, registered or not
+
+
+def test_copy_out_falls_back_per_tensor_where_registration_fails_and_says_why_once(monkeypatch, caplog):
+    from torch_patch import pinned
+
+    monkeypatch.setattr(pinned, "_said", set())
+    src, chunk = _sources(), 64 << 10
+    plan = pinned.layout([t.numel() * t.element_size() for t in src], chunk=chunk)
+    fell: list = []
+
+    def fallback(t):
+        fell.append(t)
+        return t.clone()
+
+    # One worker, so the chunks are tried in order: the first two register, the third fails.
+    rt, timings = _FakeRuntime(fail_after=2), {}
+    hosts, arena = pinned.copy_out(torch, src, rt=rt, device=3, fallback=fallback, sync=lambda: None,
+                                   timings=timings, threads=1, chunk=chunk)
+    in_arena = [i for i in range(len(src)) if all(c < 2 for c in plan.needs(i))]
+    assert in_arena == [0, 1, 2, 3, 4]  # those on the first two chunks; the rest went alone
+    assert all(torch.equal(h, t) for h, t in zip(hosts, src))
+    assert timings["fallback_tensors"] == len(fell) == len(src) - len(in_arena)
+    assert all(hosts[i].data_ptr() == arena.base + plan.offsets[i] for i in in_arena if src[i].numel())
+    assert rt.calls == 3 and "cudaHostRegister" in timings["error"] and "returned 201" in timings["error"]
+    arena.release()
+    assert sorted(rt.unregistered) == sorted(a for a, _, _ in rt.registered) and len(rt.unregistered) == 2
+    # Nothing registers at all: no arena kept, everything the per-tensor way; the warning came once.
+    for _ in range(2):
+        hosts, arena = pinned.copy_out(torch, src, rt=_FakeRuntime(fail_after=0), device=3, fallback=fallback,
+                                       sync=lambda: None, timings={}, threads=2, chunk=chunk)
+        assert arena is None and all(torch.equal(h, t) for h, t in zip(hosts, src))
+    timings = {}
+    hosts, arena = pinned.copy_out(torch, src, rt=None, device=3, fallback=fallback, sync=lambda: None,
+                                   timings=timings, chunk=chunk)
+    assert arena is None and "libcudart" in timings["error"] and timings["fallback_tensors"] == len(src)
+    assert len([r for r in caplog.records if "pinned one by one" in r.getMessage()]) == 1
+
+
+def test_copy_out_that_fails_midway_waits_for_its_copies_and_unpins_before_raising():
+    from torch_patch import pinned
+
+    rt, synced = _FakeRuntime(fail_after=1), []
+
+    def fallback(t):
+        raise RuntimeError("no pinned memory left")
+
+    with pytest.raises(RuntimeError, match="no pinned memory left"):
+        pinned.copy_out(torch, _sources(), rt=rt, device=3, fallback=fallback, sync=lambda: synced.append(1),
+                        timings={}, threads=1, chunk=64 << 10)
+    assert synced == [1] and len(rt.registered) == 1
+    assert rt.unregistered == [rt.registered[0][0]]
+
+
+def _gpu_twin_check(cycles: int, steps_between: int = 2):
+    """Pause and resume ``cycles`` times; the losses must be an unpaused twin's. Returns the pauser
+    and the timings of each pause."""
     from torch_patch.memory import MemoryController
     from torch_patch.pause import Pauser
 
@@ -174,29 +337,52 @@ def test_pause_moves_parameters_grads_buffers_and_optimizer_state_to_the_host_an
         step(m1, o1), step(m2, o2)
     pauser = Pauser(torch, MemoryController(use_cuda=True))
     pauser.saw_optimizer(o1)
-    before = torch.cuda.memory_allocated()
-    freed, moved = pauser.pause()
-    assert moved > 0 and torch.cuda.memory_allocated() < before
-    assert all(p.device.type == "cpu" for p in m1.parameters())
-    pauser.resume()
-    first = step(m1, o1)
-    pauser.after_boundary()
-    assert [first] + [step(m1, o1) for _ in range(2)] == [step(m2, o2) for _ in range(3)]
+    paused, twin, timings = [], [], []
+    for _ in range(cycles):
+        before = torch.cuda.memory_allocated()
+        freed, moved = pauser.pause()
+        assert moved > 0 and torch.cuda.memory_allocated() < before
+        assert all(p.device.type == "cpu" and p.is_pinned() for p in m1.parameters())
+        assert all(v.is_pinned() for st in o1.state.values() for v in st.values() if v.numel() > 1)
+        pauser.resume()
+        paused.append(step(m1, o1))
+        pauser.after_boundary()
+        timings.append(dict(pauser.last_timings))
+        paused += [step(m1, o1) for _ in range(steps_between)]
+    twin = [step(m2, o2) for _ in range(len(paused))]
+    assert paused == twin
+    return pauser, timings
 
 
-def test_bench_pause_runs_a_real_sidecar_and_training_process_through_every_round():
-    """`antman bench pause --no-requeue`: each round a burst pauses the job and its end resumes it,
-    acked by the job's real agent (the numbers themselves go to docs/benchmarks.md, not here)."""
-    import json
-    import subprocess
-    import sys
+@pytest.mark.gpu
+def test_pause_moves_parameters_grads_buffers_and_optimizer_state_to_the_host_and_back():
+    """On a GPU: the device memory a model, its gradients, a BatchNorm's buffers and Adam's state
+    hold is freed by a pause, and training resumes with identical numbers to an unpaused twin, pause
+    after pause, with the host copies in one registered arena that is let go after each resume."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pauser, timings = _gpu_twin_check(cycles=2)
+    for t in timings:
+        assert t["arena"] and t["fallback_tensors"] == 0 and t["error"] is None, t
+        assert t["release_s"] >= 0 and t["pin_s"] > 0
+    assert pauser._restored is None
 
-    r = subprocess.run([sys.executable, "-m", "slurm_antman.cli", "bench", "pause", "--no-requeue", "--rounds", "2",
-                        "--footprint-gib", "2", "--json"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    doc = json.loads(r.stdout)["pause"]
-    assert doc["rounds"] == 2 and len(doc["pause_ack_ms"]) == len(doc["resume_ms"]) == 2
-    assert all(v >= 0 for v in doc["pause_ack_ms"] + doc["resume_ms"])
-    bad = subprocess.run([sys.executable, "-m", "slurm_antman.cli", "bench", "pause", "--footprint-gib", "20"],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--footprint-gib must be in (0, 14]" in bad.stderr
+
+@pytest.mark.gpu
+def test_pause_falls_back_to_per_tensor_pinned_memory_when_registration_fails(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from torch_patch import pinned
+
+    real = pinned.cudart()
+
+    class Refusing:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cudaHostRegister(self, addr, n, flags):
+            return 1  # cudaErrorInvalidValue
+
+    monkeypatch.setattr(pinned, "cudart", lambda: Refusing())
+    _, timings = _gpu_twin_check(cycles=1)
+    assert not timings[0]["arena"] and timings[0]["fallback_tensors"] == timings[0]["tensors"] > 0

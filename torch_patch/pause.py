@@ -9,7 +9,13 @@ script's references stay valid and it continues as if nothing happened.
 Back in, the copies run on a side stream in the modules' order, one CUDA event per module; a
 one-shot forward pre-hook makes the compute stream wait only for that module's event, so the first
 layers compute while later ones are still copying (PipeSwitch's layer pipelining), and a one-shot
-optimizer pre-hook waits for everything before the first ``step()``.
+optimizer pre-hook waits for everything before the first ``step()``. Gradients alone come back first
+and are waited for at once: ``zero_grad`` touches them before any forward.
+
+The host side is one arena for all the bytes, pinned chunk by chunk in parallel while the first
+copies already run (torch_patch.pinned); where pinning it fails, each tensor gets its own pinned
+memory as before. It stays pinned until the first step after the resume has waited for the copies
+back, then is unregistered and freed.
 
 On CPU there is no device memory: with memory emulation (trace replays) the emulated footprint is
 what is freed and restored, so the protocol and the policy run end to end without a GPU.
@@ -18,9 +24,12 @@ what is freed and restored, so the protocol and the policy run end to end withou
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
+
+from . import pinned
 
 
 @dataclass
@@ -70,50 +79,88 @@ class DeviceState:
         self._last: Any = None  # the event after the last copy back
         self.stepped = False  # the first optimizer step after the restore has waited for the copies
         self.bytes_moved = 0
+        self.timings: dict[str, Any] = {}
+        self._arena: Optional[pinned.Arena] = None  # the host copies live in it until release()
 
-    def _to_host(self, t: Any) -> Any:
+    def _pinned_copy(self, t: Any) -> Any:
+        """The per-tensor way (fresh pinned memory each): what the arena falls back to."""
+        t0 = time.perf_counter()
         host = self.torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        self.timings["pin_s"] = self.timings.get("pin_s", 0.0) + time.perf_counter() - t0
         host.copy_(t, non_blocking=True)
-        self.bytes_moved += t.numel() * t.element_size()
         return host
 
-    def offload(self) -> int:
-        """Everything to pinned host memory; returns the bytes moved. The device memory is freed by
-        the caller's ``empty_cache`` once the references here are gone."""
-        torch = self.torch
-        self.bytes_moved = 0
+    def _collect(self) -> tuple[list[tuple[Any, Any]], list[Any]]:
+        """What moves, in the modules' order (the restore's order too): (owner, slot) and its tensor.
+        ``owner`` is the :class:`_Moved` of a module, or an optimizer's per-parameter state dict."""
+        slots: list[tuple[Any, Any]] = []
+        tensors: list[Any] = []
         seen: set[int] = set()
-        for root in _device_modules(torch, self.device):
+        for root in _device_modules(self.torch, self.device):
             for mod in root.modules():
-                moved = _Moved(mod)
+                moved, n0 = _Moved(mod), len(slots)
                 for name, p in list(mod._parameters.items()):
                     if p is None or id(p) in seen or p.device != self.device:
                         continue
                     seen.add(id(p))
-                    moved.slots.append(("param", p, name))
-                    moved.hosts.append(self._to_host(p.data))
+                    slots.append((moved, ("param", p, name)))
+                    tensors.append(p.data)
                     if p.grad is not None:
-                        moved.slots.append(("grad", p, name))
-                        moved.hosts.append(self._to_host(p.grad))
+                        slots.append((moved, ("grad", p, name)))
+                        tensors.append(p.grad)
                 for name, b in list(mod._buffers.items()):
                     if b is None or b.device != self.device:
                         continue
-                    moved.slots.append(("buffer", mod, name))
-                    moved.hosts.append(self._to_host(b))
-                if moved.slots:
+                    slots.append((moved, ("buffer", mod, name)))
+                    tensors.append(b)
+                if len(slots) > n0:
                     self._moved.append(moved)
         for opt in self.optimizers:
             for st in opt.state.values():
                 for k, v in list(st.items()):
-                    if isinstance(v, torch.Tensor) and v.device == self.device:
-                        self._opt_moved.append((st, k, self._to_host(v)))
+                    if isinstance(v, self.torch.Tensor) and v.device == self.device:
+                        slots.append((st, k))
+                        tensors.append(v)
+        return slots, tensors
+
+    def offload(self) -> int:
+        """Everything to pinned host memory; returns the bytes moved. The device memory is freed by
+        the caller's ``empty_cache`` once the references here are gone. ``timings`` says where the
+        time went (find_s: the garbage collector's scan; alloc_s, pin_s: the host memory; copy_s:
+        the copying left after the last pinning, to the synchronize; swap_s)."""
+        torch = self.torch
+        t0 = time.perf_counter()
+        slots, tensors = self._collect()
+        t1 = time.perf_counter()
+        self.timings = {"find_s": t1 - t0, "tensors": len(tensors)}
+        try:
+            rt = pinned.cudart()
+        except (OSError, AttributeError) as e:  # no libcudart, or one without these calls
+            rt = None
+            self.timings["error"] = str(e)
+        hosts, self._arena = pinned.copy_out(
+            torch, tensors, rt=rt, device=self.device.index, fallback=self._pinned_copy,
+            sync=lambda: torch.cuda.synchronize(self.device), timings=self.timings)
+        t2 = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        t3 = time.perf_counter()
         # Only now, with every copy done, drop the device tensors.
+        for (owner, slot), host in zip(slots, hosts):
+            if isinstance(owner, _Moved):
+                owner.slots.append(slot)
+                owner.hosts.append(host)
+            else:
+                self._opt_moved.append((owner, slot, host))
         for moved in self._moved:
             for slot, host in zip(moved.slots, moved.hosts):
                 _put(slot, host)
         for st, k, host in self._opt_moved:
             st[k] = host
+        t4 = time.perf_counter()
+        pinned_at = self.timings.pop("pinned_at", t2)
+        self.timings.update(stage_s=t3 - t1, copy_s=t3 - max(pinned_at, t1), swap_s=t4 - t3,
+                            arena=self._arena is not None and not self.timings.get("fallback_tensors"))
+        self.bytes_moved = sum(t.numel() * t.element_size() for t in tensors)
         return self.bytes_moved
 
     def restore(self) -> None:
@@ -124,10 +171,27 @@ class DeviceState:
         side.wait_stream(compute)
         last = None
         with torch.cuda.stream(side):
+            # Gradients first, and the compute stream waits for them at once: a loop's
+            # zero_grad(set_to_none=False) zeroes them in place before any forward hook fires, and a
+            # copy landing after that brought the old gradients back into the next step (the GPU test
+            # here, H200, 2026-11). Each is assigned below, once its parameter is back on the device.
+            grads = {}
             for moved in self._moved:
-                for slot, host in zip(moved.slots, moved.hosts):
-                    _put(slot, host.to(self.device, non_blocking=True))
-                    self._keep.append(host)
+                for j, (slot, host) in enumerate(zip(moved.slots, moved.hosts)):
+                    if slot[0] == "grad":
+                        grads[id(moved), j] = host.to(self.device, non_blocking=True)
+                        self._keep.append(host)
+            if grads:
+                ready = torch.cuda.Event()
+                ready.record(side)
+                compute.wait_event(ready)
+            for moved in self._moved:
+                for j, (slot, host) in enumerate(zip(moved.slots, moved.hosts)):
+                    if slot[0] == "grad":
+                        _put(slot, grads[id(moved), j])
+                    else:
+                        _put(slot, host.to(self.device, non_blocking=True))
+                        self._keep.append(host)
                 ev = torch.cuda.Event()
                 ev.record(side)
                 last = ev
@@ -161,13 +225,21 @@ class DeviceState:
             self.stepped = True
 
     def release(self) -> None:
-        """Drop the hooks and, once the copies are done, the host copies."""
+        """Drop the hooks and, once the copies are done, the host copies and their arena."""
+        t0 = time.perf_counter()
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._keep and self._last is not None:
+        if self._last is not None:
             self._last.synchronize()
+        t1 = time.perf_counter()
         self._keep = []
+        if self._arena is not None:
+            # Unregistered only now: the copies back read from it until _last. In the background:
+            # this is the training thread.
+            self._arena.release(wait=False)
+            self._arena = None
+        self.timings.update(release_wait_s=t1 - t0, release_arena_s=time.perf_counter() - t1)
 
 
 class Pauser:
@@ -180,6 +252,9 @@ class Pauser:
         self._state: Optional[DeviceState] = None
         self._restored: Optional[DeviceState] = None  # its hooks live until the first step after resume
         self._emulated: Optional[int] = None
+        # Where the last pause's time went (DeviceState.offload's timings, free_s: the collection and
+        # empty_cache, total_s; release_s once its host memory is let go): for the GPU benchmark.
+        self.last_timings: dict[str, Any] = {}
 
     def saw_optimizer(self, opt: Any) -> None:
         self._optimizers.add(opt)
@@ -195,11 +270,19 @@ class Pauser:
         if not mem.cuda:
             return 0, 0
         torch = self.torch
+        if self._restored is not None:
+            # Resumed, but no step since: its copies back must have landed before these copies out
+            # read the same tensors (on another stream), and its host memory can go now.
+            self._release()
+        t0 = time.perf_counter()
         before = torch.cuda.memory_reserved(mem.device)
         self._state = DeviceState(torch, torch.device("cuda", mem.device), list(self._optimizers))
         moved = self._state.offload()
+        t1 = time.perf_counter()
         gc.collect()
         torch.cuda.empty_cache()
+        t2 = time.perf_counter()
+        self.last_timings = dict(self._state.timings, free_s=t2 - t1, total_s=t2 - t0)
         return max(0, before - torch.cuda.memory_reserved(mem.device)), moved
 
     def resume(self) -> None:
@@ -215,5 +298,12 @@ class Pauser:
     def after_boundary(self) -> None:
         """At each iteration boundary: once the first step after a resume has run, drop its hooks."""
         if self._restored is not None and self._restored.stepped:
-            self._restored.release()
-            self._restored = None
+            self._release()
+
+    def _release(self) -> None:
+        t = time.perf_counter()
+        self._restored.release()
+        for k in ("release_wait_s", "release_arena_s"):
+            self.last_timings[k] = self._restored.timings.get(k)
+        self._restored = None
+        self.last_timings["release_s"] = time.perf_counter() - t
