@@ -1,0 +1,171 @@
+"""Re-derive ``locality_data.MEASURED`` from Pollux's published placement traces.
+
+Pollux's simulator traces live on the ``osdi21-artifact`` branch of petuum/adaptdl, not on master::
+
+    git clone https://github.com/petuum/adaptdl
+    git -C adaptdl checkout c793c7089bd307462686339d29707925c461f9a9
+    python -m slurm_antman.lab.evaluation.locality_derive adaptdl/simulator/traces          # print
+    python -m slurm_antman.lab.evaluation.locality_derive adaptdl/simulator/traces --check  # compare
+
+The first prints the ``MEASURED`` literal to paste into ``locality_data.py``; ``--check`` exits 1 if
+the literal there differs from what the CSVs give. The derivation is described in
+``locality_data``'s docstring; this file is its only implementation. Standard library only, so it
+runs without the project's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import statistics
+import sys
+from collections import defaultdict
+from typing import Iterable, NamedTuple, TextIO, Union
+
+# Pollux's testbed nodes (g4dn.12xlarge, benchmark/main.tf on the same branch) held 4 GPUs; every
+# placement in the traces has at most 4 GPUs per node.
+POLLUX_GPUS_PER_NODE = 4
+HEADER = ("placement", "local_bsz", "step_time", "sync_time")
+DIGITS = 3  # already finer than the traces' noise (yolov3 steps slower at batch 6 than 8); more is false precision
+
+Table = dict[tuple[int, int], float]
+
+
+class Row(NamedTuple):
+    placement: str  # GPUs per node, one digit a node: "1111" = 4 nodes x 1 GPU
+    local_bsz: int
+    step_time: float  # seconds per iteration, gradient synchronisation included
+    sync_time: float  # the part of step_time spent synchronising gradients
+
+    @property
+    def gpus(self) -> int:
+        return sum(int(c) for c in self.placement)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.placement)
+
+
+def parse_placements(source: Union[str, TextIO], name: str = "placements.csv") -> list[Row]:
+    """The rows of a Pollux ``placements.csv`` (its text, or an open file). Raises ValueError on a
+    header other than Pollux's or on a row that is not a placement with a positive step time."""
+    f = io.StringIO(source) if isinstance(source, str) else source
+    reader = csv.reader(f)
+    header = next(reader, None)
+    if header is None or tuple(h.strip() for h in header) != HEADER:
+        raise ValueError(f"{name}: header {header!r} is not Pollux's {','.join(HEADER)}")
+    rows = []
+    for lineno, rec in enumerate(reader, start=2):
+        if not rec or all(not c.strip() for c in rec):
+            continue
+        try:
+            placement, bsz, step, sync = (c.strip() for c in rec)
+            row = Row(placement, int(bsz), float(step), float(sync))
+        except ValueError as e:
+            raise ValueError(f"{name}:{lineno}: {rec!r}: {e}") from None
+        # A zero digit would be a node with no GPU; Pollux writes placements without them.
+        if not placement.isdigit() or "0" in placement or row.local_bsz < 1 or not row.step_time > 0:
+            raise ValueError(f"{name}:{lineno}: {rec!r} is not a placement with a positive step time")
+        rows.append(row)
+    return rows
+
+
+def reference_gpus(gpus: int) -> int:
+    """GPUs of the single-node placement a ``gpus``-GPU job is compared with: the job itself packed
+    on one node, or for a job larger than a node, one full node (no single-node measurement of more
+    GPUs exists, and a full node is the most GPUs Pollux measured with no network between them)."""
+    return min(gpus, POLLUX_GPUS_PER_NODE)
+
+
+def derive(rows: Iterable[Row]) -> Table:
+    """{(gpus, nodes): efficiency} for every multi-node (gpus, nodes) the rows measure.
+
+    Per-GPU throughput is local_bsz / step_time (Pollux's own simulator takes step_time as the
+    iteration time, sync included). Placements with the same (gpus, nodes), e.g. "13" and "22", are
+    averaged first, step time by step time, as Pollux's simulator does for a placement it did not
+    measure. At each local batch size measured for both, efficiency = reference step time / spread
+    step time (same batch, so the ratio of per-GPU throughputs), the reference being the single-node
+    placement of ``reference_gpus(gpus)`` GPUs; the table keeps the median over those batch sizes."""
+    steps: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+    for r in rows:
+        if r.gpus > r.nodes * POLLUX_GPUS_PER_NODE:
+            raise ValueError(f"placement {r.placement}: more than {POLLUX_GPUS_PER_NODE} GPUs on a node")
+        steps[(r.gpus, r.nodes, r.local_bsz)].append(r.step_time)
+    mean = {k: statistics.fmean(v) for k, v in steps.items()}
+    bsz_of: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for g, n, b in mean:
+        bsz_of[(g, n)].add(b)
+    table: Table = {}
+    for g, n in sorted(bsz_of):
+        ref = reference_gpus(g)
+        common = sorted(bsz_of[(g, n)] & bsz_of.get((ref, 1), set()))
+        if n > 1 and common:
+            ratios = [mean[(ref, 1, b)] / mean[(g, n, b)] for b in common]
+            table[(g, n)] = round(statistics.median(ratios), DIGITS)
+    return table
+
+
+def derive_all(traces_dir: str) -> dict[str, Table]:
+    """{workload: table} for every subdirectory of ``traces_dir`` holding a placements.csv."""
+    out = {}
+    for w in sorted(os.listdir(traces_dir)):
+        path = os.path.join(traces_dir, w, "placements.csv")
+        if os.path.isfile(path):
+            with open(path, newline="") as f:
+                out[w] = derive(parse_placements(f, path))
+    if not out:
+        raise ValueError(f"{traces_dir}: no <workload>/placements.csv under it (want adaptdl's simulator/traces)")
+    return out
+
+
+def format_literal(tables: dict[str, Table]) -> str:
+    """The ``MEASURED`` assignment as it stands in locality_data.py, one line per GPU count: the
+    text is what gets pasted, so that a re-derivation shows up as a readable diff."""
+    lines = ["MEASURED: dict[str, dict[tuple[int, int], float]] = {"]
+    for w, table in tables.items():
+        lines.append(f'    "{w}": {{')
+        for g in sorted({g for g, _ in table}):
+            items = ", ".join(f"({g}, {n}): {table[(g, n)]!r}" for gg, n in sorted(table) if gg == g)
+            lines.append(f"        {items},")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _diff(got: dict[str, Table], have: dict[str, Table]) -> list[str]:
+    out = []
+    for w in sorted(set(got) | set(have)):
+        a, b = got.get(w, {}), have.get(w, {})
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                out.append(f"{w} {k}: CSVs give {a.get(k)}, locality_data has {b.get(k)}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces_dir", help="adaptdl's simulator/traces (branch osdi21-artifact)")
+    ap.add_argument("--check", action="store_true", help="compare with locality_data.MEASURED; exit 1 on a difference")
+    args = ap.parse_args(argv)
+    try:
+        tables = derive_all(args.traces_dir)
+    except (OSError, ValueError) as e:
+        print(f"locality_derive: {e}", file=sys.stderr)
+        return 2
+    if not args.check:
+        print(format_literal(tables))
+        return 0
+    from . import locality_data  # here, so that printing needs nothing but this file
+
+    diffs = _diff(tables, locality_data.MEASURED)
+    for d in diffs:
+        print(d)
+    if not diffs:
+        print(f"locality_data.MEASURED matches the CSVs ({sum(map(len, tables.values()))} entries)")
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
