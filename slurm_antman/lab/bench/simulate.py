@@ -12,6 +12,7 @@ from typing import Optional
 
 from slurm_antman.lab.evaluation import report, traces, utilisation
 from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
+from slurm_antman.lab.evaluation.simulator.config import BACKFILLS, PLACEMENTS
 from slurm_antman.lab.evaluation.workloads import GiB
 
 
@@ -64,6 +65,19 @@ def _parser() -> argparse.ArgumentParser:
                         "(antman.yaml opportunistic.upgrade_running; off by default)")
     p.add_argument("--move-gain", type=float, default=SimConfig.move_gain,
                    help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=SimConfig.placement,
+                   help="nodes: a job on one node if it fits one, else on as few nodes as hold it (-N, as Slurm and "
+                        "the replay); spread: free GPUs wherever they are (the model before issue 29)")
+    p.add_argument("--backfill", choices=BACKFILLS, default=SimConfig.backfill,
+                   help="easy: submission order with a reservation for the first job that cannot start (Slurm's "
+                        "sched/backfill, see simulator/scheduler.py); first_fit: any job that fits starts (before issue 29)")
+    p.add_argument("--no-locality", dest="locality", action="store_false",
+                   help="a multi-node job runs as fast as a packed one (default: Pollux's measured per-GPU efficiency)")
+    p.add_argument("--nodes-per-switch", type=int, default=SimConfig.nodes_per_switch,
+                   help="topology/tree: nodes under each leaf switch (0: one switch)")
+    p.add_argument("--switch-wait-s", type=_seconds_or_none, default=SimConfig.switch_wait_s,
+                   help="antman: an opportunistic multi-node job waits this long for one switch "
+                        "(opportunistic.switch_wait_s); 'none'")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -102,7 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
                           util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
                           no_room=a.no_room, upgrade_running=a.upgrade_running, pause_max_s=a.pause_max_s,
-                          resume_hold_s=a.resume_hold_s)
+                          resume_hold_s=a.resume_hold_s, placement=a.placement, backfill=a.backfill,
+                          locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -119,8 +134,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
             "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
             "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
-            "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s,
-            "load_s": round(load_s, 3)}
+            "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s, "placement": a.placement,
+            "backfill": a.backfill, "locality": a.locality, "nodes_per_switch": a.nodes_per_switch,
+            "switch_wait_s": a.switch_wait_s, "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))

@@ -13,6 +13,14 @@ from ..trace_run import TraceRunConfig
 
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
 NO_ROOM = ("fallback", "wait")
+# How jobs are laid on nodes: "nodes" as the replay and a site submit them (-N: a job up to a node's
+# GPUs on one node, a larger one on as few nodes as hold it); "spread" is the model before issue 29,
+# which took free GPUs wherever they were, kept to compare with.
+PLACEMENTS = ("nodes", "spread")
+# How the queue is passed over for whole GPUs: "easy": strict submission order with a reservation for
+# the first job that does not fit, later jobs started only where they do not delay it (scheduler.py);
+# "first_fit": any job that fits starts, in order, no reservation (the model before issue 29).
+BACKFILLS = ("easy", "first_fit")
 # Policies under which every job holds whole GPUs alone.
 WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
 
@@ -71,6 +79,20 @@ class SimConfig(TraceRunConfig):
     no_room: str = "wait"
     # antman: opportunistic.upgrade_running (off by default, as in antman.yaml).
     upgrade_running: bool = False
+    # Issue 29: Slurm's placement and backfill, and the cost of crossing nodes.
+    placement: str = "nodes"
+    backfill: str = "easy"
+    # Slurm 22.05's bf_window default (1440 minutes, slurm.conf(5)): a job that cannot start within
+    # it gets no reservation.
+    bf_window_s: float = 86400.0
+    # A multi-node job's per-GPU rate times Pollux's measured efficiency of its placement
+    # (locality_data.py); False: a spread job runs as fast as a packed one (the model before issue 29).
+    locality: bool = True
+    # topology/tree: this many nodes under each leaf switch (0: all under one). A multi-node job goes
+    # under one switch when one has room; antman's opportunistic jobs wait up to switch_wait_s for one
+    # (job_submit.lua's --switches=1@opportunistic.switch_wait_s), guaranteed jobs ask nothing.
+    nodes_per_switch: int = 0
+    switch_wait_s: Optional[float] = 300.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -100,4 +122,14 @@ class SimConfig(TraceRunConfig):
             raise ValueError(f"--no-room {self.no_room!r} is not allowed; allowed: {', '.join(NO_ROOM)}")
         if not self.requeue_delay_s >= 0:
             raise ValueError(f"requeue_delay_s must be >= 0, got {self.requeue_delay_s}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"--placement {self.placement!r} is not allowed; allowed: {', '.join(PLACEMENTS)}")
+        if self.backfill not in BACKFILLS:
+            raise ValueError(f"--backfill {self.backfill!r} is not allowed; allowed: {', '.join(BACKFILLS)}")
+        if not self.bf_window_s > 0:
+            raise ValueError(f"bf_window_s must be > 0, got {self.bf_window_s}")
+        if self.nodes_per_switch < 0:
+            raise ValueError(f"--nodes-per-switch must be >= 0 (0: one switch), got {self.nodes_per_switch}")
+        if self.switch_wait_s is not None and not self.switch_wait_s >= 0:
+            raise ValueError(f"--switch-wait-s must be >= 0 (or 'none'), got {self.switch_wait_s}")
 

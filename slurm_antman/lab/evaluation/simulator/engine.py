@@ -94,6 +94,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
         self.fresh: list[tuple[str, int]] = []   # queued since the last scheduling pass
         self.guaranteed_use: dict[str, int] = {}  # tenant -> GPUs of its guaranteed jobs not done
         self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
+        self.resv = None                         # backfill's reservation from the last full pass
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
@@ -247,6 +248,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
         # Progress begins after the job's start-up (interpreter, framework, first batch), which holds
         # the GPUs but is not throttled: the agent only acts from the first boundary on.
         j.state, j.gpus, j.start, j.t_last, j.view = "RUNNING", gpus, self.now, self.now + self.cfg.start_overhead_s, None
+        j.locality = self._locality(j, gpus)
         if j.first_start is None:
             j.first_start = self.now
         if self.cfg.policy == "antman" or not j.ran_as:

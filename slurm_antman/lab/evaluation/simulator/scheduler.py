@@ -21,6 +21,23 @@ between (docs/evaluation.md) are this module alone:
 
 Under ``antman`` the same scheduler starts the jobs, within the node slot counts the coordinator sets
 and on the GPUs the node policy's ``choose_gpus`` picks (``antman``).
+
+Placement and backfill, as Slurm does them (issue 29; docs/workload_model.md lists what is left out):
+
+- ``placement="nodes"``: a job of up to a node's GPUs runs on one node (``-N 1``, as the devcluster
+  replay submits it) or waits; a larger one on ``ceil(g / gpus_per_node)`` nodes, its GPUs split as
+  evenly as they go (``-N n --gpus=g``). Among nodes that fit, the one with the fewest free GPUs
+  (select/cons_tres's best fit), lowest index first; a multi-node job under one leaf switch when one
+  has room (topology/tree).
+- ``backfill="easy"``: whole GPUs are given in submission order (priority/basic). The first job that
+  cannot start gets a reservation: the earliest time the running jobs' ends free enough GPUs for it,
+  within ``bf_window_s`` (Slurm's bf_window). A later job starts only on GPUs that reservation does not
+  need, or if it ends before the reservation begins. Slurm's sched/backfill reserves for each of the
+  first 500 jobs (bf_max_job_test), every 30 s (bf_interval), from the jobs' time limits; here there
+  is one reservation, it is planned at every pass, and from the jobs' true remaining run times. Each
+  of these makes the baselines' backfill at least as good as Slurm's, never worse.
+- Opportunistic jobs hold no whole GPU (antman's count-only GRES, shared's shards): no reservation
+  keeps them off a GPU, and they start in submission order wherever they fit.
 """
 
 from __future__ import annotations
@@ -31,8 +48,16 @@ from typing import Iterable, Iterator, Optional
 from slurm_antman.policy.cluster.quota import fits_quota
 from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
 
+from ..locality_data import profile_efficiency
 from .config import WHOLE_GPU
-from .state import REQUEUE, SimJob
+from .state import REQUEUE, WAKE, Reservation, SimJob
+
+
+def split(want: int, nodes: int) -> list[int]:
+    """``want`` GPUs over ``nodes`` nodes as evenly as they go, larger parts first (12 over 2: [6, 6];
+    20 over 3: [7, 7, 6]): how select/cons_tres spreads ``--gpus=g -N n``."""
+    base, extra = divmod(want, nodes)
+    return [base + 1] * extra + [base] * (nodes - extra)
 
 
 class SlurmScheduler:
@@ -41,6 +66,9 @@ class SlurmScheduler:
     def _enqueue(self, j: SimJob) -> None:
         self.seq += 1
         j.ticket = self.seq
+        j.queued_at = self.now
+        if self._switch_wait(j):  # a pass when its wait for one switch is over
+            self._push(self.now + self.cfg.switch_wait_s, WAKE, j.job.job_id, 0)
         entry = (j.job.job_id, j.ticket)
         self.queues.setdefault(self._queue_key(j), []).append(entry)
         self.fresh.append(entry)
@@ -74,11 +102,11 @@ class SlurmScheduler:
 
         if policy != "scavenger":
             if policy not in WHOLE_GPU or self.free_gpus:
-                self._schedule_pass(queue(None))
+                self._schedule_pass(queue(None), keep_resv=only_fresh)
             return
         # Slurm schedules the higher-priority partition first, and preempts for what is left of it.
         if self.free_gpus:
-            self._schedule_pass(queue(True))
+            self._schedule_pass(queue(True), keep_resv=only_fresh)
         # Preemption weighs every waiting high job: those already waiting claim the GPUs being freed,
         # and the idle GPUs they wait to gather are theirs: the scavenger partition gets what is left
         # (a GPU freed for a waiting 8-GPU job is not handed to a scavenger job, which it would only
@@ -148,12 +176,21 @@ class SlurmScheduler:
             return True
         return have == 0 and q is not None and j.job.gpus > q
 
-    def _schedule_pass(self, ids: Iterable[tuple[str, int]], budget: Optional[int] = None) -> None:
-        """Start what fits, in queue order; ``budget``: at most this many GPUs in all."""
+    def _schedule_pass(self, ids: Iterable[tuple[str, int]], budget: Optional[int] = None,
+                       keep_resv: bool = False) -> None:
+        """Start what fits, in queue order; ``budget``: at most this many GPUs in all (scavenger's low
+        partition, which backfill does not plan for: its jobs are preempted instead). ``keep_resv``:
+        only jobs queued since the last pass are looked at, and nothing was freed since, so the last
+        pass's reservation still holds."""
         whole = self.cfg.policy in WHOLE_GPU
-        # Nothing changes between placements, so a job no smaller than one that did not fit cannot fit;
+        easy = self.cfg.backfill == "easy" and budget is None
+        resv = self.resv if keep_resv and easy else None
+        if not keep_resv:
+            self.resv = None
+        # Nothing changes between placements, so a job no smaller than one that did not fit on as many
+        # nodes cannot fit (a reservation only takes room away, so failures before it count alone);
         # likewise per tenant for its quota (its GPUs only grow during a pass).
-        smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
+        smallest_failed: dict[tuple[str, int], int] = {}
         over_quota: dict[str, int] = {}
         for jid, ticket in ids:
             j = self.jobs[jid]
@@ -170,16 +207,27 @@ class SlurmScheduler:
                     break
                 continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
-            gpus = None if j.job.gpus >= smallest_failed[kind] else self._place(j)
+            key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j))
+            gpus = None if j.job.gpus >= smallest_failed.get(key, 1 << 30) else self._place(j, resv)
             if gpus is None:
-                smallest_failed[kind] = min(smallest_failed[kind], j.job.gpus)
-                if smallest_failed["guaranteed"] <= 1 and (whole or smallest_failed["opportunistic"] <= 1):
+                if resv is None:
+                    smallest_failed[key] = min(smallest_failed.get(key, 1 << 30), j.job.gpus)
+                    if kind == "guaranteed" and easy:
+                        # (also in a pass over fresh jobs: the last full pass reserved for nobody)
+                        resv = self.resv = self._reserve(j)
+                if (smallest_failed.get(("guaranteed", 1, False), 1 << 30) <= 1 and not self._free_now(resv)
+                        and (whole or smallest_failed.get(("opportunistic", 1, False), 1 << 30) <= 1)):
                     break  # not even a 1-GPU job fits: the rest waits
                 continue
-            smallest_failed = {"guaranteed": 1 << 30, "opportunistic": 1 << 30}
+            if resv is not None and resv.job_id == jid:
+                resv = self.resv = None
             self._start(j, gpus)
             if budget is not None:
                 budget -= len(gpus)
+
+    def _free_now(self, resv: Optional[Reservation]) -> bool:
+        """Whether a reservation leaves idle GPUs that a short enough job could still use."""
+        return resv is not None and bool(self.free_gpus)
 
     def _preempt_scavengers(self, high: Iterable[tuple[str, int]]) -> int:
         """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
@@ -217,43 +265,183 @@ class SlurmScheduler:
                 return 0  # nothing left to preempt
         return free
 
-    def _place(self, j: SimJob) -> Optional[list[int]]:
+    # -- placement --------------------------------------------------------------------------------
+
+    def _nodes_for(self, gpus: int) -> int:
+        if self.cfg.placement == "spread":
+            return 1
+        return -(-gpus // self.cfg.gpus_per_node)
+
+    def _switch_of(self, node: int) -> int:
+        n = self.cfg.nodes_per_switch
+        return node // n if n > 0 else 0
+
+    def _switch_wait(self, j: SimJob) -> bool:
+        """An antman opportunistic multi-node job still inside its wait for one switch."""
+        cfg = self.cfg
+        return (cfg.policy == "antman" and j.klass == "opportunistic" and cfg.nodes_per_switch > 0
+                and cfg.switch_wait_s is not None and self._nodes_for(j.job.gpus) > 1
+                and self.now < j.queued_at + cfg.switch_wait_s)
+
+    def _pick_nodes(self, avail: dict[int, int], counts: list[int], one_switch: bool) -> Optional[list[int]]:
+        """The nodes for a job of ``counts`` GPUs a node, best fit (fewest available first), under one
+        leaf switch when one has room (required if ``one_switch``)."""
+        need = counts[0]
+        fit = sorted((n for n, a in avail.items() if a >= need), key=lambda n: (avail[n], n))
+        if len(fit) < len(counts):
+            return None
+        if len(counts) == 1:
+            return fit[:1]
+        groups: dict[int, list[int]] = {}
+        for n in fit:
+            groups.setdefault(self._switch_of(n), []).append(n)
+        ok = [g for g in groups.values() if len(g) >= len(counts)]
+        if ok:
+            # topology/tree's best fit among switches: the one with the fewest nodes that fit
+            return min(ok, key=lambda g: (len(g), g[0]))[:len(counts)]
+        return None if one_switch else fit[:len(counts)]
+
+    def _run_estimate(self, j: SimJob) -> float:
+        """Backfill's view of how long a job runs: its true remaining work (perfect time limits, the
+        best case for backfill) and its start-up."""
+        return max(j.work_left, 0.0) + self.cfg.start_overhead_s
+
+    def _place(self, j: SimJob, resv: Optional[Reservation] = None) -> Optional[list[int]]:
+        if self.cfg.placement == "spread":
+            return self._place_spread(j)
+        want = j.job.gpus
+        counts = split(want, self._nodes_for(want))
+        if j.klass == "guaranteed" or self.cfg.policy in WHOLE_GPU:
+            if len(self.free_gpus) < want:
+                return None
+            return self._pack_nodes(j, counts, resv)
+        return self._place_opportunistic(j, counts)
+
+    def _pack_nodes(self, j: SimJob, counts: list[int], resv: Optional[Reservation]) -> Optional[list[int]]:
+        by_node: dict[int, list[int]] = {}
+        for i in sorted(self.free_gpus):
+            by_node.setdefault(self.gpus[i].node, []).append(i)
+        if self.cfg.policy == "shared":  # beside as few opportunistic jobs as it can
+            for lst in by_node.values():
+                lst.sort(key=lambda i: (len(self.gpus[i].opp), i))
+        avail = {n: len(lst) for n, lst in by_node.items()}
+        if resv is not None and resv.job_id != j.job.job_id and self.now + self._run_estimate(j) > resv.start:
+            for n, k in resv.count.items():
+                if n in avail:
+                    avail[n] -= k
+        nodes = self._pick_nodes(avail, counts, one_switch=False)
+        if nodes is None:
+            return None
+        return [i for n, c in zip(nodes, counts) for i in by_node[n][:c]]
+
+    def _reserve(self, j: SimJob) -> Optional[Reservation]:
+        """The earliest time, within bf_window, at which the running jobs' ends leave room for ``j``,
+        and the GPUs it would take then; None beyond the window."""
+        counts = split(j.job.gpus, self._nodes_for(j.job.gpus))
+        free: dict[int, int] = {}
+        for i in self.free_gpus:
+            free[self.gpus[i].node] = free.get(self.gpus[i].node, 0) + 1
+        whole = self.cfg.policy in WHOLE_GPU
+        scav = self.cfg.policy == "scavenger"
+        ends: list[tuple[float, int, int]] = []
+        for x in self.active.values():
+            if x.state != "RUNNING" or not (whole or x.klass == "guaranteed"):
+                continue
+            per_node: dict[int, int] = {}
+            for i in x.gpus:
+                per_node[self.gpus[i].node] = per_node.get(self.gpus[i].node, 0) + 1
+            if scav and not self._is_high(x):
+                t = self.now  # preemptible: the high partition counts its GPUs as its own
+            elif x.rate > 0:
+                t = max(self.now, x.t_last) + max(x.work_left, 0.0) / x.rate
+            else:
+                continue  # paused in place: no end in sight
+            ends.extend((t, n, k) for n, k in per_node.items())
+        ends.sort()
+        horizon = self.now + self.cfg.bf_window_s
+        t, k = self.now, 0
+        while True:
+            nodes = self._pick_nodes(free, counts, one_switch=False)
+            if nodes is not None:
+                return Reservation(j.job.job_id, t, dict(zip(nodes, counts)))
+            if k >= len(ends):
+                return None
+            t = ends[k][0]
+            if t > horizon:
+                return None
+            while k < len(ends) and ends[k][0] == t:  # every end at this instant, then look again
+                free[ends[k][1]] = free.get(ends[k][1], 0) + ends[k][2]
+                k += 1
+
+    def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool) -> list[int]:
+        """Up to ``take`` GPUs of node ``k`` for an opportunistic job: the node's free slots, then the
+        node policy's choice among its GPUs with room (antman) or its plain rules (shared)."""
+        per_node = self.cfg.gpus_per_node
+        free_slots = self.opp_slots[k] - self.node_opp[k]
+        if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
+            return []
+        node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
+        room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
+        take = min(take, free_slots, len(room))
+        if take <= 0:
+            return []
+        loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp), self.now >= g.measured_at)
+                 for g in room]
+        avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
+        if self.cfg.policy == "antman":
+            pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
+                               self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
+            if wait and not pick.gpus and not avoid:
+                self.unfit_nodes.add(k)
+        else:
+            pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
+        return [k * per_node + i for i in pick.gpus]
+
+    def _place_opportunistic(self, j: SimJob, counts: list[int]) -> Optional[list[int]]:
+        """On one node for a job that fits one (the first node, in order, with room for all of it),
+        else on nodes each with room for its part, under one switch while it waits for one."""
+        wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
+        if len(counts) == 1:
+            for k in range(self.cfg.nodes):
+                got = self._opp_pick(j, k, counts[0], wait)
+                if len(got) >= counts[0]:
+                    return got
+            return None
+        picks: dict[int, list[int]] = {}
+        for k in range(self.cfg.nodes):
+            got = self._opp_pick(j, k, counts[0], wait)
+            if len(got) >= counts[0]:
+                picks[k] = got
+        nodes = self._pick_nodes({k: len(v) for k, v in picks.items()}, counts, one_switch=self._switch_wait(j))
+        if nodes is None:
+            return None
+        return [i for n, c in zip(nodes, counts) for i in picks[n][:c]]
+
+    def _locality(self, j: SimJob, gpus: list[int]) -> float:
+        nodes = len({self.gpus[i].node for i in gpus})
+        if nodes <= 1 or not self.cfg.locality:
+            return 1.0
+        return profile_efficiency(j.profile.name, len(gpus), nodes)
+
+    # -- the model before issue 29 (placement="spread"), kept to say how the baselines moved ------
+
+    def _place_spread(self, j: SimJob) -> Optional[list[int]]:
         want = j.job.gpus
         if j.klass == "guaranteed" or self.cfg.policy in WHOLE_GPU:
             if len(self.free_gpus) < want:
                 return None
             return self._pack(sorted(self.free_gpus), want, prefer_empty=self.cfg.policy == "shared")
-        # opportunistic: node slot counts (static under shared, the coordinator's under antman)
         chosen: list[int] = []
-        per_node = self.cfg.gpus_per_node
         wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
         for k in range(self.cfg.nodes):
             if len(chosen) >= want:
                 break
-            free_slots = self.opp_slots[k] - self.node_opp[k]
-            if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
-                continue
-            node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
-            room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
-            take = min(want - len(chosen), free_slots, len(room))
-            if take <= 0:
-                continue
-            loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp), self.now >= g.measured_at)
-                     for g in room]
-            avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
-            if self.cfg.policy == "antman":
-                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
-                                   self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
-                if wait and not pick.gpus and not avoid:
-                    self.unfit_nodes.add(k)
-            else:
-                pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
-            chosen.extend(k * per_node + i for i in pick.gpus)
+            chosen.extend(self._opp_pick(j, k, want - len(chosen), wait))
         return chosen if len(chosen) >= want else None
 
     def _pack(self, free: list[int], want: int, prefer_empty: bool) -> list[int]:
-        """Slurm's choice: fill the node with the fewest free GPUs that still fits (less fragmentation),
-        lowest indices first; a job larger than a node takes whole nodes first."""
+        """The spread model's choice: fill the node with the fewest free GPUs that still fits, lowest
+        indices first; else whole nodes first, across as many as it takes."""
         by_node: dict[int, list[int]] = {}
         for i in free:
             by_node.setdefault(self.gpus[i].node, []).append(i)
@@ -270,4 +458,3 @@ class SlurmScheduler:
             if len(out) >= want:
                 break
         return out
-

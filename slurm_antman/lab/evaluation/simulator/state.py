@@ -49,6 +49,8 @@ class SimJob:
     avoid: tuple[int, ...] = ()  # antman's placement memory: GPUs it was moved off
     finishes: int = 0
     ticket: int = 0   # its current entry in the queue
+    queued_at: float = 0.0  # when it last entered the queue (the switch wait counts from there)
+    locality: float = 1.0   # its placement's per-GPU efficiency (1.0 on one node; config.locality)
 
 
 @dataclass(slots=True)
@@ -76,6 +78,16 @@ class SimGpu:
     measured_at: float = 0.0
     progress: dict[str, float] = field(default_factory=dict)  # opportunistic job -> its rate
     crawl: dict[str, float] = field(default_factory=dict)     # opportunistic job -> crawling since
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Backfill's plan for the first whole-GPU job that cannot start: from ``start`` on it holds
+    ``count[node]`` GPUs of each node; a later job may use them only if it ends before."""
+
+    job_id: str
+    start: float
+    count: dict[int, int]
 
 
 @dataclass
