@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-wait-s", type=_seconds_or_none, default=SimConfig.switch_wait_s,
                    help="antman: an opportunistic multi-node job waits this long for one switch "
                         "(opportunistic.switch_wait_s); 'none'")
+    p.add_argument("--elastic-share", type=float, default=SimConfig.elastic_share,
+                   help="antman: the share of multi-GPU jobs that are elastic (1 to their GPUs; 0 to 1)")
+    p.add_argument("--elastic-change-s", type=float, default=SimConfig.elastic_change_s,
+                   help="antman: seconds a width change stops an elastic job (default: 5%% of a requeue's restart)")
+    p.add_argument("--elastic-hold-s", type=float, default=SimConfig.elastic_hold_s,
+                   help="antman: least seconds between two width changes of one job (hysteresis)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -117,7 +123,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                           util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
                           no_room=a.no_room, upgrade_running=a.upgrade_running, pause_max_s=a.pause_max_s,
                           resume_hold_s=a.resume_hold_s, placement=a.placement, backfill=a.backfill,
-                          locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s)
+                          locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s,
+                          elastic_share=a.elastic_share, elastic_change_s=a.elastic_change_s,
+                          elastic_hold_s=a.elastic_hold_s)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -136,7 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
             "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s, "placement": a.placement,
             "backfill": a.backfill, "locality": a.locality, "nodes_per_switch": a.nodes_per_switch,
-            "switch_wait_s": a.switch_wait_s, "load_s": round(load_s, 3)}
+            "switch_wait_s": a.switch_wait_s, "elastic_share": a.elastic_share,
+            "elastic_change_s": a.elastic_change_s, "elastic_hold_s": a.elastic_hold_s, "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))

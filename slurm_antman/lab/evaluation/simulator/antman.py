@@ -240,6 +240,7 @@ class AntmanAdapter:
 
     def _cycle(self) -> None:
         self._slow_needs()
+        self._elastic_before_cycle()
         needs = tuple(g.need for g in self.gpus if g.need is not None)
         st = self.cp_state
         self.counts["cycles"] += 1

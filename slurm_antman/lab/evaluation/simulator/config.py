@@ -93,6 +93,11 @@ class SimConfig(TraceRunConfig):
     # (job_submit.lua's --switches=1@opportunistic.switch_wait_s), guaranteed jobs ask nothing.
     nodes_per_switch: int = 0
     switch_wait_s: Optional[float] = 300.0
+    # antman: the share of multi-GPU jobs that are elastic (--antman-elastic=1:g), the seconds a width
+    # change stops a job, and the least time between two changes of one job (elastic.py).
+    elastic_share: float = 0.0
+    elastic_change_s: float = 0.3
+    elastic_hold_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -130,6 +135,12 @@ class SimConfig(TraceRunConfig):
             raise ValueError(f"bf_window_s must be > 0, got {self.bf_window_s}")
         if self.nodes_per_switch < 0:
             raise ValueError(f"--nodes-per-switch must be >= 0 (0: one switch), got {self.nodes_per_switch}")
+        if not 0 <= self.elastic_share <= 1:
+            raise ValueError(f"--elastic-share must be in [0, 1], got {self.elastic_share}")
+        if not self.elastic_change_s >= 0:
+            raise ValueError(f"--elastic-change-s must be >= 0, got {self.elastic_change_s}")
+        if not self.elastic_hold_s >= 0:
+            raise ValueError(f"--elastic-hold-s must be >= 0, got {self.elastic_hold_s}")
         if self.switch_wait_s is not None and not self.switch_wait_s >= 0:
             raise ValueError(f"--switch-wait-s must be >= 0 (or 'none'), got {self.switch_wait_s}")
 

@@ -27,12 +27,13 @@ from ..traces import TraceJob
 from ..workloads import assign
 from .antman import AntmanAdapter
 from .config import WHOLE_GPU, SimConfig
+from .elastic import ElasticWidth, is_elastic
 from .interference import GpuInterference
 from .scheduler import SlurmScheduler
 from .state import CYCLE, FINISH, MEASURED, PAUSE_CHECK, REQUEUE, SUBMIT, WAKE, SimGpu, SimJob, SimResult
 
 
-class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
+class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
     """One run: the state every part works on, the event loop, and each job's life. The scheduler, the
     GPU model and the antman adapter are mixins, not objects of their own: they read and change the
     same jobs, GPUs and counters at every event, so the split follows the ideas and the state stays here."""
@@ -100,7 +101,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
         self.usage: dict[str, int] = {}               # tenant -> GPUs running as guaranteed
         self.counts = {"oom_failures": 0, "preemptions": 0, "upgrades": 0, "cycles": 0,
-                       "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0, "pauses": 0, "resumes": 0}
+                       "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0, "pauses": 0, "resumes": 0,
+                       "width_changes": 0, "shrinks": 0, "grows": 0}
         self.paused_s = 0.0      # job-seconds spent paused in place (ended pauses)
         self.pause_cost_s = 0.0  # progress lost moving state out and back
         # Jobs that are PENDING or RUNNING, in submission order: what a cycle looks at (not all jobs).
@@ -136,7 +138,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
                                                           self.cfg.seed)
         duty = prof.duty(util)
         sj = SimJob(j, prof, requested, klass, submit, dur, work_left=dur, submitted_as=klass,
-                  util=duty * prof.sm_util, duty=duty)
+                  util=duty * prof.sm_util, duty=duty,
+                  elastic=is_elastic(j.job_id, j.gpus, self.cfg.elastic_share, self.cfg.seed))
         self.jobs[j.job_id] = sj
         self._push(submit, SUBMIT, j.job_id, 0)
 
@@ -249,6 +252,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
         # the GPUs but is not throttled: the agent only acts from the first boundary on.
         j.state, j.gpus, j.start, j.t_last, j.view = "RUNNING", gpus, self.now, self.now + self.cfg.start_overhead_s, None
         j.locality = self._locality(j, gpus)
+        j.width_changed_at = self.now
         if j.first_start is None:
             j.first_start = self.now
         if self.cfg.policy == "antman" or not j.ran_as:
@@ -358,7 +362,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
             "job_id": j.job.job_id, "tenant": j.job.tenant, "gpus": j.job.gpus, "profile": j.profile.name,
             "class": j.ran_as or j.klass, "submitted_as": j.submitted_as, "submit_s": j.submit, "first_start_s": j.first_start, "end_s": j.end,
             "duration_s": j.duration, "restarts": j.restarts, "preemptions": j.preemptions, "ooms": j.ooms,
-            "lost_gpu_s": j.lost_gpu_s, "util": round(j.util, 4),
+            "lost_gpu_s": j.lost_gpu_s, "util": round(j.util, 4), "elastic": j.elastic,
+            "width_changes": j.width_changes,
         } for j in self.jobs.values()]
         n = len(self.gpus)
         span = max(self.t_end_measure - self.t0, 0.0)
@@ -380,7 +385,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter):
             jobs_done_twice=sum(1 for j in self.jobs.values() if j.finishes > 1),
             moves=self.counts["moves"], quota_over_alone=self.counts["quota_over_alone"],
             pauses=self.counts["pauses"], resumes=self.counts["resumes"], paused_s=self.paused_s,
-            pause_cost_s=self.pause_cost_s,
+            pause_cost_s=self.pause_cost_s, width_changes=self.counts["width_changes"],
+            shrinks=self.counts["shrinks"], grows=self.counts["grows"], elastic_share=self.cfg.elastic_share,
             utilisation=self.cfg.utilisation, util_scale=self.cfg.util_scale,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],

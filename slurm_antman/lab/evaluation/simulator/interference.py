@@ -41,7 +41,8 @@ class GpuInterference:
                 continue
             # The slowest of its GPUs sets the pace of a synchronous job, and crossing nodes costs
             # what Pollux measured for its kind of model (locality_data.py).
-            rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus) * j.locality
+            # An elastic job below its width does that share of its work's pace (elastic.py).
+            rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus) * j.locality * len(j.gpus) / j.job.gpus
             j.rate, j.version, j.view = rate, j.version + 1, None
             if rate > 0:  # 0: paused in place; its resume sets a rate again
                 self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, FINISH, jid, j.version)

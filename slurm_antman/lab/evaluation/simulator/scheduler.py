@@ -207,7 +207,7 @@ class SlurmScheduler:
                     break
                 continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
-            key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j))
+            key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j), j.elastic)
             gpus = None if j.job.gpus >= smallest_failed.get(key, 1 << 30) else self._place(j, resv)
             if gpus is None:
                 if resv is None:
@@ -215,8 +215,8 @@ class SlurmScheduler:
                     if kind == "guaranteed" and easy:
                         # (also in a pass over fresh jobs: the last full pass reserved for nobody)
                         resv = self.resv = self._reserve(j)
-                if (smallest_failed.get(("guaranteed", 1, False), 1 << 30) <= 1 and not self._free_now(resv)
-                        and (whole or smallest_failed.get(("opportunistic", 1, False), 1 << 30) <= 1)):
+                if (smallest_failed.get(("guaranteed", 1, False, False), 1 << 30) <= 1 and not self._free_now(resv)
+                        and (whole or smallest_failed.get(("opportunistic", 1, False, False), 1 << 30) <= 1)):
                     break  # not even a 1-GPU job fits: the rest waits
                 continue
             if resv is not None and resv.job_id == jid:
@@ -402,11 +402,16 @@ class SlurmScheduler:
         else on nodes each with room for its part, under one switch while it waits for one."""
         wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
         if len(counts) == 1:
+            narrow: list[int] = []
+            elastic = j.elastic and self.cfg.policy == "antman"
             for k in range(self.cfg.nodes):
                 got = self._opp_pick(j, k, counts[0], wait)
                 if len(got) >= counts[0]:
                     return got
-            return None
+                if elastic and len(got) > len(narrow):
+                    narrow = got
+            # An elastic job starts on the node with the most room rather than wait (elastic.py).
+            return narrow or None
         picks: dict[int, list[int]] = {}
         for k in range(self.cfg.nodes):
             got = self._opp_pick(j, k, counts[0], wait)

@@ -51,6 +51,9 @@ class SimJob:
     ticket: int = 0   # its current entry in the queue
     queued_at: float = 0.0  # when it last entered the queue (the switch wait counts from there)
     locality: float = 1.0   # its placement's per-GPU efficiency (1.0 on one node; config.locality)
+    elastic: bool = False   # opportunistic under antman: may run on 1 to job.gpus GPUs (elastic.py)
+    width_changed_at: float = 0.0
+    width_changes: int = 0
 
 
 @dataclass(slots=True)
