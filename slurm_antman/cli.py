@@ -26,7 +26,7 @@ def _cmd_devcluster(a: argparse.Namespace) -> int:
         # (the demo's, left with --keep): `up` alone takes the running one as it is.
         given = {"nodes": a.nodes, "gpus": a.gpus, "cpus": a.cpus, "port_base": a.port_base,
                  "plain": a.plain or None, "accounting": False if a.no_accounting else None,
-                 "hosts": a.hosts or None, "cgroups": False if a.no_cgroups else None}
+                 "hosts": a.hosts or None, "cgroups": False if a.no_cgroups else None, "switches": a.switches}
         given = {k: v for k, v in given.items() if v is not None}  # the rest: up()'s defaults
         already = dc.running(d)
         cluster = dc.up(d, **given, require=set(given))
@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "and coordinator in another")
     dc.add_argument("--no-cgroups", action="store_true",
                     help="no device cgroups (TaskPlugin=task/none): every job can open every emulated GPU")
+    dc.add_argument("--switches", type=int,
+                    help="emulated leaf switches over the nodes, each over a run of consecutive nodes (topology.conf, "
+                         "TopologyPlugin=topology/tree); default 0: no topology")
     dc.add_argument("--json", action="store_true", help="status: print it as JSON")
     dc.set_defaults(func=_cmd_devcluster)
 

@@ -29,7 +29,7 @@ from slurm_antman.slurm import version as slurm_version
 from .dirs import DEFAULT_DIR
 from .files import (
     CGROUP_CONF, COORDINATOR_PORT_OFFSET, DEFAULT_PORT_BASE, REPO, _base_slurm_conf, _merge, _which,
-    build_spank, dev_config, make_gpu_devices, run_dir, sidecar_socket_dir, slurmd_spool_dir,
+    build_spank, dev_config, make_gpu_devices, run_dir, sidecar_socket_dir, slurmd_spool_dir, topology_conf,
 )
 from .hosts import DEV_USER, Hosts, ensure_user, let_users_through  # noqa: F401 - DEV_USER: dc.DEV_USER
 from .processes import DevclusterError, Proc, _descendants, _ensure_munged, _reap, _spawn
@@ -41,7 +41,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
        extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
        overrides: dict | None = None, accounting: bool = True, cgroups: bool = True,
        hosts: bool = False, installed: Optional[Path] = None,
-       require: Optional[Iterable[str]] = None, site_scripts: bool = False) -> Cluster:
+       require: Optional[Iterable[str]] = None, site_scripts: bool = False, switches: int = 0) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
     slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
     ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
@@ -54,7 +54,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     ``require``: the arguments a cluster already running in ``d`` must have been started with for ``up``
     to return it (default: all of them; `antman devcluster up` names the flags given);
     ``site_scripts``: play a site with Lua scripts of its own: etc/examples/job_submit.lua and
-    cli_filter.lua (site rules plus the one line calling slurm-antman's modules) instead of the plain ones."""
+    cli_filter.lua (site rules plus the one line calling slurm-antman's modules) instead of the plain ones;
+    ``switches``: that many emulated leaf switches over the nodes (etc/topology.conf, TopologyPlugin=topology/tree;
+    see ``files.topology_conf``); 0, the default, writes no topology."""
     # Every argument but these makes the cluster what it is (first: before any other local exists).
     shape = {k: v for k, v in locals().items() if k not in ("d", "timeout", "require")}
     d = Path(d).resolve()
@@ -72,6 +74,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         down(d)
     if nodes < 1 or gpus < 1:
         raise DevclusterError("--nodes and --gpus must be at least 1")
+    if not 0 <= switches <= nodes:
+        raise DevclusterError(f"--switches must be between 0 (no topology) and --nodes ({nodes}), not {switches}")
     # Before anything is written: a Slurm outside the supported range is one line naming both.
     version = slurm_version.check_supported(slurm_version.installed_version(commands=slurm_version.DAEMON_FIRST))
     if accounting:
@@ -136,13 +140,18 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     ctl_addr = cluster.hosts.addr("ctl") if cluster.hosts is not None else None
     # The devcluster plays a site with slurm.conf settings of its own, and merges what slurm-antman needs
     # into them as docs/admin.md tells an admin to (antman config merge-slurm-conf): never overwritten.
-    site_conf = _base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups, ctl_addr)
+    site_conf = _base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups, ctl_addr, topology=switches > 0)
     merged = site_settings.merge_text(site_conf, site_settings.needs(cfg, str(d / "etc"), with_antman=not plain),
                                       many_prologs=slurm_version.many_prolog_lines(version))
     if merged.conflicts:
         raise DevclusterError("the devcluster's slurm.conf conflicts with what slurm-antman needs: "
                               + "; ".join(merged.conflicts))
     (d / "etc" / "slurm.conf").write_text(merged.text + extra_slurm_conf)
+    topology = d / "etc" / "topology.conf"
+    if switches:
+        topology.write_text(topology_conf(cluster.nodes, switches))
+    else:
+        topology.unlink(missing_ok=True)
     cgroup_conf = d / "etc" / "cgroup.conf"
     if cgroups:
         cgroup_conf.write_text(CGROUP_CONF)
