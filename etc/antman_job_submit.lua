@@ -48,12 +48,13 @@ The policy:
   * opportunistic has its GPU requests (--gres/--gpus-per-node, and on one node also --gpus,
     --gpus-per-task, --gpus-per-socket) rewritten to the count-only settings.opp_gres with the
     same count, is routed to settings.opp_partition (and settings.opp_qos when set), made requeueable,
-    asked onto one leaf switch within settings.opp_switch_wait_s (unless the user set --switches),
-    and tagged antman:class=opportunistic. A GPU type stays: --gres=gpu:h100:1 becomes
-    opp_gres:h100:1, which only nodes whose opportunistic slots are typed h100 (antman.yaml
-    nodes[].gpu_type) offer, so Slurm itself places the job on a node of that type. One type per job;
-    a type no node group has is refused. More GPUs per node than the largest node (of that type) has
-    is refused.
+    asked onto one leaf switch within settings.opp_switch_wait_s (unless the user set --switches or
+    named several nodes with -w), kept on one node (max_nodes=1) unless it chose its nodes (-N, -n over
+    --ntasks-per-node, a node list, --spread-job), and tagged antman:class=opportunistic. A GPU type
+    stays: --gres=gpu:h100:1 becomes opp_gres:h100:1, which only nodes whose opportunistic slots are
+    typed h100 (antman.yaml nodes[].gpu_type) offer, so Slurm itself places the job on a node of that
+    type. One type per job; a type no node group has is refused. More GPUs per node than the largest
+    node (of that type) has is refused.
   * Heterogeneous jobs (--het-group, ':') of any slurm-antman class are refused.
   * Only slurm-antman hands out settings.opp_gres: other classes asking for it are rejected.
 
@@ -275,6 +276,28 @@ local function single_node(job_desc)
   return (not is_set(mn) or mn == 1) and (not is_set(mx) or mx == 1)
 end
 
+-- Whether -w names several nodes (sbatch sends a compressed list: "node[1,4]").
+local function names_nodes(job_desc)
+  local list = job_desc.req_nodes
+  return type(list) == "string" and list:find("[,%[]") ~= nil
+end
+
+-- sbatch --spread-job (job_desc.bitflags, SPREAD_JOB in slurm.h: bit 8 from 22.05 to 25.11).
+local SPREAD_JOB = 256
+
+-- Whether the job said, one way or another, how many nodes it runs on: -N (min_nodes, max_nodes), a
+-- task count over --ntasks-per-node (-n 4 --ntasks-per-node=2 is two nodes, with min_nodes unset), a
+-- node list naming several (sbatch counts -w's nodes into min_nodes; the list is read too, for a client
+-- that does not) or --spread-job.
+local function chose_nodes(job_desc)
+  if is_set(job_desc.max_nodes) or (is_set(job_desc.min_nodes) and job_desc.min_nodes ~= 1) then return true end
+  local tasks, per_node = job_desc.num_tasks, job_desc.ntasks_per_node
+  if is_set(tasks) and is_set(per_node, NO_VAL16) and tasks > per_node then return true end
+  if names_nodes(job_desc) then return true end
+  local flags = job_desc.bitflags
+  return type(flags) == "number" and math.floor(flags / SPREAD_JOB) % 2 == 1
+end
+
 -- Converts a per-job/per-task/per-socket GPU count into the GPUs the single node must hold.
 local function per_node_equivalent(job_desc, field, count)
   if field == "tres_per_job" then return count end
@@ -410,7 +433,11 @@ local function make_opportunistic(job_desc, s)
       "%d (%s); ask for at most %d per node with --gres=%s:N, and -N for more nodes", most,
       largest, opp_total, table.concat(asked, " "), most, gpu_type and (s.gpu_gres .. ":" .. gpu_type) or s.gpu_gres)
   end
-  if other_gpu_field then job_desc.max_nodes = 1 end
+  -- On one node unless the job chose its nodes: its GPUs fit on one (checked above), and Slurm, left to
+  -- itself, spreads a job whose tasks find no node with CPUs (or memory) enough free at the moment over
+  -- several, each holding the per-node GPU count (--gres=gpu:2 -n 2 became 2 slots on each of 2 nodes):
+  -- twice the GPUs asked for, and a job that waits for its node's bandwidth.
+  if other_gpu_field or not chose_nodes(job_desc) then job_desc.max_nodes = 1 end
   -- The type stays on the slots: only nodes of that type offer opp_gres:TYPE, so Slurm places the job
   -- on one of them, as it would a guaranteed --gres=gpu:TYPE:N.
   kept[#kept + 1] = gpu_type and string.format("%s%s:%s:%d", prefix, s.opp_gres, gpu_type, opp_total) or
@@ -427,8 +454,9 @@ local function make_opportunistic(job_desc, s)
   job_desc.requeue = 1
   -- One leaf switch if Slurm can find it within the wait (topology/tree; without it Slurm ignores this):
   -- an opportunistic job spread over switches runs slower and has no deadline to trade that for. The
-  -- user's own --switches stands.
-  if s.opp_switch_wait_s ~= nil and not is_set(job_desc.req_switch, NO_VAL) then
+  -- user's own --switches stands, and a job that names its nodes asks nothing: nodes under two switches
+  -- would only wait the whole wait, then run where they would have at once.
+  if s.opp_switch_wait_s ~= nil and not is_set(job_desc.req_switch, NO_VAL) and not names_nodes(job_desc) then
     job_desc.req_switch = 1
     job_desc.wait4switch = s.opp_switch_wait_s
   end

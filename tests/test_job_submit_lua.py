@@ -162,6 +162,38 @@ def test_opportunistic_asks_for_one_switch_within_the_wait(tmp_path: Path) -> No
     assert (off["req_switch"], off["wait4switch"]) == (NO_VAL, NO_VAL)
     guaranteed = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:2", min_nodes=2)))
     assert (guaranteed["req_switch"], guaranteed["wait4switch"]) == (NO_VAL, NO_VAL)
+    # -w node1,node4 (sbatch sends it compressed): nodes under two switches would wait the whole wait for
+    # nothing; one named node is under one switch anyway.
+    named = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2", min_nodes=2,
+                                        req_nodes="node[1,4]")))
+    assert (named["req_switch"], named["wait4switch"]) == (NO_VAL, NO_VAL)
+    one = accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2", min_nodes=1, req_nodes="node3")))
+    assert (one["req_switch"], one["wait4switch"]) == (1, 300)
+
+
+def test_opportunistic_is_kept_on_one_node_unless_it_chose_its_nodes(tmp_path: Path) -> None:
+    """Slurm 22.05 spreads --gres=gpu:2 -n 2 over two nodes when no node has the CPUs free (each then
+    holds 2 slots: 4 for a job that asked 2); the job stays on one node unless it chose its nodes. Each
+    job_desc is as sbatch sent it on the devcluster (logged from slurmctld's Lua)."""
+    def max_nodes(**fields: Any) -> Any:
+        return accepted(run(tmp_path, desc("opportunistic", tres_per_node="gres:gpu:2", **fields)))["max_nodes"]
+
+    assert max_nodes(num_tasks=2) == 1  # -n 2
+    assert max_nodes() == 1
+    assert max_nodes(num_tasks=2, ntasks_per_node=2) == 1  # --ntasks-per-node=2: one node's worth
+    assert max_nodes(min_nodes=1, req_nodes="node3") == 1  # -w node3
+    assert max_nodes(min_nodes=1, max_nodes=1) == 1  # -N 1
+    assert max_nodes(min_nodes=2, max_nodes=2) == 2  # -N 2
+    assert max_nodes(min_nodes=1, max_nodes=2) == 2  # -N 1-2
+    assert max_nodes(min_nodes=2) == NO_VAL  # -w node1,node2
+    assert max_nodes(req_nodes="node[1-2]") == NO_VAL  # a node list without its count
+    assert max_nodes(req_nodes="node1,node3") == NO_VAL
+    assert max_nodes(num_tasks=4, ntasks_per_node=2) == NO_VAL  # -n 4 --ntasks-per-node=2: two nodes
+    assert max_nodes(bitflags=256 + 4) == NO_VAL  # --spread-job (SPREAD_JOB, bit 8), beside another flag
+    assert max_nodes(bitflags=4) == 1
+    # A guaranteed job's placement is Slurm's own.
+    g = accepted(run(tmp_path, desc("guaranteed", tres_per_node="gres:gpu:2", num_tasks=2)))
+    assert g["max_nodes"] == NO_VAL
 
 
 def test_a_bad_switch_wait_in_the_settings_rejects_naming_it(tmp_path: Path) -> None:

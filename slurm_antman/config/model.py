@@ -334,9 +334,9 @@ class Opportunistic(_Strict):
         description="job_submit.lua asks Slurm to put an opportunistic job under one leaf switch (sbatch "
                     "--switches=1@TIME, with a tree topology), waiting at most this many seconds before it starts "
                     "on more: a job spread over switches runs slower, and an opportunistic job has no deadline "
-                    "to trade that for. A job's own --switches is kept; a job on one node is always under one "
-                    "switch. Slurm caps the wait at SchedulerParameters=max_switch_wait (300 s unless set). "
-                    "null: ask nothing.")
+                    "to trade that for. A job's own --switches is kept, and a job that names several nodes (-w) "
+                    "is asked nothing; a job on one node is always under one switch. Slurm caps the wait at "
+                    "SchedulerParameters=max_switch_wait (300 s unless set). null: ask nothing.")
 
 
 def _bind_address(v: str) -> str:
