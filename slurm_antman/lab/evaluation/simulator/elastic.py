@@ -74,6 +74,8 @@ class ElasticWidth:
         self._refresh(touched)
 
     def _shrink(self, j: SimJob, gpu: int) -> None:
+        if gpu not in j.gpus or len(j.gpus) <= 1:
+            return
         g = self.gpus[gpu]
         g.opp.remove(j.job.job_id)
         g.rate.pop(j.job.job_id, None)
@@ -85,17 +87,14 @@ class ElasticWidth:
 
     def _grow(self, j: SimJob) -> Optional[int]:
         wait = self.cfg.no_room == "wait"
-        avoid, j.avoid = j.avoid, tuple(j.avoid) + tuple(j.gpus)  # not a GPU it is on already
-        try:
-            for k in sorted({self.gpus[i].node for i in j.gpus}):
-                got = self._opp_pick(j, k, 1, wait)
-                if got:
-                    gpu = got[0]
-                    break
-            else:
-                return None
-        finally:
-            j.avoid = avoid
+        gpu = None
+        for k in sorted({self.gpus[i].node for i in j.gpus}):
+            got = self._opp_pick(j, k, 1, wait, exclude=set(j.gpus))  # never a GPU it is on already
+            if got:
+                gpu = got[0]
+                break
+        if gpu is None:
+            return None
         g = self.gpus[gpu]
         g.opp.append(j.job.job_id)
         self.node_opp[g.node] += 1

@@ -373,7 +373,7 @@ class SlurmScheduler:
                 free[ends[k][1]] = free.get(ends[k][1], 0) + ends[k][2]
                 k += 1
 
-    def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool) -> list[int]:
+    def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool, exclude: Iterable[int] = ()) -> list[int]:
         """Up to ``take`` GPUs of node ``k`` for an opportunistic job: the node's free slots, then the
         node policy's choice among its GPUs with room (antman) or its plain rules (shared)."""
         per_node = self.cfg.gpus_per_node
@@ -381,7 +381,7 @@ class SlurmScheduler:
         if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
             return []
         node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
-        room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu]
+        room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu and g.index not in exclude]
         take = min(take, free_slots, len(room))
         if take <= 0:
             return []
@@ -391,7 +391,7 @@ class SlurmScheduler:
         if self.cfg.policy == "antman":
             pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
                                self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
-            if wait and not pick.gpus and not avoid:
+            if wait and not pick.gpus and not avoid and not exclude:
                 self.unfit_nodes.add(k)
         else:
             pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
