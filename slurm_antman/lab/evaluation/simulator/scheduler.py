@@ -36,8 +36,9 @@ Placement and backfill, as Slurm does them (issue 29; docs/workload_model.md lis
   first 500 jobs (bf_max_job_test), every 30 s (bf_interval), from the jobs' time limits; here there
   is one reservation, it is planned at every pass, and from the jobs' true remaining run times. Each
   of these makes the baselines' backfill at least as good as Slurm's, never worse.
-- Opportunistic jobs hold no whole GPU (antman's count-only GRES, shared's shards): no reservation
-  keeps them off a GPU, and they start in submission order wherever they fit.
+- Opportunistic jobs hold no whole GPU (antman's count-only GRES, shared's shards) and have a
+  partition of their own (job_submit.lua's opp_partition): no reservation keeps them off a GPU, and
+  they start in submission order wherever they fit.
 """
 
 from __future__ import annotations
