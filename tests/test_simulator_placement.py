@@ -158,3 +158,20 @@ def test_elastic_flags_are_checked_and_named():
                      (dict(elastic_hold_s=-1.0), "--elastic-hold-s")):
         with pytest.raises(ValueError, match=flag):
             SimConfig(policy="antman", **kw)
+
+
+def test_size_buckets_compare_the_same_jobs_under_antman_and_exclusive(tmp_path):
+    from slurm_antman.lab.evaluation import size_buckets
+
+    head = "job_id,gpus,class,submit_s,end_s,preemptions\n"
+    (tmp_path / "jobs-exclusive.csv").write_text(head + "a,1,guaranteed,0,100,0\nb,4,guaranteed,0,400,0\n"
+                                                 "c,4,guaranteed,0,200,0\n")
+    (tmp_path / "jobs-antman.csv").write_text(head + "a,1,guaranteed,0,50,0\nb,4,opportunistic,0,300,2\n"
+                                              "c,4,guaranteed,0,900,0\n")
+    rows = {r["bucket"]: r for r in size_buckets.buckets(size_buckets.load(str(tmp_path)))}
+    assert rows["1"]["mean_jct_s"] == {"exclusive": 100.0, "antman": 50.0}
+    two = rows["2-4"]
+    assert two["jobs"] == 2 and two["opportunistic_jobs"] == 1 and two["opportunistic_preemptions"] == 2
+    assert two["opportunistic_vs_exclusive"] == pytest.approx(300 / 400)  # c, guaranteed, is left out
+    assert rows[">8"]["jobs"] == 0 and rows[">8"]["opportunistic_vs_exclusive"] is None
+    assert size_buckets.main([str(tmp_path / "nowhere")]) == 2

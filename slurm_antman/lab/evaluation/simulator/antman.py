@@ -311,6 +311,7 @@ class AntmanAdapter:
                     self.node_opp[g.node] -= 1
                     g.guar.append(d.job_id)
                     self.free_gpus.discard(i)
+                    self.free_by_node = None
             self._refresh(j.gpus)
         elif kind == "requeue" and j.state == "RUNNING":
             self._stop(j, "preempt")

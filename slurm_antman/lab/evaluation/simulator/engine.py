@@ -96,6 +96,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         self.guaranteed_use: dict[str, int] = {}  # tenant -> GPUs of its guaranteed jobs not done
         self.sched_dirty = True                  # GPUs, quota or eligibility freed since then
         self.resv = None                         # backfill's reservation from the last full pass
+        self.free_by_node = None                 # free_gpus by node, sorted; None when it changed
         self.series: list[tuple[float, float, float]] = []
         # Kept up to date so a scheduling pass over a long queue costs little per job.
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
@@ -275,6 +276,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
                 self.node_opp[g.node] += 1
             if j.klass == "guaranteed" or self.cfg.policy in WHOLE_GPU:
                 self.free_gpus.discard(i)
+                self.free_by_node = None
         if self.cfg.policy == "shared" and self._oom_on(gpus):
             self._stop(j, "oom")
             return
@@ -349,6 +351,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             g.share.pop(jid, None)
             if not g.guar and (self.cfg.policy not in WHOLE_GPU or not g.opp):
                 self.free_gpus.add(i)
+                self.free_by_node = None
         gpus, j.gpus = j.gpus, ([] if j.state == "PENDING" else j.gpus)
         self._refresh(gpus)
         if j.state == "DONE":

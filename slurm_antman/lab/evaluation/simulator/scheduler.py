@@ -208,16 +208,20 @@ class SlurmScheduler:
                     break
                 continue
             kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
-            key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j), j.elastic)
+            # Within a pass room only shrinks, so a job no smaller than one that failed with the same
+            # shape (nodes, switch wait, elasticity, and whether the reservation's GPUs are closed to
+            # it) fails too.
+            late = kind == "guaranteed" and self._after_reservation(j, resv)
+            key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j), j.elastic, late)
             gpus = None if j.job.gpus >= smallest_failed.get(key, 1 << 30) else self._place(j, resv)
             if gpus is None:
-                if resv is None:
-                    smallest_failed[key] = min(smallest_failed.get(key, 1 << 30), j.job.gpus)
-                    if kind == "guaranteed" and easy:
-                        # (also in a pass over fresh jobs: the last full pass reserved for nobody)
-                        resv = self.resv = self._reserve(j)
-                if (smallest_failed.get(("guaranteed", 1, False, False), 1 << 30) <= 1 and not self._free_now(resv)
-                        and (whole or smallest_failed.get(("opportunistic", 1, False, False), 1 << 30) <= 1)):
+                smallest_failed[key] = min(smallest_failed.get(key, 1 << 30), j.job.gpus)
+                if resv is None and kind == "guaranteed" and easy:
+                    # (also in a pass over fresh jobs: the last full pass reserved for nobody)
+                    resv = self.resv = self._reserve(j)
+                # (only a 1-GPU failure can make it so)
+                if j.job.gpus <= 1 and self._nothing_fits(smallest_failed, "guaranteed", resv) and (
+                        whole or self._nothing_fits(smallest_failed, "opportunistic", None)):
                     break  # not even a 1-GPU job fits: the rest waits
                 continue
             if resv is not None and resv.job_id == jid:
@@ -226,9 +230,11 @@ class SlurmScheduler:
             if budget is not None:
                 budget -= len(gpus)
 
-    def _free_now(self, resv: Optional[Reservation]) -> bool:
-        """Whether a reservation leaves idle GPUs that a short enough job could still use."""
-        return resv is not None and bool(self.free_gpus)
+    @staticmethod
+    def _nothing_fits(smallest_failed: dict, kind: str, resv: Optional[Reservation]) -> bool:
+        """A 1-GPU job of this kind failed, both ending before the reservation and after it."""
+        return all(smallest_failed.get((kind, 1, False, False, late), 1 << 30) <= 1
+                   for late in ((False, True) if resv is not None and kind == "guaranteed" else (False,)))
 
     def _preempt_scavengers(self, high: Iterable[tuple[str, int]]) -> int:
         """Slurm's preempt/partition_prio: a high job that is eligible and within quota but finds too
@@ -318,15 +324,28 @@ class SlurmScheduler:
             return self._pack_nodes(j, counts, resv)
         return self._place_opportunistic(j, counts)
 
+    def _free_by_node(self) -> dict[int, list[int]]:
+        """The free GPUs by node, in the order a job takes them; kept until free_gpus changes (a pass
+        over a long queue asks for it once per job)."""
+        by_node = self.free_by_node
+        if by_node is None:
+            by_node = {}
+            for i in sorted(self.free_gpus):
+                by_node.setdefault(self.gpus[i].node, []).append(i)
+            if self.cfg.policy == "shared":  # beside as few opportunistic jobs as it can
+                for lst in by_node.values():
+                    lst.sort(key=lambda i: (len(self.gpus[i].opp), i))
+            self.free_by_node = by_node
+        return by_node
+
+    def _after_reservation(self, j: SimJob, resv: Optional[Reservation]) -> bool:
+        """Whether ``j`` would still run when the reservation begins: then it may not use its GPUs."""
+        return resv is not None and resv.job_id != j.job.job_id and self.now + self._run_estimate(j) > resv.start
+
     def _pack_nodes(self, j: SimJob, counts: list[int], resv: Optional[Reservation]) -> Optional[list[int]]:
-        by_node: dict[int, list[int]] = {}
-        for i in sorted(self.free_gpus):
-            by_node.setdefault(self.gpus[i].node, []).append(i)
-        if self.cfg.policy == "shared":  # beside as few opportunistic jobs as it can
-            for lst in by_node.values():
-                lst.sort(key=lambda i: (len(self.gpus[i].opp), i))
+        by_node = self._free_by_node()
         avail = {n: len(lst) for n, lst in by_node.items()}
-        if resv is not None and resv.job_id != j.job.job_id and self.now + self._run_estimate(j) > resv.start:
+        if self._after_reservation(j, resv):
             for n, k in resv.count.items():
                 if n in avail:
                     avail[n] -= k
