@@ -22,7 +22,8 @@ from slurm_antman.lab.evaluation.simulator import SimConfig, simulate
 
 from conftest import PLAIN_PORT_BASE, _require_slurm, drain
 
-pytestmark = pytest.mark.cluster
+# A cluster of its own for 18 s: `make test-slow` (CI runs it too), keeping `make test` under 15 minutes.
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 # (name, GPUs, time limit in minutes); Slurm's limits are whole minutes, bf_resolution 60 s.
 JOBS = (("A", 2, 3), ("B", 4, 2), ("C", 2, 10), ("D", 2, 1))

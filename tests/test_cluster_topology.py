@@ -27,7 +27,12 @@ from slurm_antman.lab.devcluster import cluster as dc
 from slurm_antman.lab.devcluster.files import switch_groups, topology_conf
 from slurm_antman.lab.devcluster.processes import DevclusterError
 
-on_cluster = pytest.mark.cluster  # every test but the first starts or uses the 4-node cluster
+
+
+def on_cluster(test):
+    """Every test but the first starts or uses the 4-node cluster: about a minute in all, so they run
+    in `make test-slow` (CI runs it too), keeping `make test` under its 15 minutes."""
+    return pytest.mark.slow(pytest.mark.cluster(test))
 
 PORT_BASE = TEST_PORT_BASE + 1500
 SWITCH_WAIT_S = 12  # opportunistic.switch_wait_s here: long enough to see the job wait, short for a test
@@ -102,7 +107,6 @@ def evaluated(c: ClusterHandle, job: int, timeout: float = 15) -> dict[str, str]
     while True:
         info = c.show(job)
         if info["JobState"] != "PENDING" or info["Reason"] != "None" or time.monotonic() > deadline:
-            print("EVAL", job, round(timeout - (deadline - time.monotonic()), 1), info["Reason"], flush=True)
             return info
         time.sleep(0.3)
 
