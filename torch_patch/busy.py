@@ -22,16 +22,20 @@ from typing import Any, Optional
 _MAX_PENDING = 64
 
 
-def root_modules(torch: Any, device: Any) -> list[Any]:
-    """The process's top-level modules with parameters on ``device`` (through the garbage
-    collector: the agent never sees the model being built)."""
+def root_modules(torch: Any, device: Any, buffers: bool = False) -> list[Any]:
+    """The process's top-level modules with parameters (and, with ``buffers``, buffers) on ``device``,
+    each once, children with their root. Found through the garbage collector: the agent never sees
+    the model being built. Shared with torch_patch/pause.py, which moves buffers too."""
     mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
     children = {id(c) for m in mods for c in m.children()}
     out = []
     for m in mods:
         if id(m) in children:
             continue
-        if any(p.device == device for p in m.parameters(recurse=True)):
+        tensors = list(m.parameters(recurse=True))
+        if buffers:
+            tensors += list(m.buffers(recurse=True))
+        if any(t.device == device for t in tensors):
             out.append(m)
     return out
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
 
 from . import pinned
+from .busy import root_modules
 
 
 @dataclass
@@ -49,20 +50,6 @@ def _put(slot: tuple[str, Any, Any], tensor: Any) -> None:
         owner.grad = tensor
     else:
         owner._buffers[key] = tensor
-
-
-def _device_modules(torch: Any, device: Any) -> list[Any]:
-    """The job's top-level modules with state on ``device`` (found through the garbage collector:
-    the agent never sees the model being built), each once, children with their root."""
-    mods = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)]
-    children = {id(c) for m in mods for c in m.children()}
-    roots = [m for m in mods if id(m) not in children]
-    out = []
-    for m in roots:
-        tensors = list(m.parameters(recurse=True)) + list(m.buffers(recurse=True))
-        if any(t.device == device for t in tensors):
-            out.append(m)
-    return out
 
 
 class DeviceState:
@@ -96,7 +83,7 @@ class DeviceState:
         slots: list[tuple[Any, Any]] = []
         tensors: list[Any] = []
         seen: set[int] = set()
-        for root in _device_modules(self.torch, self.device):
+        for root in root_modules(self.torch, self.device, buffers=True):
             for mod in root.modules():
                 moved, n0 = _Moved(mod), len(slots)
                 for name, p in list(mod._parameters.items()):
