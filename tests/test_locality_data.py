@@ -1,6 +1,7 @@
-"""The locality table taken from Pollux's placement traces (slurm_antman/lab/evaluation/locality_data.py)
-and the script that derives it (locality_derive.py): the values are what the CSVs give, the lookup
-interpolates as documented, and bad input is refused."""
+"""The locality table and the one-node speedups taken from Pollux's placement traces
+(slurm_antman/lab/evaluation/locality_data.py) and the script that derives them (locality_derive.py):
+the values are what the CSVs give, the lookups interpolate and extrapolate as documented, and bad input
+is refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from slurm_antman.lab.evaluation import locality_data, locality_derive, workloads
-from slurm_antman.lab.evaluation.locality_data import MEASURED, PROFILE_REASON, PROFILE_TO_POLLUX, efficiency
+from slurm_antman.lab.evaluation.locality_data import (MEASURED, ONE_NODE_SPEEDUP, PROFILE_REASON, PROFILE_TO_POLLUX,
+                                                       efficiency, profile_speedup, speedup)
 
 # Real rows of petuum/adaptdl@c793c708 simulator/traces/bert/placements.csv (header as in the file):
 # BERT on one GPU, one node x 4, 2 nodes ("13", "22") and 4 nodes x 1, at every local batch measured.
@@ -41,6 +43,20 @@ placement,local_bsz,step_time,sync_time
 4,8,0.740765243768692,0.09240074634552001
 4,11,0.8971466571092606,0.09296905136108399
 4,12,0.9571182131767273,0.09286786985397338
+"""
+
+# The same file's one-node rows for 2 and 3 GPUs: with BERT_SAMPLE's "1" and "4", every one-node row.
+BERT_ONE_NODE_2_3 = """\
+2,4,0.4736032336950302,0.05499039435386657
+2,6,0.586463674902916,0.055930083513259884
+2,8,0.7121821641921997,0.05449784374237061
+2,11,0.8626803159713745,0.05550181770324707
+2,12,0.9190408140420914,0.05467441153526306
+3,4,0.49704410135746,0.078326096534729
+3,6,0.6114606112241745,0.07845899820327759
+3,8,0.7418830245733261,0.08012892198562621
+3,11,0.8924402892589569,0.07654820203781128
+3,12,0.9494313150644302,0.07788509035110472
 """
 
 
@@ -166,9 +182,66 @@ def test_more_than_a_node_is_compared_with_a_full_node():
         locality_derive.derive(locality_derive.parse_placements(text + "5,8,1.0,0.1\n"))
 
 
+def test_one_node_speedups_start_at_one_and_grow_with_the_gpus():
+    assert set(ONE_NODE_SPEEDUP) == set(MEASURED)
+    for w, s in ONE_NODE_SPEEDUP.items():
+        assert set(s) == {1, 2, 3, 4}
+        assert s[1] == speedup(w, 1) == 1.0
+        # Checked against the CSVs: increasing for every workload, and below linear at the median.
+        assert all(s[g] < s[g + 1] for g in range(1, 4)), w
+        assert all(s[g] <= g for g in s), w
+    # The per-GPU efficiency is not monotone: cifar10 does better per GPU on 4 than on 3.
+    assert ONE_NODE_SPEEDUP["cifar10"][4] / 4 > ONE_NODE_SPEEDUP["cifar10"][3] / 3
+
+
+def test_bert_speedups_are_what_the_csv_rows_give():
+    rows = locality_derive.parse_placements(BERT_SAMPLE + BERT_ONE_NODE_2_3)
+    # By hand at local batch 8, the median of bert's batches 4-12 (the speedup rises with the batch):
+    # throughput 8 x g / step over one GPU's 8 / step, i.e. g x one GPU's step / g GPUs' step.
+    one = 0.7032617032527924
+    assert round(2 * one / 0.7121821641921997, 3) == 1.975
+    assert round(3 * one / 0.7418830245733261, 3) == 2.844
+    assert round(4 * one / 0.740765243768692, 3) == 3.797
+    got = locality_derive.derive_one_node(rows)
+    assert got == ONE_NODE_SPEEDUP["bert"] == {1: 1.0, 2: 1.975, 3: 2.844, 4: 3.797}
+    # A single batch can be superlinear: 2 GPUs at batch 12.
+    assert 2 * 0.9215156733989716 / 0.9190408140420914 > 2.0
+    # The multi-node table is unchanged by the one-node rows (they are its references only).
+    assert locality_derive.derive(rows) == {(4, 2): 0.36, (4, 4): 0.566}
+
+
+def test_speedup_beyond_a_pollux_node_holds_the_4_gpu_efficiency():
+    for w, s in ONE_NODE_SPEEDUP.items():
+        for g in range(5, 33):
+            assert speedup(w, g) == pytest.approx(g * s[4] / 4)
+        assert speedup(w, 8) == pytest.approx(2 * s[4])
+    assert profile_speedup("resnet50", 8) == speedup("imagenet", 8)
+    assert profile_speedup("lstm_lm", 3) == ONE_NODE_SPEEDUP["bert"][3]
+
+
+@pytest.mark.parametrize("args, match", [
+    (("resnet", 2), "unknown Pollux workload 'resnet'"),
+    (("bert", 0), "gpus must be >= 1, got 0"),
+    (("bert", -3), "gpus must be >= 1"),
+    (("bert", 2.0), "must be an integer"),
+    (("bert", True), "must be an integer"),
+])
+def test_speedup_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        speedup(*args)
+
+
+def test_profile_speedup_refuses_an_unknown_profile():
+    with pytest.raises(ValueError, match="unknown profile 'nope'"):
+        profile_speedup("nope", 2)
+    with pytest.raises(ValueError, match="gpus must be >= 1"):
+        profile_speedup("resnet50", 0)
+
+
 def test_module_literal_is_what_the_script_prints():
     source = Path(locality_data.__file__).read_text()
     assert locality_derive.format_literal(MEASURED) in source
+    assert locality_derive.format_speedup_literal(ONE_NODE_SPEEDUP) in source
     assert locality_derive.POLLUX_GPUS_PER_NODE == locality_data.POLLUX_GPUS_PER_NODE
 
 
@@ -180,6 +253,8 @@ def test_script_on_a_traces_directory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("MEASURED: dict[str, dict[tuple[int, int], float]] = {")
     assert '"bert": {' in out and "(4, 2): 0.36, (4, 4): 0.566," in out
+    # The sample's one-node rows are "1" and "4" only.
+    assert 'ONE_NODE_SPEEDUP: dict[str, dict[int, float]] = {\n    "bert": {1: 1.0, 4: 3.797},\n}' in out
     # The sample holds 2 of BERT's 45 entries and no other workload: --check reports the rest.
     assert locality_derive.main([str(tmp_path), "--check"]) == 1
     assert locality_derive.main([str(tmp_path / "missing")]) == 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman.lab.evaluation import traces
-from slurm_antman.lab.evaluation.locality_data import profile_efficiency
+from slurm_antman.lab.evaluation.locality_data import profile_efficiency, profile_speedup
 from slurm_antman.lab.evaluation.simulator import SimConfig, simulate
 from slurm_antman.lab.evaluation.simulator.engine import Simulator
 from slurm_antman.lab.evaluation.simulator.scheduler import split
@@ -151,6 +151,20 @@ def test_an_elastic_job_starts_narrow_and_grows_when_room_comes(tmp_path):
     assert rigid[b_id]["first_start_s"] >= rigid[a_id]["end_s"] - 1e-6  # waited for a room for 2
     assert el[b_id]["first_start_s"] == pytest.approx(100.0, abs=1.0)
     assert r.metrics["grows"] >= 1 and el[b_id]["end_s"] < rigid[b_id]["end_s"]
+
+
+def test_an_elastic_job_at_half_width_keeps_its_profiles_measured_share_of_its_pace(tmp_path):
+    # One node of 4: a's guaranteed job holds 2 GPUs for longer than b's run, so b's elastic 4-GPU job
+    # runs its whole life at width 2. Its pace is S(2) / S(4) of its full width's (Pollux's one-node
+    # speedups, 0.53 for resnet50), not the 0.5 of linear scaling.
+    jobs = trace(tmp_path, [(at(0), 100_000.0, 2, "a"), (at(100), 5000.0, 4, "b")])
+    cfg = SimConfig(policy="antman", nodes=1, gpus_per_node=4, seed=_r50_seed(), utilisation="saturated",
+                    elastic_share=1.0)
+    b = next(x for x in simulate(jobs, cfg).jobs if x["job_id"] == jobs[1].job_id)
+    assert b["class"] == "opportunistic" and b["elastic"] and b["width_changes"] == 0
+    pace = profile_speedup(b["profile"], 2) / profile_speedup(b["profile"], 4)
+    assert pace > 0.5
+    assert b["end_s"] - b["first_start_s"] - cfg.start_overhead_s == pytest.approx(5000.0 / pace)
 
 
 def test_elastic_flags_are_checked_and_named():

@@ -1,4 +1,5 @@
-"""How much slower per GPU a data-parallel job runs when spread over nodes: Pollux's measurements.
+"""How much slower per GPU a data-parallel job runs when spread over nodes, and how its throughput
+grows with its GPUs on one node: Pollux's measurements.
 
 Source: Qiao et al., "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep Learning",
 OSDI 2021, section 5.3 ("Simulator construction"). Its artifact is the ``osdi21-artifact`` branch of
@@ -43,6 +44,28 @@ What the numbers show, and what to keep in mind:
   faster per GPU there than "44" here), so they were not taken under the same conditions;
 - T4s on a 50 Gbps network with Pollux's batch sizes: faster GPUs spend relatively more time in the
   exchange, so for V100-class nodes these are optimistic.
+
+One-node scaling (``ONE_NODE_SPEEDUP``, issue 29's per-profile scaling curve; same files, same
+``locality_derive.py``): for the one-node placements "1" to "4", the speedup S(w) is the job's
+throughput, local_bsz x w / step_time, over one GPU's at the same local batch size, i.e. w x one GPU's
+step time / w GPUs' step time; the table keeps the median over the local batch sizes measured for both
+placements, rounded to 3 digits, as above. S(1) = 1 by construction. What to keep in mind:
+
+- this is weak scaling at a fixed local batch (the global batch grows with w), which is how Pollux
+  measured; it says nothing of the statistical efficiency of the larger batch, which Pollux models
+  apart and we do not;
+- S is increasing in w for every workload, and sublinear at the median (S(4)/4: bert 0.95, imagenet
+  0.93, cifar10 0.90, deepspeech2 0.89, yolov3 0.75, ncf 0.63), though single batches are superlinear
+  (bert at batch 12 on "2": 2.005; imagenet's 3-GPU maximum is 3.04). The per-GPU efficiency S(w)/w
+  is not monotone: cifar10 (0.874 on 3, 0.899 on 4), deepspeech2 (0.865, 0.891) and bert (0.948, 0.949)
+  do better per GPU on 4 GPUs than on 3;
+- for ncf the 1-GPU runs go to local batch 32768 but the 4-GPU ones to 8207 (every placement stops
+  near a global batch of 32768), so each S(w) is a median over a different set of batches, the
+  smaller ones for larger w;
+- Pollux measured at most 4 GPUs on a node; ``speedup`` extrapolates beyond 4 by holding the per-GPU
+  efficiency of 4 GPUs, S(4) / 4, constant: an assumption, not a measurement;
+- the g4dn.12xlarge T4s exchange over PCIe, without NVLink: a V100 node with NVLink exchanges faster
+  but also computes faster, and these numbers do not say which wins.
 """
 
 from __future__ import annotations
@@ -163,6 +186,17 @@ MEASURED: dict[str, dict[tuple[int, int], float]] = {
     },
 }
 
+# {workload: {gpus on one node: throughput over one GPU's}}, as printed by locality_derive.py (do not
+# edit by hand).
+ONE_NODE_SPEEDUP: dict[str, dict[int, float]] = {
+    "bert": {1: 1.0, 2: 1.975, 3: 2.844, 4: 3.797},
+    "cifar10": {1: 1.0, 2: 1.796, 3: 2.623, 4: 3.597},
+    "deepspeech2": {1: 1.0, 2: 1.884, 3: 2.595, 4: 3.566},
+    "imagenet": {1: 1.0, 2: 1.986, 3: 2.895, 4: 3.739},
+    "ncf": {1: 1.0, 2: 1.522, 3: 2.081, 4: 2.5},
+    "yolov3": {1: 1.0, 2: 1.885, 3: 2.492, 4: 3.012},
+}
+
 
 # Each of our profiles (workloads.ZOO) -> the Pollux workload whose measurements stand in for it.
 # Where Pollux ran the same model it is exact; otherwise the nearest model family; where no family is
@@ -241,3 +275,29 @@ def profile_efficiency(profile: str, gpus: int, nodes: int) -> float:
     if profile not in PROFILE_TO_POLLUX:
         raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILE_TO_POLLUX)}")
     return efficiency(PROFILE_TO_POLLUX[profile], gpus, nodes)
+
+
+def speedup(workload: str, gpus: int) -> float:
+    """Throughput of a ``gpus``-GPU job of Pollux's ``workload`` on one node over its throughput on one
+    GPU (module docstring). Measured for 1 to 4 GPUs. Beyond 4 (our nodes hold 8) it is ``gpus x
+    S(4) / 4``: the per-GPU efficiency of a full Pollux node, held constant. That is an assumption,
+    a clamp, not a measurement: Pollux measured nothing larger on one node, so nothing says whether
+    more GPUs on a node lose more per GPU (a bigger exchange) or not."""
+    table = ONE_NODE_SPEEDUP.get(workload)
+    if table is None:
+        raise ValueError(f"unknown Pollux workload {workload!r}; known: {', '.join(ONE_NODE_SPEEDUP)}")
+    if isinstance(gpus, bool) or not isinstance(gpus, int):
+        raise ValueError(f"gpus must be an integer, got {gpus!r}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    if gpus in table:
+        return table[gpus]
+    top = max(table)
+    return gpus * table[top] / top
+
+
+def profile_speedup(profile: str, gpus: int) -> float:
+    """``speedup`` for one of our workload profiles, through ``PROFILE_TO_POLLUX``."""
+    if profile not in PROFILE_TO_POLLUX:
+        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILE_TO_POLLUX)}")
+    return speedup(PROFILE_TO_POLLUX[profile], gpus)

@@ -1,4 +1,5 @@
-"""Re-derive ``locality_data.MEASURED`` from Pollux's published placement traces.
+"""Re-derive ``locality_data.MEASURED`` and ``locality_data.ONE_NODE_SPEEDUP`` from Pollux's published
+placement traces.
 
 Pollux's simulator traces live on the ``osdi21-artifact`` branch of petuum/adaptdl, not on master::
 
@@ -7,9 +8,9 @@ Pollux's simulator traces live on the ``osdi21-artifact`` branch of petuum/adapt
     python -m slurm_antman.lab.evaluation.locality_derive adaptdl/simulator/traces          # print
     python -m slurm_antman.lab.evaluation.locality_derive adaptdl/simulator/traces --check  # compare
 
-The first prints the ``MEASURED`` literal to paste into ``locality_data.py``; ``--check`` exits 1 if
-the literal there differs from what the CSVs give. The derivation is described in
-``locality_data``'s docstring; this file is its only implementation. Standard library only, so it
+The first prints the ``MEASURED`` and ``ONE_NODE_SPEEDUP`` literals to paste into ``locality_data.py``;
+``--check`` exits 1 if either literal there differs from what the CSVs give. The derivations are
+described in ``locality_data``'s docstring; this file is their only implementation. Standard library only, so it
 runs without the project's dependencies.
 """
 
@@ -31,6 +32,7 @@ HEADER = ("placement", "local_bsz", "step_time", "sync_time")
 DIGITS = 3  # already finer than the traces' noise (yolov3 steps slower at batch 6 than 8); more is false precision
 
 Table = dict[tuple[int, int], float]
+Speedups = dict[int, float]  # {gpus on one node: throughput over one GPU's}
 
 
 class Row(NamedTuple):
@@ -107,17 +109,45 @@ def derive(rows: Iterable[Row]) -> Table:
     return table
 
 
-def derive_all(traces_dir: str) -> dict[str, Table]:
-    """{workload: table} for every subdirectory of ``traces_dir`` holding a placements.csv."""
+def derive_one_node(rows: Iterable[Row]) -> Speedups:
+    """{gpus: speedup} for every one-node placement the rows measure: throughput (local_bsz x gpus /
+    step_time) over one GPU's. The same method as ``derive``: step times of one (gpus, batch) are
+    averaged, the ratio is taken at each local batch size measured for both, and the median over
+    those batches kept. At one batch the speedup is gpus x one GPU's step time / the placement's."""
+    steps: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for r in rows:
+        if r.nodes == 1:
+            if r.gpus > POLLUX_GPUS_PER_NODE:
+                raise ValueError(f"placement {r.placement}: more than {POLLUX_GPUS_PER_NODE} GPUs on a node")
+            steps[(r.gpus, r.local_bsz)].append(r.step_time)
+    mean = {k: statistics.fmean(v) for k, v in steps.items()}
+    bsz_of: dict[int, set[int]] = defaultdict(set)
+    for g, b in mean:
+        bsz_of[g].add(b)
+    out: Speedups = {}
+    for g in sorted(bsz_of):
+        common = sorted(bsz_of[g] & bsz_of.get(1, set()))
+        if common:
+            out[g] = round(statistics.median(g * mean[(1, b)] / mean[(g, b)] for b in common), DIGITS)
+    return out
+
+
+def read_all(traces_dir: str) -> dict[str, list[Row]]:
+    """{workload: rows} for every subdirectory of ``traces_dir`` holding a placements.csv."""
     out = {}
     for w in sorted(os.listdir(traces_dir)):
         path = os.path.join(traces_dir, w, "placements.csv")
         if os.path.isfile(path):
             with open(path, newline="") as f:
-                out[w] = derive(parse_placements(f, path))
+                out[w] = parse_placements(f, path)
     if not out:
         raise ValueError(f"{traces_dir}: no <workload>/placements.csv under it (want adaptdl's simulator/traces)")
     return out
+
+
+def derive_all(traces_dir: str) -> dict[str, Table]:
+    """{workload: table} for every subdirectory of ``traces_dir`` holding a placements.csv."""
+    return {w: derive(rows) for w, rows in read_all(traces_dir).items()}
 
 
 def format_literal(tables: dict[str, Table]) -> str:
@@ -134,7 +164,16 @@ def format_literal(tables: dict[str, Table]) -> str:
     return "\n".join(lines)
 
 
-def _diff(got: dict[str, Table], have: dict[str, Table]) -> list[str]:
+def format_speedup_literal(speedups: dict[str, Speedups]) -> str:
+    """The ``ONE_NODE_SPEEDUP`` assignment as it stands in locality_data.py, one line per workload."""
+    lines = ["ONE_NODE_SPEEDUP: dict[str, dict[int, float]] = {"]
+    for w, s in speedups.items():
+        lines.append(f'    "{w}": {{' + ", ".join(f"{g}: {s[g]!r}" for g in sorted(s)) + "},")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _diff(got: dict, have: dict) -> list[str]:
     out = []
     for w in sorted(set(got) | set(have)):
         a, b = got.get(w, {}), have.get(w, {})
@@ -147,25 +186,31 @@ def _diff(got: dict[str, Table], have: dict[str, Table]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces_dir", help="adaptdl's simulator/traces (branch osdi21-artifact)")
-    ap.add_argument("--check", action="store_true", help="compare with locality_data.MEASURED; exit 1 on a difference")
+    ap.add_argument("--check", action="store_true",
+                    help="compare with locality_data's literals; exit 1 on a difference")
     args = ap.parse_args(argv)
     try:
-        tables = derive_all(args.traces_dir)
+        rows = read_all(args.traces_dir)
+        tables = {w: derive(r) for w, r in rows.items()}
+        speedups = {w: derive_one_node(r) for w, r in rows.items()}
     except (OSError, ValueError) as e:
         print(f"locality_derive: {e}", file=sys.stderr)
         return 2
     if not args.check:
         print(format_literal(tables))
+        print()
+        print(format_speedup_literal(speedups))
         return 0
     from . import locality_data  # here, so that printing needs nothing but this file
 
     diffs = _diff(tables, locality_data.MEASURED)
+    diffs += [f"one node: {d}" for d in _diff(speedups, locality_data.ONE_NODE_SPEEDUP)]
     for d in diffs:
         print(d)
     if not diffs:
-        print(f"locality_data.MEASURED matches the CSVs ({sum(map(len, tables.values()))} entries)")
+        print(f"locality_data.MEASURED matches the CSVs ({sum(map(len, tables.values()))} entries), "
+              f"and ONE_NODE_SPEEDUP too ({sum(map(len, speedups.values()))} entries)")
     return 1 if diffs else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

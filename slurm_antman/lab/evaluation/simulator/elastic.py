@@ -3,8 +3,10 @@ requeueing the whole job, and grow back into GPUs that have room.
 
 An elastic job asks for ``MIN:MAX`` GPUs (here 1 to the trace's count, ``elastic_share`` of the
 multi-GPU jobs, chosen by a hash of the job id so every policy and run picks the same ones). It does
-``MAX`` GPUs' worth of work; at width ``w`` it progresses ``w / MAX`` as fast (data-parallel scaling
-taken as linear within a node; across nodes Pollux's efficiency applies, as to any job). Each width
+``MAX`` GPUs' worth of work; at width ``w`` it progresses ``S(w) / S(MAX)`` as fast, S being its
+profile's one-node speedup that Pollux measured (``locality_data.profile_speedup``: measured for 1-4
+GPUs; beyond 4 the per-GPU efficiency of 4 held, an assumption, so between widths of 4 and more the
+pace is ``w / MAX`` as before). Across nodes Pollux's efficiency applies, as to any job. Each width
 change stops its progress for ``elastic_change_s``: torchrun's elastic rendezvous restarts every worker
 at a membership change, and they reload the checkpoint the agent saved at the change. The default,
 0.3 s, is 5 % of the 6.04 s a requeued job on the devcluster took to train again (docs/benchmarks.md),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from ..locality_data import profile_speedup
 from .state import FINISH, SimGpu
 
 SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
@@ -41,8 +42,12 @@ class GpuInterference:
                 continue
             # The slowest of its GPUs sets the pace of a synchronous job, and crossing nodes costs
             # what Pollux measured for its kind of model (locality_data.py).
-            # An elastic job below its width does that share of its work's pace (elastic.py).
-            rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus) * j.locality * len(j.gpus) / j.job.gpus
+            # An elastic job below its width does the share of its work's pace that its profile's
+            # measured scaling curve gives (elastic.py); only then, so a full-width job's rate is
+            # exactly what it was before widths could change.
+            rate = min(self.gpus[i].rate.get(jid, 1.0) for i in j.gpus) * j.locality
+            if len(j.gpus) != j.job.gpus:
+                rate *= profile_speedup(j.profile.name, len(j.gpus)) / profile_speedup(j.profile.name, j.job.gpus)
             j.rate, j.version, j.view = rate, j.version + 1, None
             if rate > 0:  # 0: paused in place; its resume sets a rate again
                 self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, FINISH, jid, j.version)
