@@ -50,15 +50,21 @@ class ElasticWidth:
 
     def _elastic_before_cycle(self) -> None:
         wait = self.cfg.move_after_s
+        # First what each elastic job sheds, then one width change per job: a job losing several
+        # GPUs at one instant (a whole node reclaimed) restarts its workers once, not once a GPU.
+        shed: dict[str, list[int]] = {}
         for g in self.gpus:
             crawling = [jid for jid, since in g.crawl.items() if wait is not None and self.now - since >= wait]
             if g.need is None and not crawling:
                 continue
-            shed = [jid for jid in (g.opp if g.need is not None else crawling)
-                    if self._elastic_now(self.jobs[jid]) and len(self.jobs[jid].gpus) > 1]
-            for jid in shed:
-                self._shrink(self.jobs[jid], g.index)
-            if g.need is not None and shed and not g.opp:
+            for jid in (g.opp if g.need is not None else crawling):
+                if self._elastic_now(self.jobs[jid]):
+                    shed.setdefault(jid, []).append(g.index)
+        for jid, gpus in shed.items():
+            self._shrink(self.jobs[jid], gpus)
+        for i in {i for gpus in shed.values() for i in gpus}:
+            g = self.gpus[i]
+            if g.need is not None and not g.opp:
                 g.need = None  # the room is free: nobody needs requeueing for it
         for j in list(self.active.values()):
             if (self._elastic_now(j) and len(j.gpus) < j.job.gpus
@@ -75,17 +81,22 @@ class ElasticWidth:
         self.counts["width_changes"] += 1
         self._refresh(touched)
 
-    def _shrink(self, j: SimJob, gpu: int) -> None:
-        if gpu not in j.gpus or len(j.gpus) <= 1:
+    def _shrink(self, j: SimJob, gpus: list[int]) -> None:
+        """Off ``gpus``, keeping at least one (the job's last GPU goes the usual way: requeue or move)."""
+        drop = [i for i in dict.fromkeys(gpus) if i in j.gpus][:len(j.gpus) - 1]
+        if not drop:
             return
-        g = self.gpus[gpu]
-        g.opp.remove(j.job.job_id)
-        g.rate.pop(j.job.job_id, None)
-        g.share.pop(j.job.job_id, None)
-        g.crawl.pop(j.job.job_id, None)
-        self.node_opp[g.node] -= 1
+        jid = j.job.job_id
+        for i in drop:
+            g = self.gpus[i]
+            g.opp.remove(jid)
+            g.rate.pop(jid, None)
+            g.share.pop(jid, None)
+            g.crawl.pop(jid, None)
+            self.node_opp[g.node] -= 1
         self.counts["shrinks"] += 1
-        self._width_change(j, [i for i in j.gpus if i != gpu], [gpu] + [i for i in j.gpus if i != gpu])
+        keep = [i for i in j.gpus if i not in drop]
+        self._width_change(j, keep, drop + keep)
 
     def _grow(self, j: SimJob) -> Optional[int]:
         wait = self.cfg.no_room == "wait"
