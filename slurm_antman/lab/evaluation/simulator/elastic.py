@@ -18,7 +18,8 @@ When, before each coordinator cycle:
 
 - a GPU whose guaranteed job needs its room (a preemption need) or on which an elastic job crawls
   past ``move_after_s`` sheds the elastic jobs on it that are wider than their minimum; the need is
-  answered if nothing else is left there. A job at its minimum goes the usual way (requeue, move);
+  answered if nothing else is left there. Every GPU a job sheds at one instant is one width change
+  (one restart of its workers). A job at its minimum goes the usual way (requeue, move);
 - an elastic job under its maximum whose width last changed ``elastic_hold_s`` ago or more takes one
   more GPU on a node it runs on, where the node policy's rules place an opportunistic job. The hold
   is the hysteresis: a width bought must pay for its change before it may change again.
