@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -46,18 +48,25 @@ def _tmp_path_for_jobs(request):
         os.chown(path, pw.pw_uid, pw.pw_gid)
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory) -> ClusterHandle:
+@contextlib.contextmanager
+def managed_cluster(d: Path, work: Path, **up_args) -> Iterator[ClusterHandle]:
+    """A devcluster in ``d`` (``dc.up(d, **up_args)``) whose jobs may enter ``d``, handed out with its
+    jobs' directory ``work``; on the way out every job is cancelled and the cluster taken down."""
     _require_slurm()
-    d = tmp_path_factory.mktemp("devcluster")
-    work = tmp_path_factory.mktemp("jobs")
     let_jobs_through(d)
-    c = dc.up(d, nodes=2, gpus=4, cpus=4, port_base=TEST_PORT_BASE)
+    c = dc.up(d, **up_args)
     try:
         yield ClusterHandle(c, work)
     finally:
         ClusterHandle(c, work).cancel_all()
         dc.down(d)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> ClusterHandle:
+    with managed_cluster(tmp_path_factory.mktemp("devcluster"), tmp_path_factory.mktemp("jobs"),
+                         nodes=2, gpus=4, cpus=4, port_base=TEST_PORT_BASE) as c:
+        yield c
 
 
 @pytest.fixture

@@ -21,9 +21,8 @@ from datetime import datetime
 
 import pytest
 
-from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm, let_jobs_through
+from conftest import TEST_PORT_BASE, ClusterHandle, managed_cluster
 from slurm_antman import hostlist
-from slurm_antman.lab.devcluster import cluster as dc
 from slurm_antman.lab.devcluster.files import switch_groups, topology_conf
 from slurm_antman.lab.devcluster.processes import DevclusterError
 
@@ -41,19 +40,12 @@ SWITCHES = f"1@00:00:{SWITCH_WAIT_S:02d}"  # as scontrol shows --switches=1@TIME
 
 @pytest.fixture(scope="module")
 def topo_cluster(tmp_path_factory):
-    _require_slurm()
-    d = tmp_path_factory.mktemp("topology-cluster")
-    work = tmp_path_factory.mktemp("topology-jobs")
-    let_jobs_through(d)
     # No accounting and no coordinator: placement is Slurm's, and the opportunistic GRES counts the render
     # wrote are all it needs (the coordinator would only change them as GPUs fill).
-    c = dc.up(d, nodes=4, gpus=4, cpus=4, port_base=PORT_BASE, accounting=False, coordinator=False, switches=2,
-              overrides={"opportunistic": {"switch_wait_s": SWITCH_WAIT_S}})
-    try:
-        yield ClusterHandle(c, work)
-    finally:
-        ClusterHandle(c, work).cancel_all()
-        dc.down(d)
+    with managed_cluster(tmp_path_factory.mktemp("topology-cluster"), tmp_path_factory.mktemp("topology-jobs"),
+                         nodes=4, gpus=4, cpus=4, port_base=PORT_BASE, accounting=False, coordinator=False,
+                         switches=2, overrides={"opportunistic": {"switch_wait_s": SWITCH_WAIT_S}}) as c:
+        yield c
 
 
 @pytest.fixture

@@ -13,9 +13,8 @@ import re
 
 import pytest
 
-from conftest import TEST_PORT_BASE, ClusterHandle, _require_slurm, let_jobs_through
+from conftest import TEST_PORT_BASE, managed_cluster
 from slurm_antman import config as config_mod
-from slurm_antman.lab.devcluster import cluster as dc
 from slurm_antman.slurm.parsing import tres_body
 
 # The submission tests, as they are, on the site-script cluster (pytest collects what the module holds).
@@ -42,18 +41,12 @@ def _groups(d) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def site_cluster(tmp_path_factory):
-    _require_slurm()
     d = tmp_path_factory.mktemp("site-scripts-cluster")
-    work = tmp_path_factory.mktemp("site-jobs")
-    let_jobs_through(d)
     # No accounting and no coordinator: nothing here needs them, and the machine running the tests is small.
-    c = dc.up(d, nodes=2, gpus=GPUS_PER_NODE, cpus=4, port_base=PORT_BASE, site_scripts=True, accounting=False,
-              coordinator=False, overrides={"nodes": _groups(d.resolve())})
-    try:
-        yield ClusterHandle(c, work)
-    finally:
-        ClusterHandle(c, work).cancel_all()
-        dc.down(d)
+    with managed_cluster(d, tmp_path_factory.mktemp("site-jobs"), nodes=2, gpus=GPUS_PER_NODE, cpus=4,
+                         port_base=PORT_BASE, site_scripts=True, accounting=False, coordinator=False,
+                         overrides={"nodes": _groups(d.resolve())}) as c:
+        yield c
 
 
 @pytest.fixture
