@@ -35,12 +35,15 @@ SAMPLES = [
     p.Paused(seq=1, bytes_freed=3 << 30, bytes_moved=3 << 30, pause_ms=12.5),
     p.Resume(seq=1),
     p.Resumed(seq=1, resume_ms=4.0),
+    p.Width(seq=2, gpus=[0, 3], reason="guaranteed job 41 claims GPU 1"),
+    p.WidthDone(seq=2, checkpoint_ms=80.0),
     p.Heartbeat(),
     p.Error(code="bad_json", message="x"),
     p.Bye(reason="exit"),
     p.JobRegister(job_id="43", uid=1000, user="alice", job_class="opportunistic", gpus=1),
     p.JobRegister(job_id="44", uid=1000, gid=1000, user="alice", job_class="guaranteed", gpus=2,
                   physical_gpus=[0, 3]),
+    p.JobRegister(job_id="45", uid=1000, user="alice", job_class="opportunistic", gpus=4, elastic_min=2),
     p.JobRegisterReply(job_id="43", gpus=[1], endpoint="ipc:///run/x/jobs/43/agent.sock", placement="fit", note=""),
     p.JobRetire(job_id="43"),
     p.JobRetireReply(job_id="43", known=False),
@@ -225,3 +228,14 @@ def test_random_frames_raise_only_protocol_error(frames):
         p.decode(frames)
     except p.ProtocolError:
         pass
+
+
+@pytest.mark.parametrize("gpus", [[], [1, 1], list(range(65))])
+def test_width_refuses_an_empty_repeated_or_too_long_gpu_list(gpus):
+    # A rule across the list's items: decoding must say bad_value, not raise ValueError at a daemon.
+    frames = p.encode(p.message(p.Width(seq=1, gpus=[0], reason="r")))
+    env = json.loads(frames[1])
+    env["body"]["gpus"] = gpus
+    with pytest.raises(p.ProtocolError) as e:
+        p.decode([frames[0], json.dumps(env).encode()], accept=p.SIDECAR_TO_AGENT)
+    assert e.value.code == p.ErrorCode.bad_value and "width.gpus" in e.value.message

@@ -178,7 +178,10 @@ def _build(cls: type, data: dict, where: str) -> Any:
             raise ProtocolError(ErrorCode.missing_field, f"{where}: missing field {name!r}")
         else:
             kwargs[name] = default
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a rule across fields (__post_init__), which no single checker can see
+        raise ProtocolError(ErrorCode.bad_value, f"{where}: {e}") from None
 
 
 for _cls in (*BODY_TYPES.values(), GpuState, JobState, PreemptState, ReportGpu, ReportJob, ReportPreemptRequest,

@@ -7,7 +7,7 @@ from dataclasses import field
 from typing import Any, ClassVar, Optional
 
 from .spec import (
-    AGENT_CLASSES, DEVICES, JOB_CLASSES, JOB_ID_RE, NODE_NAME_RE, PLACEMENTS, TELEMETRY_KINDS, THROTTLE_MODES, Body,
+    AGENT_CLASSES, DEVICES, JOB_CLASSES, MAX_JOB_GPUS, JOB_ID_RE, NODE_NAME_RE, PLACEMENTS, TELEMETRY_KINDS, THROTTLE_MODES, Body,
     ErrorCode, _bytes_, _dc, _f, _job_id, _text,
 )
 
@@ -118,6 +118,29 @@ class Resumed(Body):
 
 
 @_dc
+class Width(Body):
+    """Sidecar -> the agent of local rank 0 of an elastic job (issue 29, docs/elastic.md), only if its
+    ``register.features`` has ``width``: from the next iteration boundary the job runs on these GPUs.
+    The agent runs the job's checkpoint callbacks, answers ``width_done`` and hands the list to its
+    launcher, which stops every worker and starts one per GPU; they resume from the checkpoint."""
+    TYPE: ClassVar[str] = "width"
+    seq: int = _f(int, ge=1)
+    gpus: list = _f(list[int], ge=0, le=1023)   # physical indices, 1 to MAX_JOB_GPUS, distinct
+    reason: str = _text()
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.gpus) <= MAX_JOB_GPUS or len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"width.gpus must hold 1 to {MAX_JOB_GPUS} distinct indices, got {self.gpus!r}")
+
+
+@_dc
+class WidthDone(Body):
+    TYPE: ClassVar[str] = "width_done"
+    seq: int = _f(int, ge=1)
+    checkpoint_ms: float = _f(float, ge=0.0)   # from ``width`` arriving to the checkpoint saved
+
+
+@_dc
 class Heartbeat(Body):
     TYPE: ClassVar[str] = "heartbeat"
 
@@ -146,12 +169,15 @@ class JobRegister(Body):
     gid: Optional[int] = _f(int, ge=0, nullable=True, default=None)
     user: str = _text(max_len=256)
     job_class: str = _f(str, choices=JOB_CLASSES)
-    gpus: int = _f(int, ge=1, le=64)
+    gpus: int = _f(int, ge=1, le=MAX_JOB_GPUS)
     physical_gpus: Optional[list] = _f(list[int], nullable=True, default=None)
     account: Optional[str] = _f(str, nullable=True, default=None)  # Slurm account, for metric labels
     # The client can requeue the job when no GPU qualifies (placement "wait"); an older Prolog never
     # sends it, so it is never answered with a placement it does not know.
     may_wait: bool = _f(bool, default=False)
+    # An elastic job's narrowest width (--antman-elastic=MIN:MAX; MAX is ``gpus``): the sidecar may
+    # shed GPUs down to it instead of a requeue. Null: not elastic. Optional, as ``account``.
+    elastic_min: Optional[int] = _f(int, ge=1, le=MAX_JOB_GPUS, nullable=True, default=None)
 
 
 @_dc
@@ -424,7 +450,8 @@ class QueryExplainReply(Body):
 
 BODY_TYPES: dict[str, type[Body]] = {
     cls.TYPE: cls for cls in (
-        Register, Registered, Report, Limits, Ack, Preempt, Pause, Paused, Resume, Resumed, Heartbeat, Error, Bye,
+        Register, Registered, Report, Limits, Ack, Preempt, Pause, Paused, Resume, Resumed, Width, WidthDone,
+        Heartbeat, Error, Bye,
         JobRegister, JobRegisterReply, JobRetire, JobRetireReply, NodeState, NodeStateReply,
         NodeReport, NodeReportAck, JobClassUpdate, PreemptNotice,
         QueryJobs, QueryJobsReply, QueryNodes, QueryNodesReply, QueryExplain, QueryExplainReply,
@@ -432,8 +459,10 @@ BODY_TYPES: dict[str, type[Body]] = {
 }
 
 # Which types each receiver accepts; anything else is answered with `wrong_direction`.
-AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "paused", "resumed", "heartbeat", "error", "bye"})
-SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "pause", "resume", "heartbeat", "error", "bye"})
+AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "paused", "resumed", "width_done", "heartbeat", "error",
+                              "bye"})
+SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "pause", "resume", "width", "heartbeat", "error",
+                              "bye"})
 CONTROL_REQUESTS = frozenset({"job_register", "job_retire", "node_state", "heartbeat"})
 CONTROL_REPLIES = frozenset({"job_register_reply", "job_retire_reply", "node_state_reply",
                              "heartbeat", "error"})

@@ -41,6 +41,12 @@ ENV_JOB_NODEID = "ANTMAN_JOB_NODEID"
 ENV_PROLOG_FROM_SPANK = "ANTMAN_PROLOG_FROM_SPANK"
 ENV_AGENT_DISABLE = "ANTMAN_AGENT_DISABLE"
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+# Elastic width (issue 29, docs/elastic.md): the user's --antman-elastic=MIN:MAX, and the socket of
+# the job's elastic launcher, through which the agent of local rank 0 hands it a new GPU list.
+ENV_ELASTIC = "ANTMAN_ELASTIC"
+ENV_SPANK_ELASTIC = "SPANK_ANTMAN_ELASTIC"
+ENV_JOB_SPANK_ELASTIC = "SLURM_SPANK_ANTMAN_ELASTIC"
+ENV_LAUNCHER_SOCKET = "ANTMAN_LAUNCHER_SOCKET"
 
 JOB_ID_RE = re.compile(r"^[0-9]{1,10}$")
 # Slurm node names; they also become key file names on the coordinator.
@@ -110,6 +116,9 @@ THROTTLE_MODES = ("off", "iteration", "launch")
 TELEMETRY_KINDS = ("nvml", "emulated")
 PLACEMENTS = ("requested", "fit", "fallback", "wait")
 FEATURE_PAUSE = "pause"  # register.features: the agent answers pause / resume
+# register.features: the agent runs under the elastic launcher (local rank 0 only) and answers width
+FEATURE_WIDTH = "width"
+MAX_JOB_GPUS = 64  # job_register's gpus bound; an elastic range lies within it
 
 
 def _job_id(**kw: Any) -> Any:
