@@ -59,6 +59,9 @@ class SidecarView:
     pauses: int = 0
     pause_seconds: float = 0.0
     pause_bytes_moved: int = 0
+    width_shrinks: int = 0
+    width_grows: int = 0
+    width_unreturned: int = 0
 
 
 class SidecarCollector(Collector):
@@ -131,7 +134,12 @@ class SidecarCollector(Collector):
                            "guaranteed job's burst, instead of requeued.", v.pauses),
                 ("pause_seconds", "Seconds opportunistic jobs spent paused in place, summed over ended pauses.",
                  v.pause_seconds),
-                ("pause_bytes_moved", "Bytes of GPU state paused jobs moved to host memory.", v.pause_bytes_moved)):
+                ("pause_bytes_moved", "Bytes of GPU state paused jobs moved to host memory.", v.pause_bytes_moved),
+                ("width_shrinks", "GPUs elastic opportunistic jobs gave up (a width change) instead of a pause or "
+                                  "requeue.", v.width_shrinks),
+                ("width_grows", "GPUs elastic opportunistic jobs grew onto.", v.width_grows),
+                ("width_unreturned", "GPUs an elastic job was told to give up and still used after the grace time: "
+                                     "it was asked to be requeued.", v.width_unreturned)):
             c = CounterMetricFamily(f"{PREFIX}_{name}", text, labels=["node"])
             c.add_metric([v.node], value)
             yield c

@@ -383,6 +383,11 @@ class Sidecar(_Strict):
         default=10.0, ge=0,
         description="A paused job resumes once its GPU has had room for it again for this long, so that a burst "
                     "that comes and goes does not move its state back and forth.")
+    elastic_hold_s: float = Field(
+        default=300.0, ge=0,
+        description="Elastic jobs (--antman-elastic=MIN:MAX, docs/elastic.md): the least time between two width "
+                    "changes of one job, so a width pays for its restart before it changes again. A GPU a guaranteed "
+                    "job claims is given up at once, whatever the hold.")
     enforce: bool = Field(
         default=True,
         description="false: observe only. The sidecar measures, places and reports as usual but gives every job "

@@ -76,6 +76,11 @@ class AgentChannel:
                 log.info("job %s: paused: %d MiB moved to host memory, %d MiB of GPU memory freed (%.1f ms in the agent)",
                          job.job_id, b.bytes_moved >> 20, b.bytes_freed >> 20, b.pause_ms)
             self._dirty = True
+        elif isinstance(b, p.WidthDone):
+            if b.seq == job.width_seq and job.width_sent_mono is not None:
+                log.info("job %s: width change %d checkpointed (%.1f ms in the agent, %.1f ms since it was sent); "
+                         "its launcher restarts the workers on GPU(s) %s", job.job_id, b.seq, b.checkpoint_ms,
+                         (time.monotonic() - job.width_sent_mono) * 1000.0, job.gpus)
         elif isinstance(b, p.Resumed):
             if b.seq == job.pause_seq and job.resume_sent_mono is not None:
                 self.resume_ack_ms.append((time.monotonic() - job.resume_sent_mono) * 1000.0)
@@ -122,6 +127,17 @@ class AgentChannel:
         elif job.paused and p.FEATURE_PAUSE in reg.features:
             # An agent that joins a paused job (a new rank, a restarted process) pauses with it.
             self._send(job.socket, agent, p.Pause(seq=job.pause_seq, reason="the job is paused in place"))
+        self._catch_up_width(job, agent)
+
+    def _catch_up_width(self, job: RegisteredJob, agent: AgentConnection) -> None:
+        """A launcher's agent that registers with other GPUs than the job's (it restarted its workers
+        before the width change arrived, or the sidecar restarted) is told the job's width again."""
+        if job.elastic_min is None or job.width_seq == 0 or p.FEATURE_WIDTH not in agent.reg.features:
+            return
+        seen = agent.reg.cuda_visible_devices
+        if seen is not None and seen.split(",") != [str(g) for g in job.gpus]:
+            self._send(job.socket, agent, p.Width(seq=job.width_seq, gpus=list(job.gpus),
+                                                  reason="the job's width changed while its workers restarted"))
 
     def _send(self, sock: Optional[zmq.Socket], agent: AgentConnection, body: p.Body, ref: Optional[str] = None) -> None:
         if sock is None:

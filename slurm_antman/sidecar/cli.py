@@ -43,6 +43,7 @@ def policy_params(conf: cfgmod.AntmanConfig) -> NodePolicyParams:
         slow_preempt_s=sc.slow_preempt_s,
         pause_max_s=sc.pause_max_s,
         resume_hold_s=sc.resume_hold_s,
+        elastic_hold_s=sc.elastic_hold_s,
         grace_s=float(conf.grace_time_s),
         min_progress=conf.opportunistic.min_progress,
     )

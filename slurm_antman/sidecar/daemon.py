@@ -79,6 +79,12 @@ class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, C
         self.pause_bytes_moved_total = 0
         self.pause_ack_ms: list[float] = []  # sidecar's pause sent -> agent's ack, the latest ones
         self.resume_ack_ms: list[float] = []  # resume sent -> agent's resumed (training again)
+        # Elastic width (issue 29): GPUs shed and grown, shed GPUs not given back in time, and how long
+        # each shed GPU took to come back (the width sent -> its last process of the job gone), the latest.
+        self.width_shrinks_total = 0
+        self.width_grows_total = 0
+        self.width_unreturned_total = 0
+        self.width_return_s: list[float] = []
         self.unhealthy = ""  # why no opportunistic job may start here now (health.node_problem); "" = healthy
         # Driver-level memory caps (MPS v3 memory partitioning), set in start() where the node has them.
         self.caps_support = driver_caps.Support("emulated telemetry: no NVIDIA driver")

@@ -13,12 +13,12 @@ from typing import Optional
 from slurm_antman import protocol as p
 from slurm_antman.policy.node import compliance
 from slurm_antman.policy.node.core import (
-    UNLIMITED, GpuInfo, JobInfo, PolicyState, PreemptRequest, NodeSnapshot, decide,
+    UNLIMITED, GpuInfo, JobInfo, PolicyState, PreemptRequest, NodeSnapshot, WidthChange, decide,
 )
 from slurm_antman.policy.node.placement import util_measured
 
 from . import driver_caps, health, peers
-from .agent_channel import AGENT_TIMEOUT_HEARTBEATS
+from .agent_channel import AGENT_TIMEOUT_HEARTBEATS, PAUSE_TIMES_KEPT
 from .records import RegisteredJob, agent_memory
 from .telemetry import GpuSample, ProcessSample, ReportedLoad, Telemetry, UtilizationWindow
 
@@ -47,6 +47,10 @@ class Enforcement:
     unhealthy: str
     pauses_total: int
     pause_seconds_total: float
+    width_shrinks_total: int
+    width_grows_total: int
+    width_unreturned_total: int
+    width_return_s: list[float]
     _health_checked: float
     _report_now: bool
 
@@ -108,8 +112,11 @@ class Enforcement:
                 else:
                     demand = max(demand, used)
             can_pause = bool(job.agents) and all(p.FEATURE_PAUSE in a.reg.features for a in job.agents.values())
+            can_resize = (job.elastic_min is not None and job.preempt is None and not job.paused
+                          and any(p.FEATURE_WIDTH in a.reg.features for a in job.agents.values()))
             jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms,
-                                can_pause=can_pause))
+                                can_pause=can_pause, elastic_min=job.elastic_min,
+                                elastic_gpus=tuple(job.elastic_gpus), can_resize=can_resize))
         gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
                              max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
                      for s in self.gpu_samples)
@@ -123,7 +130,8 @@ class Enforcement:
         if not self.opt.enforce:
             # Observe only: the policy still runs (its state and the slowdowns it measures are
             # reported), but nothing it decides reaches a job.
-            decision = replace(decision, limits={j: UNLIMITED for j in decision.limits}, new_preemptions=())
+            decision = replace(decision, limits={j: UNLIMITED for j in decision.limits}, new_preemptions=(),
+                               width_changes=())
         for req in decision.new_preemptions:
             job = self.jobs.get(req.job_id)
             if job is None:
@@ -143,6 +151,10 @@ class Enforcement:
             job = self.jobs.get(rec.job_id)
             if job is not None:
                 self._pause(job, rec.reason)
+        for change in decision.width_changes:
+            job = self.jobs.get(change.job_id)
+            if job is not None:
+                self._change_width(job, change, now)
         for job_id in decision.resumes:
             job = self.jobs.get(job_id)
             if job is not None:
@@ -160,6 +172,64 @@ class Enforcement:
         if self.opt.enforce:
             self._apply_caps()
             self._check_compliance(now)
+            self._check_width_returns(now)
+
+    def _change_width(self, job: RegisteredJob, change: WidthChange, now: float) -> None:
+        """Tell the job's launcher (through its agent with the ``width`` feature) to restart its workers on
+        ``change.gpus``. The job counts on the new GPUs from now: a GPU it gives up is the guaranteed
+        job's at once, and must be left within the preemption grace time (``_check_width_returns``)."""
+        launcher = next((a for a in job.agents.values() if p.FEATURE_WIDTH in a.reg.features), None)
+        if launcher is None:
+            return
+        before = list(job.gpus)
+        shed = [g for g in before if g not in change.gpus]
+        job.width_seq += 1
+        job.width_sent_mono = time.monotonic()
+        job.gpus = list(change.gpus)
+        for g in shed:
+            job.shed[g] = (now, now + self.opt.params.grace_s)
+        for g in change.gpus:
+            job.shed.pop(g, None)  # grown back onto a GPU it had not left yet: nothing to wait for
+        self.width_shrinks_total += len(shed)
+        self.width_grows_total += len([g for g in change.gpus if g not in before])
+        log.warning("job %s: WIDTH %d -> %d, GPU(s) %s -> %s: %s", job.job_id, len(before), len(job.gpus), before,
+                    job.gpus, change.reason)
+        self._send(job.socket, launcher, p.Width(seq=job.width_seq, gpus=list(job.gpus), reason=change.reason[:4096]))
+        self._save(job)
+        self._report_now = True
+
+    def _check_width_returns(self, now: float) -> None:
+        """A GPU an elastic job was told to give up is back once none of the job's agents maps to it and
+        (NVML) none of its processes is on it. One still used after the grace time is the job's
+        non-compliance: it is asked to be requeued, as for any other broken rule."""
+        for job in self.jobs.values():
+            for g, (since, deadline) in list(job.shed.items()):
+                on_it = [a for a in job.agents.values() if a.gpu == g]
+                pids = set(self.gpu_pids_by_job.get(job.job_id, ()))
+                if self.telemetry.kind == "nvml":
+                    on_it += [s for s in self.proc_samples if s.gpu == g and s.pid in pids]
+                if not on_it:
+                    del job.shed[g]
+                    self.width_return_s.append(now - since)
+                    del self.width_return_s[:-PAUSE_TIMES_KEPT]
+                    log.info("job %s: GPU %d given back %.1f s after the width change", job.job_id, g, now - since)
+                    continue
+                if now < deadline or job.job_id in self.noncompliant or job.preempt is not None:
+                    continue
+                del job.shed[g]
+                self.width_unreturned_total += 1
+                why = (f"told to give up GPU {g} (a width change) {now - since:.0f} s ago, and its processes still "
+                       f"use it after the grace time ({self.opt.params.grace_s:g} s)")
+                req = PreemptRequest(job.job_id, g, why, now, now)
+                self.noncompliant[job.job_id] = req
+                self.noncompliant_total += 1
+                log.warning("job %s: NON-COMPLIANT, asking for its requeue: %s", job.job_id, why)
+                if self._uplink is not None:
+                    self._report_now = True
+                else:
+                    job.preempt = req
+                    for a in job.agents.values():
+                        self._send_preempt(job, a)
 
     def _pause(self, job: RegisteredJob, reason: str) -> None:
         job.pause_seq += 1

@@ -50,11 +50,20 @@ class RegisteredJob:
     pause_sent_mono: Optional[float] = None
     paused_unix: Optional[float] = None
     resume_sent_mono: Optional[float] = None
+    # Elastic width (issue 29): the narrowest width (None: not elastic), the GPUs it was placed on (it
+    # may run on any subset of them; ``gpus`` is the one it runs on now), the latest change, and the
+    # GPUs it was told to give up: GPU -> (since when, the deadline to have left it).
+    elastic_min: Optional[int] = None
+    elastic_gpus: list[int] = field(default_factory=list)
+    width_seq: int = 0
+    width_sent_mono: Optional[float] = None
+    shed: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
                 "user": self.user, "gpus": self.gpus, "placement": self.placement, "note": self.note,
-                "registered_unix": self.registered_unix, "account": self.account}
+                "registered_unix": self.registered_unix, "account": self.account,
+                "elastic_min": self.elastic_min, "elastic_gpus": self.elastic_gpus, "width_seq": self.width_seq}
 
 
 def agent_memory(a: AgentConnection, proc_mem: dict[int, int]) -> int:

@@ -63,11 +63,17 @@ class JobRegistry:
             if bad:
                 raise p.ProtocolError(p.ErrorCode.bad_value, f"job_register.physical_gpus: {bad} out of range; "
                                       f"node {self.opt.node} has GPUs 0-{n - 1}")
+            if b.elastic_min is not None:
+                raise p.ProtocolError(p.ErrorCode.bad_value, "job_register.elastic_min must be null for guaranteed "
+                                      "jobs: a guaranteed job's width is its own (docs/elastic.md)")
             gpus, placement, note = list(b.physical_gpus), "requested", ""
         else:
             if b.physical_gpus is not None:
                 raise p.ProtocolError(p.ErrorCode.bad_value, "job_register.physical_gpus must be null for "
                                       "opportunistic jobs: the sidecar chooses their GPUs")
+            if b.elastic_min is not None and b.elastic_min > b.gpus:
+                raise p.ProtocolError(p.ErrorCode.bad_value, f"job_register.elastic_min {b.elastic_min} is above "
+                                      f"the job's width job_register.gpus {b.gpus}")
             if old is not None:
                 self._retire_job(old.job_id)
             self._sample(time.time())  # place on fresh numbers, not the last tick's
@@ -96,7 +102,7 @@ class JobRegistry:
         if old is not None and b.job_id in self.jobs:
             self._retire_job(old.job_id)
         job = RegisteredJob(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),
-                  account=b.account or "")
+                  account=b.account or "", elastic_min=b.elastic_min, elastic_gpus=sorted(gpus))
         self._open_job(job)
         self._save(job)
         log.info("job %s (%s, uid %d) registered on GPU(s) %s [%s]", job.job_id, job.job_class, job.uid, gpus, placement)
@@ -150,6 +156,12 @@ class JobRegistry:
                   account=str(rec.get("account") or ""))
         if job.job_class not in p.JOB_CLASSES:
             raise ValueError(f"bad class {job.job_class!r}")
+        if rec.get("elastic_min") is not None:  # a record from before elastic width has none
+            job.elastic_min = int(rec["elastic_min"])
+            job.elastic_gpus = [int(g) for g in rec.get("elastic_gpus") or job.gpus]
+            job.width_seq = int(rec.get("width_seq") or 0)
+            if not 1 <= job.elastic_min <= len(job.elastic_gpus) or not set(job.gpus) <= set(job.elastic_gpus):
+                raise ValueError(f"bad elastic width {job.elastic_min} over {job.elastic_gpus} (running on {job.gpus})")
         self._open_job(job)
 
     def _retire_job(self, job_id: str) -> bool:

@@ -142,4 +142,5 @@ class ReportViews:
                 spilled_bytes=sum(spills) if spills else None))
         return SidecarView(self.opt.node, gpus, tuple(jobs), self.placement_waits, self.noncompliant_total,
                            self.state_write_errors, self.pauses_total, self.pause_seconds_total,
-                           self.pause_bytes_moved_total)
+                           self.pause_bytes_moved_total, self.width_shrinks_total, self.width_grows_total,
+                           self.width_unreturned_total)

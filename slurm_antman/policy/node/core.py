@@ -37,6 +37,12 @@ The rules (AntMan's, with TGS-style rate control for compute):
   its GPU would fit it again (its minimum memory beside the others) for ``resume_hold_s``; one
   paused for ``pause_max_s`` is asked to be preempted after all. Shrink, throttle, pause, requeue:
   one ladder, each step with its reason.
+* Elastic width (issue 29, Amoeba's idea; docs/elastic.md): an elastic job above its narrowest width
+  gives up the one GPU that is needed (a ``WidthChange``) instead of pausing or leaving, and a
+  crawling elastic job sheds the GPU it shares with a guaranteed job. It grows back, one GPU at a
+  time, onto a GPU of the set it was placed on that holds nobody else, at most once per
+  ``elastic_hold_s`` (the hysteresis: a width must pay for its change before it changes again).
+  At its narrowest it goes the usual way.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class NodePolicyParams:
     # again for resume_hold_s.
     pause_max_s: Optional[float] = None
     resume_hold_s: float = 10.0
+    # Elastic jobs: the least time between two width changes of one job, except a shrink a guaranteed
+    # job's claim needs (that one never waits). 300 s, as the simulator's --elastic-hold-s.
+    elastic_hold_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,12 @@ class JobInfo:
     iteration: Optional[int] = None   # index of the last reported iteration
     iteration_ms: Optional[float] = None
     can_pause: bool = False           # every agent of the job answers pause / resume
+    # Elastic width: the narrowest width (None: not elastic), the GPUs it may run on (those it was
+    # placed on; ``gpus`` is the subset it runs on now), and whether it can change width now (its
+    # launcher's agent is connected).
+    elastic_min: Optional[int] = None
+    elastic_gpus: tuple[int, ...] = ()
+    can_resize: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,6 +145,17 @@ class PauseRecord:
 
 
 @dataclass(frozen=True)
+class WidthChange:
+    job_id: str
+    gpus: tuple[int, ...]   # the GPUs the job runs on from now
+    reason: str
+    decided_unix: float
+
+    def shed(self, before: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(g for g in before if g not in self.gpus)
+
+
+@dataclass(frozen=True)
 class PolicyState:
     guaranteed: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
     gpu_budget: Mapping[int, float] = field(default_factory=dict)
@@ -142,6 +168,8 @@ class PolicyState:
     crawling: Mapping[str, float] = field(default_factory=dict)
     # Opportunistic jobs paused in place.
     paused: Mapping[str, PauseRecord] = field(default_factory=dict)
+    # Elastic jobs: when each last changed width (the hold counts from there).
+    width_changed: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -163,6 +191,7 @@ class Decision:
     progress: Mapping[str, float] = field(default_factory=dict)
     new_pauses: tuple[PauseRecord, ...] = ()
     resumes: tuple[str, ...] = ()  # jobs to resume: their GPU fits them again
+    width_changes: tuple[WidthChange, ...] = ()
 
 
 def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float) -> Optional[float]:
@@ -194,6 +223,14 @@ def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guar
             slowest = min(reversed(jobs), key=lambda j: progress[j])
             out[slowest] = prev.get(slowest, now)
     return out
+
+
+def can_shed(job: JobInfo, shed: Mapping[str, set[int]]) -> bool:
+    """Whether an elastic job can give up one more GPU instead of pausing or leaving: it can change
+    width now and stays at least at its narrowest width after this call's other sheds."""
+    if job.elastic_min is None or not job.can_resize:
+        return False
+    return len(job.gpus) - len(shed.get(job.job_id, ())) - 1 >= job.elastic_min
 
 
 def _quantize(n: int, q: int) -> int:
@@ -290,6 +327,8 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
     new_preempt: list[PreemptRequest] = []
     new_pauses: list[PauseRecord] = []
     resumes: list[str] = []
+    # Elastic jobs: the GPUs each sheds in this call; a job shedding one is no longer counted there.
+    shed: dict[str, set[int]] = {}
     per_job_mem: dict[str, list[int]] = {}
     per_job_share: dict[str, list[float]] = {}
     for g, info in gpus.items():
@@ -305,6 +344,9 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             new_preempt.append(req)
 
         def pause_or_leave(victim: JobInfo, reason: str) -> None:
+            if can_shed(victim, shed):
+                shed.setdefault(victim.job_id, set()).add(g)
+                return
             if victim.can_pause and p.pause_max_s is not None:
                 rec = PauseRecord(victim.job_id, g, reason, now)
                 paused[victim.job_id] = rec
@@ -375,8 +417,61 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                  if j.job_id not in preempted and j.job_id not in paused] for g in gpus}
     crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
 
+    changes, width_changed = _width_changes(snap, jobs, shed, crawl, preempted, paused, guarded_gpus, on_gpu, gpus,
+                                            state.width_changed, budget, now, p)
+    for c in changes:
+        crawl.pop(c.job_id, None)  # it sheds what slowed it: nothing for the coordinator to move
+
     new_state = replace(state, guaranteed=tracks,
                         gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
                         preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl,
-                        paused=paused)
-    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress, tuple(new_pauses), tuple(resumes))
+                        paused=paused, width_changed=width_changed)
+    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress, tuple(new_pauses), tuple(resumes),
+                    tuple(changes))
+
+
+def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mapping[str, set[int]],
+                   crawl: Mapping[str, float], preempted: Mapping[str, PreemptRequest],
+                   paused: Mapping[str, PauseRecord], guarded: set[int], on_gpu: Mapping[int, list[JobInfo]],
+                   gpus: Mapping[int, GpuInfo], prev: Mapping[str, float], budget: Mapping[int, float], now: float,
+                   p: NodePolicyParams) -> tuple[list[WidthChange], dict[str, float]]:
+    """The elastic jobs' width changes (module doc), one per job at most, and the new hold times."""
+    changed = {k: v for k, v in prev.items() if k in jobs}
+    out: list[WidthChange] = []
+    taken: set[int] = set()  # GPUs a growing job takes in this call: one job each
+    for j in snap.jobs:
+        if j.elastic_min is None or not j.can_resize or j.job_id in preempted or j.job_id in paused:
+            continue
+        held = now - changed.get(j.job_id, float("-inf")) >= p.elastic_hold_s
+        lost = shed.get(j.job_id, set())
+        reason = ""
+        if lost:
+            reason = (f"GPU(s) {', '.join(map(str, sorted(lost)))} needed by the guaranteed job there; "
+                      f"width {len(j.gpus)} -> {len(j.gpus) - len(lost)} instead of a pause or requeue")
+        elif j.job_id in crawl and held:
+            mine = [g for g in j.gpus if g in guarded]
+            if mine and len(j.gpus) - 1 >= j.elastic_min:
+                worst = min(mine, key=lambda g: (budget.get(g, 1.0), g))
+                lost = {worst}
+                reason = (f"crawling: GPU {worst} is shared with a guaranteed job at compute share "
+                          f"{budget.get(worst, 1.0):.0%}; width {len(j.gpus)} -> {len(j.gpus) - 1}")
+        elif held and len(j.gpus) < len(j.elastic_gpus):
+            # Grow into an idle GPU of its set: nobody else on it, and room for the job's footprint.
+            for g in j.elastic_gpus:
+                info = gpus.get(g)
+                if g in j.gpus or g in taken or info is None or on_gpu.get(g):
+                    continue
+                if info.memory_total_bytes - info.foreign_bytes - p.headroom_bytes < max(
+                        j.mem_demand_bytes, p.min_opportunistic_bytes):
+                    continue
+                taken.add(g)
+                out.append(WidthChange(j.job_id, tuple(sorted((*j.gpus, g))),
+                                       f"GPU {g} is idle; width {len(j.gpus)} -> {len(j.gpus) + 1} "
+                                       f"(held {p.elastic_hold_s:g} s since the last change)", now))
+                changed[j.job_id] = now
+                break
+            continue
+        if lost:
+            out.append(WidthChange(j.job_id, tuple(g for g in j.gpus if g not in lost), reason, now))
+            changed[j.job_id] = now
+    return out, changed
