@@ -55,6 +55,14 @@ The policy:
     typed h100 (antman.yaml nodes[].gpu_type) offer, so Slurm itself places the job on a node of that
     type. One type per job; a type no node group has is refused. More GPUs per node than the largest
     node (of that type) has is refused.
+  * Elastic width (docs/elastic.md): --antman-elastic=MIN:MAX reaches this script as
+    "ANTMAN_ELASTIC=MIN:MAX" in job_desc.spank_job_env and is checked again here (a client may set
+    the env without the plugin): only with --antman=opportunistic or auto; two numbers, 1 <= MIN <=
+    MAX <= 64, no sign or leading zero; MAX equal to the GPUs per node the job asks for; one node (an
+    elastic job across nodes is not built yet). It is recorded in the tag as elastic=MIN:MAX
+    (antman:class=opportunistic[;req=auto];elastic=MIN:MAX) and the job is kept on one node
+    (max_nodes=1). An auto job that resolves to guaranteed drops it: a guaranteed job's width is its
+    own.
   * Heterogeneous jobs (--het-group, ':') of any slurm-antman class are refused.
   * Only slurm-antman hands out settings.opp_gres: other classes asking for it are rejected.
 
@@ -74,8 +82,12 @@ Root may upgrade a job by setting AdminComment=antman:class=guaranteed in the sa
 local NO_VAL = 4294967294
 local NO_VAL16 = 65534
 local TAG_PREFIX = "antman:"
--- Where the SPANK plugin puts --antman=CLASS (docs/protocol.md, "Environment variables").
+-- Where the SPANK plugin puts --antman=CLASS and --antman-elastic=MIN:MAX (docs/protocol.md,
+-- "Environment variables").
 local CLASS_ENV = "ANTMAN_CLASS"
+local ELASTIC_ENV = "ANTMAN_ELASTIC"
+-- An elastic range's bound (MIN <= MAX <= ELASTIC_MAX_GPUS): job_register's gpus bound, docs/protocol.md.
+local ELASTIC_MAX_GPUS = 64
 local TRES_FIELDS = { "tres_per_node", "tres_per_job", "tres_per_task", "tres_per_socket" }
 local TRES_OPTION = {
   tres_per_node = "--gres/--gpus-per-node",
@@ -227,27 +239,46 @@ local function tag_class(comment)
   return class
 end
 
--- The canonical tag of a job at submission: req only when the user asked for something else.
-local function render_tag(class, request)
+-- The canonical tag of a job at submission: req only when the user asked for something else, then
+-- elastic (a {MIN, MAX} pair, or nil) as jobtag.py's render() places it: after req and hold.
+local function render_tag(class, request, elastic)
   local tag = TAG_PREFIX .. "class=" .. class
   if request ~= nil and request ~= class then tag = tag .. ";req=" .. request end
+  if elastic ~= nil then tag = tag .. string.format(";elastic=%d:%d", elastic[1], elastic[2]) end
   return tag
+end
+
+-- MIN:MAX as {MIN, MAX}, or nil and what is wrong: two decimal numbers without sign, spaces or
+-- leading zero, 1 <= MIN <= MAX <= 64 (the SPANK option's rule, spank/args.c; jobtag.py's for the tag).
+local function parse_elastic(value)
+  if type(value) ~= "string" then return nil, "not a string" end
+  local lo, hi = value:match("^([1-9]%d?):([1-9]%d?)$")
+  if lo == nil then return nil, "not MIN:MAX (two whole numbers, no sign, spaces or leading zero)" end
+  lo, hi = tonumber(lo), tonumber(hi)
+  if lo > hi then return nil, "MIN is larger than MAX" end
+  if hi > ELASTIC_MAX_GPUS then return nil, string.format("MAX is over %d", ELASTIC_MAX_GPUS) end
+  return { lo, hi }
 end
 
 ---------------------------------------------------------------------------------------------
 -- classification
 
-local function class_from_env(env)
+-- The value of NAME=VALUE in job_desc.spank_job_env (the last one), or nil.
+local function spank_env_value(env, name)
   if env == nil then return nil end
   if type(env) ~= "table" then error("job_desc.spank_job_env is a " .. type(env) .. ", expected a table") end
   local found
   -- 22.05 indexes this table from 0, so ipairs would miss the first entry
   for _, entry in pairs(env) do
-    if type(entry) == "string" and entry:sub(1, #CLASS_ENV + 1) == CLASS_ENV .. "=" then
-      found = entry:sub(#CLASS_ENV + 2)
+    if type(entry) == "string" and entry:sub(1, #name + 1) == name .. "=" then
+      found = entry:sub(#name + 2)
     end
   end
   return found
+end
+
+local function class_from_env(env)
+  return spank_env_value(env, CLASS_ENV)
 end
 
 local function requests_gpu(job_desc, s)
@@ -464,6 +495,7 @@ local function make_opportunistic(job_desc, s)
   info("%s: class opportunistic; GPUs %s -> %s; partition %s -> %s%s", job_label(job_desc),
     table.concat(requested, " "), job_desc.tres_per_node,
     tostring(from_part or "(default)"), s.opp_partition, s.opp_qos and ("; qos " .. s.opp_qos) or "")
+  return opp_total
 end
 
 local function make_guaranteed(job_desc, s)
@@ -587,6 +619,81 @@ local function forbid_het(job_desc, requested, class)
     offset, way)
 end
 
+---------------------------------------------------------------------------------------------
+-- elastic width (--antman-elastic=MIN:MAX; docs/elastic.md)
+
+local ELASTIC_OPTION = "--antman-elastic"
+
+-- Whether the job may run on more than one node: -N above 1 (min or max), -w naming several nodes,
+-- more tasks than --ntasks-per-node, or --spread-job.
+local function may_span_nodes(job_desc)
+  local mn, mx = job_desc.min_nodes, job_desc.max_nodes
+  if (is_set(mn) and mn > 1) or (is_set(mx) and mx > 1) or names_nodes(job_desc) then return true end
+  local tasks, per_node = job_desc.num_tasks, job_desc.ntasks_per_node
+  if is_set(tasks) and is_set(per_node, NO_VAL16) and tasks > per_node then return true end
+  local flags = job_desc.bitflags
+  return type(flags) == "number" and math.floor(flags / SPREAD_JOB) % 2 == 1
+end
+
+-- The GPUs per node the job asks for, counted as make_opportunistic counts them (the job is on one
+-- node, so --gpus, --gpus-per-task and --gpus-per-socket are per node too). Refuses a request whose
+-- count cannot be read.
+local function elastic_node_gpus(job_desc, s, value)
+  local total, asked = 0, {}
+  for _, field in ipairs(TRES_FIELDS) do
+    for _, e in ipairs(parse_tres(job_desc[field], field)) do
+      if e.name == s.gpu_gres or e.name == s.opp_gres then
+        if e.count == nil then
+          reject("%s=%s: cannot read the GPU count in %s request %q, so MAX cannot be checked against it; " ..
+            "ask for the GPUs with --gres=%s:MAX", ELASTIC_OPTION, value, TRES_OPTION[field], e.raw, s.gpu_gres)
+        end
+        local n = field == "tres_per_node" and e.count or per_node_equivalent(job_desc, field, e.count)
+        total = total + n
+        asked[#asked + 1] = as_option(job_desc, field, e)
+      end
+    end
+  end
+  return total, table.concat(asked, " ")
+end
+
+-- The elastic range the job asked for, checked against the rest of the request; nil when it asked
+-- for none. `requested` is the class the user named (nil: no --antman).
+local function elastic_request(job_desc, s, requested)
+  local value = spank_env_value(job_desc.spank_job_env, ELASTIC_ENV)
+  if value == nil then return nil end
+  if requested == "guaranteed" then
+    reject("%s is only for --antman=opportunistic or --antman=auto: a guaranteed job keeps the GPUs it " ..
+      "asked for, its width is its own; drop %s or submit with --antman=opportunistic", ELASTIC_OPTION, ELASTIC_OPTION)
+  end
+  if requested ~= "opportunistic" and requested ~= "auto" then
+    reject("%s is only for --antman=opportunistic or --antman=auto (this job names no class); add " ..
+      "--antman=opportunistic", ELASTIC_OPTION)
+  end
+  local range, why = parse_elastic(value)
+  if range == nil then
+    reject("%s: invalid value %q (%s); allowed: MIN:MAX, two whole numbers with 1 <= MIN <= MAX <= %d, " ..
+      "MAX being the GPUs per node the job asks for (--gres=%s:MAX)", ELASTIC_OPTION, value, why,
+      ELASTIC_MAX_GPUS, s.gpu_gres)
+  end
+  if may_span_nodes(job_desc) then
+    reject("%s=%s: an elastic job runs on one node (elastic width across nodes is not built yet); drop -N, " ..
+      "-w with several nodes, --spread-job or the task count that needs several nodes", ELASTIC_OPTION, value)
+  end
+  local gpus, asked = elastic_node_gpus(job_desc, s, value)
+  if gpus == 0 then
+    reject("%s=%s: the job asks for no GPU; ask for MAX of them with --gres=%s:%d", ELASTIC_OPTION, value,
+      s.gpu_gres, range[2])
+  end
+  if gpus ~= range[2] then
+    reject("%s=%s: MAX must equal the GPUs per node the job asks for, %d (%s); use --gres=%s:%d with it, " ..
+      "or %s=%d:%d", ELASTIC_OPTION, value, gpus, asked, s.gpu_gres, range[2], ELASTIC_OPTION,
+      math.min(range[1], gpus), gpus)
+  end
+  return range
+end
+
+---------------------------------------------------------------------------------------------
+
 local function classify(job_desc, s)
   local requested = class_from_env(job_desc.spank_job_env)
   local class = requested
@@ -596,6 +703,8 @@ local function classify(job_desc, s)
   elseif class ~= "auto" and class ~= "guaranteed" and class ~= "opportunistic" then
     reject("unknown class %q in ANTMAN_CLASS; allowed: guaranteed, opportunistic, auto", class)
   end
+  -- before auto is resolved, so that the same request is accepted or refused whatever the quota says
+  local elastic = elastic_request(job_desc, s, requested)
   if class == "none" then
     forbid_opp_gres(job_desc, s, "none")
     return
@@ -610,11 +719,24 @@ local function classify(job_desc, s)
     make_guaranteed(job_desc, s)
     -- explicit guaranteed jobs take quota too: an auto job right after one must see it
     record_admission(job_desc, s)
+    if elastic ~= nil then
+      -- only auto gets here: a guaranteed job's width is its own
+      info("%s: %s=%d:%d dropped, the job is guaranteed", job_label(job_desc), ELASTIC_OPTION, elastic[1], elastic[2])
+      elastic = nil
+    end
   else
-    make_opportunistic(job_desc, s)
+    local gpus = make_opportunistic(job_desc, s)
+    if elastic ~= nil then
+      -- elastic_request counted the same request; a difference is a bug here, not the user's
+      if gpus ~= elastic[2] then
+        error(string.format("elastic MAX %d but %d GPUs per node after the rewrite", elastic[2], gpus))
+      end
+      job_desc.max_nodes = 1
+      info("%s: elastic width %d to %d GPUs", job_label(job_desc), elastic[1], elastic[2])
+    end
   end
   -- the coordinator resolves auto by tenant quota; it must know the user left the choice open
-  if requested == "auto" then job_desc.admin_comment = render_tag(class, requested) end
+  job_desc.admin_comment = render_tag(class, requested, elastic)
 end
 
 ---------------------------------------------------------------------------------------------
@@ -658,7 +780,7 @@ end
 local M = {}
 
 -- For tests/test_contracts.py, which holds them to docs/contracts.json.
-M.tag_class, M.render_tag = tag_class, render_tag
+M.tag_class, M.render_tag, M.parse_elastic = tag_class, render_tag, parse_elastic
 
 -- The policy for one submission: slurm.SUCCESS, or an error code with the reason told to the user.
 function M.job_submit(job_desc, part_list, submit_uid)

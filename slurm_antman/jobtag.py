@@ -1,11 +1,14 @@
 """The slurm-antman tag in a job's AdminComment:
-``antman:class=CLASS[;req=REQUESTED][;hold=quota][;gpus=NODE:I+J,NODE:K]``. The grammar and its
+``antman:class=CLASS[;req=REQUESTED][;hold=quota][;elastic=MIN:MAX][;gpus=NODE:I+J,NODE:K]``. The grammar and its
 vectors are docs/protocol.md ("The AdminComment tag") and docs/contracts.json.
 
 ``req`` is what the user asked for when it differs from the class (``auto``, or a guaranteed job the
 coordinator turned opportunistic); without it the request was the class itself. ``hold=quota`` marks
 a job the coordinator holds because its tenant is over quota, so a restarted coordinator (or anyone
-reading squeue) can tell that hold from a user's or admin's own. Unknown fields are kept verbatim.
+reading squeue) can tell that hold from a user's or admin's own. ``elastic=MIN:MAX`` is an elastic
+job's width range (``--antman-elastic``, docs/elastic.md), recorded by job_submit.lua; it is kept
+whatever the class becomes (the sidecar uses it only for an opportunistic job). Unknown fields are
+kept verbatim.
 
 AdminComment is the place because only admins (slurmctld's job_submit plugin, the root Prolog) may
 write it: a user cannot forge a class, and every Slurm tool can show it.
@@ -17,15 +20,21 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .errors import AntmanError
+from .protocol.spec import MAX_JOB_GPUS
 
 PREFIX = "antman:"
 CLASSES = ("guaranteed", "opportunistic")
 REQUESTS = ("guaranteed", "opportunistic", "auto")
 HOLDS = ("quota",)
-_KNOWN = ("class", "req", "hold", "gpus")
+# An elastic range's bounds: 1 <= MIN <= MAX <= ELASTIC_MAX, job_register's gpus bound.
+ELASTIC_MAX = MAX_JOB_GPUS
+_KNOWN = ("class", "req", "hold", "elastic", "gpus")
 _NODE = re.compile(r"[A-Za-z0-9_.\-]+")
 # int() alone would also take "-1", " 1" and "1_0": not GPU indices, and not what render() writes back.
 _INDEX = re.compile(r"[0-9]+")
+# MIN:MAX, each a decimal number without sign, spaces or leading zero (so one or two digits: at most
+# 64), as the SPANK option and job_submit.lua take them and render() writes them back.
+_ELASTIC = re.compile(r"([1-9][0-9]?):([1-9][0-9]?)")
 
 
 class TagError(AntmanError, ValueError):
@@ -39,6 +48,11 @@ class JobTag:
     requested: str | None = None   # None: the user asked for job_class itself
     hold: str | None = None
     extra: tuple[tuple[str, str], ...] = ()  # fields a newer release wrote; kept, not interpreted
+    elastic: tuple[int, int] | None = None   # (MIN, MAX) of --antman-elastic; None: not elastic
+
+    def __post_init__(self) -> None:
+        if self.elastic is not None:
+            check_elastic(self.elastic)
 
     @property
     def request(self) -> str:
@@ -72,6 +86,8 @@ class JobTag:
             out += f";req={self.requested}"
         if self.hold:
             out += f";hold={self.hold}"
+        if self.elastic is not None:
+            out += f";elastic={self.elastic[0]}:{self.elastic[1]}"
         for k, v in self.extra:
             out += f";{k}={v}"
         if self.gpus:
@@ -81,6 +97,27 @@ class JobTag:
     @property
     def all_gpus(self) -> list[int]:
         return [g for n in sorted(self.gpus) for g in self.gpus[n]]
+
+
+def check_elastic(value: object) -> tuple[int, int]:
+    """``value`` when it is a tuple (MIN, MAX) of ints with 1 <= MIN <= MAX <= ELASTIC_MAX; TagError otherwise."""
+    ok = (type(value) is tuple and len(value) == 2 and all(type(v) is int for v in value)
+          and 1 <= value[0] <= value[1] <= ELASTIC_MAX)
+    if not ok:
+        raise TagError(f"elastic {value!r} is not (MIN, MAX) with 1 <= MIN <= MAX <= {ELASTIC_MAX}")
+    return value  # type: ignore[return-value]
+
+
+def parse_elastic(value: str) -> tuple[int, int]:
+    """``MIN:MAX`` (the tag's elastic field, the env file's ANTMAN_ELASTIC) as (MIN, MAX); TagError
+    naming the field otherwise."""
+    m = _ELASTIC.fullmatch(value)
+    if not m:
+        raise TagError(f"elastic={value!r} is not MIN:MAX (two decimal numbers, no sign or leading zero)")
+    lo, hi = int(m.group(1)), int(m.group(2))
+    if not 1 <= lo <= hi <= ELASTIC_MAX:
+        raise TagError(f"elastic={value!r}: want 1 <= MIN <= MAX <= {ELASTIC_MAX}")
+    return lo, hi
 
 
 def parse_tag(admin_comment: str | None) -> JobTag | None:
@@ -112,5 +149,11 @@ def parse_tag(admin_comment: str | None) -> JobTag | None:
     hold = fields.get("hold") or None
     if hold is not None and hold not in HOLDS:
         raise TagError(f"AdminComment {admin_comment!r}: hold must be one of {', '.join(HOLDS)}")
+    elastic = None
+    if "elastic" in fields:
+        try:
+            elastic = parse_elastic(fields["elastic"])
+        except TagError as e:
+            raise TagError(f"AdminComment {admin_comment!r}: {e}") from None
     extra = tuple((k, v) for k, v in fields.items() if k not in _KNOWN)
-    return JobTag(cls, gpus, None if req == cls else req, hold, extra)
+    return JobTag(cls, gpus, None if req == cls else req, hold, extra, elastic)

@@ -1,8 +1,12 @@
 /*
  * The plugin's arguments: the plugstack.conf line (state_dir=, prolog=, opp_partition=, agent_path=) and the
- * --antman=CLASS option with its validation. The option callback runs in sbatch, salloc and srun
- * before they contact slurmctld, so a bad class fails the command there; in slurmstepd it runs
- * again with the value the submission carried.
+ * --antman=CLASS and --antman-elastic=MIN:MAX options with their validation. The option callbacks run
+ * in sbatch, salloc and srun before they contact slurmctld, so a bad value fails the command there; in
+ * slurmstepd they run again with the value the submission carried.
+ *
+ * --antman-elastic is checked here only as a value (two numbers, 1 <= MIN <= MAX <= 64). The rules
+ * that depend on the rest of the job (only with --antman=opportunistic or auto, MAX equal to the GPUs
+ * per node, one node) are job_submit.lua's, which sees the whole request and never trusts the client.
  */
 #include <ctype.h>
 #include <stdio.h>
@@ -12,6 +16,8 @@
 
 #define ANTMAN_DEFAULT_STATE_DIR "/var/lib/slurm-antman"
 #define ANTMAN_ALLOWED_CLASSES "guaranteed, opportunistic, auto"
+#define ANTMAN_ALLOWED_ELASTIC "MIN:MAX, two whole numbers (no sign, spaces or leading zero) with " \
+	"1 <= MIN <= MAX <= 64, MAX being the GPUs per node the job asks for (--gres=gpu:MAX)"
 #define ANTMAN_ALLOWED_ARGS "state_dir=PATH, prolog=PATH, opp_partition=NAME, agent_path=PATH"
 
 static const char *const valid_classes[] = {"guaranteed", "opportunistic", "auto", NULL};
@@ -21,6 +27,7 @@ static struct antman_args args = {
 };
 
 static int antman_opt_class(int val, const char *optarg, int remote);
+static int antman_opt_elastic(int val, const char *optarg, int remote);
 
 static struct spank_option antman_options[] = {
 	{
@@ -30,6 +37,15 @@ static struct spank_option antman_options[] = {
 		1,
 		0,
 		antman_opt_class,
+	},
+	{
+		"antman-elastic",
+		"MIN:MAX",
+		"slurm-antman elastic width of an opportunistic job: it runs on MIN to MAX GPUs of one node "
+		"(MAX as in --gres=gpu:MAX); with --antman=opportunistic or auto",
+		1,
+		0,
+		antman_opt_elastic,
 	},
 	SPANK_OPTIONS_TABLE_END,
 };
@@ -85,6 +101,54 @@ static int antman_opt_class(int val, const char *optarg, int remote)
 	return ESPANK_SUCCESS;
 }
 
+/* One number of MIN:MAX: 1 or 2 decimal digits, no leading zero; the end of it in *end. */
+static bool elastic_number(const char *s, const char **end, unsigned *out)
+{
+	unsigned v = 0;
+	int digits = 0;
+
+	if (*s < '1' || *s > '9')
+		return false;
+	for (; *s >= '0' && *s <= '9'; s++) {
+		if (++digits > 2)
+			return false;
+		v = v * 10 + (unsigned)(*s - '0');
+	}
+	*end = s;
+	*out = v;
+	return true;
+}
+
+bool antman_elastic_parse(const char *value, unsigned *min, unsigned *max)
+{
+	const char *p = value;
+	unsigned lo, hi;
+
+	if (!value || !elastic_number(p, &p, &lo) || *p++ != ':' || !elastic_number(p, &p, &hi) || *p != '\0')
+		return false;
+	if (lo > hi || hi > ANTMAN_ELASTIC_MAX_GPUS)
+		return false;
+	*min = lo;
+	*max = hi;
+	return true;
+}
+
+static int antman_opt_elastic(int val, const char *optarg, int remote)
+{
+	char shown[96];
+	unsigned lo, hi;
+
+	(void)val;
+	(void)remote;
+	if (!antman_elastic_parse(optarg, &lo, &hi)) {
+		printable_copy(shown, sizeof(shown), optarg ? optarg : "");
+		slurm_error("--antman-elastic: invalid value '%s'; allowed: %s", shown, ANTMAN_ALLOWED_ELASTIC);
+		return ESPANK_BAD_ARG;
+	}
+	snprintf(args.elastic, sizeof(args.elastic), "%u:%u", lo, hi);
+	return ESPANK_SUCCESS;
+}
+
 /* Copies an absolute-path argument; "what" names it in the error. */
 static int path_arg(char *dst, size_t len, const char *what, const char *path)
 {
@@ -129,7 +193,7 @@ int antman_args_parse(int ac, char **av)
 	return 0;
 }
 
-/* sbatch ignores a static spank_options[] table, so the option is registered here instead. */
+/* sbatch ignores a static spank_options[] table, so the options are registered here instead. */
 int antman_args_register(spank_t sp)
 {
 	for (struct spank_option *opt = antman_options; opt->name; opt++) {

@@ -28,6 +28,7 @@ VECTORS_PATH = REPO / "docs" / "contracts.json"
 VECTORS = json.loads(VECTORS_PATH.read_text())
 ENV = VECTORS["env_file"]
 TAG = VECTORS["job_tag"]
+ELASTIC = TAG["elastic"]
 ENV_NAMES = set(VECTORS["env_names"])
 LUA = shutil.which("lua5.1")
 CC = shutil.which("cc") or shutil.which("gcc")
@@ -87,6 +88,9 @@ def test_vectors_are_consistent() -> None:
     assert tuple(TAG["classes"]) == jobtag.CLASSES
     assert tuple(TAG["requests"]) == jobtag.REQUESTS
     assert tuple(TAG["holds"]) == jobtag.HOLDS
+    assert ELASTIC["max_gpus"] == jobtag.ELASTIC_MAX == protocol.MAX_JOB_GPUS
+    values = [v["text"] for v in ELASTIC["valid"]] + ELASTIC["invalid"]
+    assert len(values) == len(set(values)), "an elastic value is listed twice"
     texts = [v["text"] for v in TAG["valid"]] + [v["text"] for v in TAG["invalid"]]
     assert len(texts) == len(set(texts)), "a vector is listed twice"
 
@@ -100,6 +104,7 @@ def test_python_parses_valid_tags(v: dict[str, Any]) -> None:
     assert tag.hold == v.get("hold")
     assert tag.gpus == v.get("gpus", {})
     assert [list(e) for e in tag.extra] == v.get("extra", [])
+    assert tag.elastic == (tuple(v["elastic"]) if "elastic" in v else None)
     canonical = v.get("canonical", v["text"])
     assert tag.render() == canonical
     assert jobtag.parse_tag(canonical) == tag
@@ -120,9 +125,26 @@ def test_python_sees_no_tag(text: Optional[str]) -> None:
 
 @pytest.mark.parametrize("v", TAG["written_at_submission"], ids=_id)
 def test_python_writes_what_submission_writes(v: dict[str, Any]) -> None:
-    tag = jobtag.JobTag(v["class"], requested=v["request"])
+    elastic = tuple(v["elastic"]) if "elastic" in v else None
+    tag = jobtag.JobTag(v["class"], requested=v["request"], elastic=elastic)
     assert tag.render() == v["text"]
     assert jobtag.parse_tag(v["text"]).request == v["request"]
+    assert jobtag.parse_tag(v["text"]).elastic == elastic
+
+
+@pytest.mark.parametrize("v", ELASTIC["valid"], ids=_id)
+def test_python_reads_elastic_values(v: dict[str, Any]) -> None:
+    assert jobtag.parse_elastic(v["text"]) == (v["min"], v["max"])
+    assert jobtag.parse_tag(f"antman:class=opportunistic;elastic={v['text']}").elastic == (v["min"], v["max"])
+
+
+@pytest.mark.parametrize("text", ELASTIC["invalid"], ids=repr)
+def test_python_refuses_bad_elastic_values(text: str) -> None:
+    with pytest.raises(jobtag.TagError, match="elastic"):
+        jobtag.parse_elastic(text)
+    if ";" not in text:
+        with pytest.raises(jobtag.TagError, match="elastic"):
+            jobtag.parse_tag(f"antman:class=opportunistic;elastic={text}")
 
 
 def test_slurm_readers_read_tags_as_jobtag_does() -> None:
@@ -301,11 +323,53 @@ def test_lua_reads_the_class_field(tmp_path: Path) -> None:
     assert got == [_lua_shown(want) for _, want in cases]
 
 
+def _lua_elastic(v: dict[str, Any]) -> str:
+    return "{%d, %d}" % tuple(v["elastic"]) if "elastic" in v else "nil"
+
+
 @needs_lua
 def test_lua_writes_the_tags_of_submission(tmp_path: Path) -> None:
     cases = TAG["written_at_submission"]
-    body = "".join(f"show(antman.render_tag({_lua_str(v['class'])}, {_lua_str(v['request'])}))\n" for v in cases)
+    body = "".join(f"show(antman.render_tag({_lua_str(v['class'])}, {_lua_str(v['request'])}, {_lua_elastic(v)}))\n"
+                   for v in cases)
     assert _run_lua(body, tmp_path) == ["=" + v["text"] for v in cases]
+
+
+@needs_lua
+def test_lua_reads_elastic_values(tmp_path: Path) -> None:
+    """job_submit.lua's check of ANTMAN_ELASTIC from the job control env: the same values as the tag's."""
+    cases = [(v["text"], f"{v['min']}:{v['max']}") for v in ELASTIC["valid"]] + [(t, None) for t in ELASTIC["invalid"]]
+    body = ("local function range(v) local r = antman.parse_elastic(v) "
+            "if r == nil then return nil end return r[1] .. ':' .. r[2] end\n"
+            + "".join(f"show(range({_lua_str(text)}))\n" for text, _ in cases))
+    assert _run_lua(body, tmp_path) == [_lua_shown(want) for _, want in cases]
+
+
+# ---------------------------------------------------------------------------------------------------
+# C: spank/args.c's --antman-elastic callback, compiled into tests/contracts/args_harness.c
+
+
+@pytest.fixture(scope="module")
+def c_args(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if CC is None or not SPANK_H.exists():
+        pytest.skip("a C compiler and Slurm's headers (libslurm-dev) are needed")
+    exe = tmp_path_factory.mktemp("c-args") / "harness"
+    res = subprocess.run(
+        [CC, "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-Wshadow", "-Wformat=2", f"-I{REPO / 'spank'}",
+         "-o", str(exe), str(REPO / "tests" / "contracts" / "args_harness.c")],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return exe
+
+
+@needs_cc
+def test_c_reads_elastic_values(c_args: Path) -> None:
+    for v in ELASTIC["valid"]:
+        assert _c(c_args, "elastic", v["text"].encode().hex()).strip() == f"ok {v['min']}:{v['max']}", v
+    for text in ELASTIC["invalid"]:
+        res = subprocess.run([str(c_args), "elastic", text.encode().hex() or "-"], capture_output=True, timeout=30)
+        assert res.returncode == 0 and res.stdout.decode().strip() == "refused", text
+        assert b"--antman-elastic: invalid value '" in res.stderr, text
 
 
 # ---------------------------------------------------------------------------------------------------
