@@ -5,6 +5,10 @@ of an opportunistic job (Slurm only counted slots of a count-only GRES), and wri
 env file the SPANK plugin applies to every task (docs/architecture.md). It also records the GPUs
 in the job's AdminComment so anyone can see them with Slurm's own tools.
 
+An opportunistic job whose tag carries ``elastic=MIN:MAX`` (``--antman-elastic``, docs/elastic.md) is
+registered with ``elastic_min=MIN`` and gets ``ANTMAN_ELASTIC=MIN:MAX`` in its env file, when MAX is
+the GPU slots it holds on this node; otherwise the range is ignored (logged) and the job is not elastic.
+
 A Prolog that exits non-zero drains the node and requeues the job, so every policy-level problem
 is logged and the hook still exits 0. An opportunistic job is never run unmanaged (fail closed):
 when no GPU of the node meets the opportunistic rules (``opportunistic.no_room: wait``), when the
@@ -182,11 +186,28 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     values = {p.ENV_JOB_ID: job.job_id, p.ENV_CLASS: tag.job_class, p.ENV_NODE: job.node}
     if tag.job_class == "opportunistic":
         try:
-            return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
+            elastic_min = _elastic_min(job, tag, count)
+            if elastic_min is not None:
+                values[p.ENV_ELASTIC] = f"{elastic_min}:{count}"
+            return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values, elastic_min)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the job must not run unmanaged
             log.exception("job %s: Prolog failed for an opportunistic job", job.job_id)
             return refuse(cfg, job, values, f"the Prolog failed ({type(e).__name__}: {e})", slurm)
     return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
+
+
+def _elastic_min(job: JobContext, tag: JobTag, count: int) -> int | None:
+    """MIN of an opportunistic job's elastic range (the tag's elastic=MIN:MAX), or None: not elastic.
+    A range whose MAX is not the job's GPU slots on this node (job_submit.lua refuses such a job; an
+    admin may have edited the tag since) is ignored: the job runs at its full width, not elastic."""
+    if tag.elastic is None:
+        return None
+    lo, hi = tag.elastic
+    if hi != count:
+        log.warning("job %s on %s: its tag says elastic=%d:%d but it holds %d GPU slot(s) here; "
+                    "not elastic", job.job_id, job.node, lo, hi, count)
+        return None
+    return lo
 
 
 def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: list[int]) -> dict[str, str]:
@@ -210,13 +231,13 @@ def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: 
 
 
 def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: JobContext, tag: JobTag, count: int,
-                      n_gpus: int, values: dict[str, str]) -> int:
+                      n_gpus: int, values: dict[str, str], elastic_min: int | None = None) -> int:
     lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two Prologs must not both see a GPU as free
         try:
-            gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus)
+            gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus, elastic_min)
         except NoRoom as e:
             return refuse(cfg, job, values, str(e), slurm)
         values[p.ENV_GPUS] = ",".join(map(str, gpus))
@@ -232,7 +253,8 @@ def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: Jo
             if endpoint:
                 _retire_quietly(cfg, job)
             raise
-    log.info("job %s on %s: class %s, GPUs %s", job.job_id, job.node, tag.job_class, values[p.ENV_GPUS] or "-")
+    log.info("job %s on %s: class %s, GPUs %s%s", job.job_id, job.node, tag.job_class, values[p.ENV_GPUS] or "-",
+             f", elastic {elastic_min}:{count}" if elastic_min is not None else "")
     _record_gpus_in_slurm(slurm, job, tag.with_gpus(job.node, gpus))
     return 0
 
@@ -278,16 +300,18 @@ def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str]
 
 
 def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count: int,
-           n_gpus: int) -> tuple[list[int], str | None]:
+           n_gpus: int, elastic_min: int | None = None) -> tuple[list[int], str | None]:
     """The job's GPUs and agent endpoint, from the sidecar. Raises ``NoRoom`` for an opportunistic job
-    that must not start (no GPU met the rules, or no sidecar to enforce its limits)."""
+    that must not start (no GPU met the rules, or no sidecar to enforce its limits). ``elastic_min``
+    goes to the sidecar only for an elastic job (None otherwise)."""
     from .clients import sidecar_control as client
 
     physical = job.slurm_gpus if job_class != "opportunistic" else None
     try:
         reply = client.register_job(cfg.node_socket_dir(job.node), job.job_id, uid=job.uid, gid=job.gid,
                                     user=job.user, job_class=job_class, gpus=count, physical_gpus=physical,
-                                    timeout_s=5.0, account=job.account, may_wait=physical is None)
+                                    timeout_s=5.0, account=job.account, may_wait=physical is None,
+                                    elastic_min=elastic_min)
     except (client.SidecarUnreachable, client.SidecarError) as e:
         if physical is None:
             raise NoRoom(f"no sidecar to place and limit it: {e}") from None
