@@ -2,8 +2,10 @@
  * slurm-antman SPANK plugin: the entry points Slurm calls, each dispatching on spank_context()
  * to the file for that context.
  *
- *   args.c        every context: plugstack.conf arguments; --antman=CLASS and its validation
- *   submit.c      allocator and local (sbatch, salloc, srun): ANTMAN_CLASS into the job control env
+ *   args.c        every context: plugstack.conf arguments; --antman=CLASS, --antman-elastic=MIN:MAX
+ *                 and their validation
+ *   submit.c      allocator and local (sbatch, salloc, srun): ANTMAN_CLASS and ANTMAN_ELASTIC into
+ *                 the job control env
  *   slurmstepd.c  remote (slurmstepd): the job's env file applied to every task, ANTMAN_JOB_ID
  *   envfile.c     remote: finding, trusting and reading STATE_DIR/NODE/jobs/JOBID.env
  *   prolog.c      remote: running the Prolog hook when slurmd skipped it

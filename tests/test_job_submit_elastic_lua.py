@@ -149,3 +149,27 @@ def test_unset_numbers_are_unset(tmp_path: Path) -> None:
     jd = accepted(run(tmp_path, edesc("opportunistic", "1:2", min_nodes=NO_VAL, max_nodes=NO_VAL,
                                       tres_per_node="gres:gpu:2")))
     assert jd["max_nodes"] == 1
+
+
+# ---- docs/user.md shows these messages -----------------------------------------------------------
+
+def test_the_messages_docs_user_md_shows_are_the_scripts(tmp_path: Path) -> None:
+    """Each row of docs/user.md's table of refusals from job_submit (the ``slurm-antman: ...`` ones),
+    up to its ``...``, is how the script's message for that submission starts."""
+    import re
+
+    from test_job_submit_lua import ROOT
+
+    rows = re.findall(r"^\| (.*?) \| `(slurm-antman: [^`]*)` \|$", (ROOT / "docs" / "user.md").read_text(), re.M)
+    jobs = {
+        "`--antman=guaranteed --antman-elastic=1:2`": edesc("guaranteed", "1:2", tres_per_node="gres:gpu:2"),
+        "`--antman-elastic=1:2` without `--antman`": edesc(None, "1:2", tres_per_node="gres:gpu:2"),
+        "`--antman-elastic=1:3 --gres=gpu:2`": edesc("opportunistic", "1:3", tres_per_node="gres:gpu:2"),
+        "`--antman-elastic=1:2 -N 2 --gres=gpu:2`": edesc("opportunistic", "1:2", tres_per_node="gres:gpu:2",
+                                                          min_nodes=2, max_nodes=2),
+    }
+    shown = {submitted: message for submitted, message in rows}
+    assert set(shown) == set(jobs), sorted(shown)
+    for submitted, job in jobs.items():
+        msg = rejected(run(tmp_path, job))
+        assert msg.startswith(shown[submitted].removesuffix("...").removesuffix("; ")), (submitted, msg)

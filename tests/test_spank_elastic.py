@@ -95,3 +95,14 @@ def test_no_option_sets_no_elastic(slurm_conf, munged) -> None:
         ctld.close()
     assert b"#!/bin/sh" in ctld.received, "sbatch did not get as far as sending the job"
     assert b"ANTMAN_ELASTIC" not in ctld.received
+
+
+@needs_slurm_clients
+def test_docs_user_md_shows_the_message_sbatch_prints(slurm_conf) -> None:
+    from test_spank_build import REPO
+
+    env = slurm_conf(_unused_port())
+    res = _run(_argv("sbatch", "--antman=opportunistic", "--antman-elastic=3:2"), env=env)
+    printed = next(line for line in res.stderr.splitlines() if "--antman-elastic: invalid value" in line)
+    message = printed[printed.index("--antman-elastic: invalid value"):]
+    assert f"| `--antman-elastic=3:2` | `{message}` (" in (REPO / "docs" / "user.md").read_text()
