@@ -14,6 +14,11 @@ the training script has to change. The public API is for scripts that want more:
     runs in the training thread at the next boundary, or from the agent's thread if no boundary
     comes within half the remaining grace time. Slurm also sends the job's ``--signal`` on
     preemption (``SlurmctldParameters=preempt_send_user_signal``); this hook usually comes first.
+    Under the elastic launcher (``python -m torch_patch.elastic_launch``, docs/elastic.md) the same
+    hooks run on local rank 0 before a width change, in the training thread at a boundary, with
+    ``notice.width`` set to the GPU list the job restarts on (``None`` for a preemption) and
+    ``notice.grace_s`` 0: every worker is stopped as soon as the hooks return, and the new ones must
+    load that checkpoint at start.
 
 Importing this package does not import torch.
 """

@@ -11,6 +11,10 @@ drops to ``min(share, fallback_share)`` (default 0.25, ``ANTMAN_AGENT_FALLBACK_S
 without a sidecar nobody protects the guaranteed job it shares the GPU with. Both keep re-registering
 and take the limits of the next ``registered``.
 
+Elastic width (docs/elastic.md): under ``torch_patch.elastic_launch`` the agent of local rank 0 names the
+feature ``width``; at a ``width`` it runs the checkpoint hooks at the next boundary, answers
+``width_done``, hands the GPU list to the launcher's socket and waits there to be stopped.
+
 Emulation (:meth:`Agent.emulate_device`): for trace replays on CPU-only machines, where a job stands
 in for a GPU job (slurm_antman/lab/evaluation/emulated_job.py) and the sidecar's emulated telemetry takes
 the GPU's memory and utilisation from the agents' reports.
@@ -20,15 +24,17 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
 from typing import Callable, Optional
 
 from slurm_antman import __version__
-from .client import LimitsUpdate, PreemptNotice, ProtocolClient, check_endpoint, default_register
+from .client import LimitsUpdate, PreemptNotice, ProtocolClient, WidthRequest, check_endpoint, default_register
 from .busy import GpuBusy
 from .memory import MemoryController
 from .pause import Pauser
@@ -45,6 +51,10 @@ REPORT_BUDGET = 0.002
 # ... up to this gap: the sidecar's policy ticks once a second (sidecar/options.py tick_s).
 REPORT_MAX_GAP_S = 0.5
 PreemptHook = Callable[[PreemptNotice], None]
+# After handing a new GPU list to the elastic launcher, the training thread waits this long to be
+# stopped (the launcher's SIGTERM); if it is still alive then, the launcher did not act and the job
+# trains on at the old width.
+WIDTH_WAIT_S = 60.0
 
 
 class AgentConfigError(ValueError):
@@ -75,6 +85,8 @@ class Agent:
         missed_heartbeats: int = 5,
         report_interval_s: float = 0.05,
         use_cuda: Optional[bool] = None,
+        launcher_socket: Optional[str] = None,
+        width_wait_s: float = WIDTH_WAIT_S,
     ) -> None:
         import torch
 
@@ -116,6 +128,13 @@ class Agent:
         self._resume_evt = threading.Event()
         self.paused_seq: Optional[int] = None
         self.pauses: list[tuple[int, int, int, float, float]] = []  # (seq, freed, moved, pause_ms, resume_ms)
+        # Elastic width (docs/elastic.md): the protocol thread stores the request, the training thread
+        # checkpoints at its next boundary, answers width_done and hands the list to the launcher.
+        self.launcher_socket: Optional[str] = None
+        self.width_wait_s = width_wait_s
+        self._width_req: Optional[WidthRequest] = None
+        self._width_seq = 0  # the highest width seq taken; a lower or equal one is stale
+        self.widths: list[tuple[int, tuple[int, ...], float]] = []  # (seq, gpus, checkpoint_ms) handed over
         # Report accumulation (training thread only).
         self._acc_n = 0
         self._acc_ms = 0.0
@@ -129,6 +148,11 @@ class Agent:
         self.client: Optional[ProtocolClient] = None
         if endpoint is not None and job_id is not None:
             reg = default_register(job_id, job_class, "cuda" if self.cuda else "cpu", __version__, torch.__version__)
+            if launcher_socket is None:
+                launcher_socket = os.environ.get(P.ENV_LAUNCHER_SOCKET) or None
+            # Only local rank 0 speaks for the job to its launcher (one launcher per node).
+            if launcher_socket is not None and reg.local_rank == 0:
+                self.launcher_socket = launcher_socket
             self.client = ProtocolClient(
                 endpoint, reg,
                 on_limits=self._limits_arrived,
@@ -138,6 +162,7 @@ class Agent:
                 missed_heartbeats=missed_heartbeats,
                 on_pause=self._pause_arrived,
                 on_resume=self._resume_arrived,
+                on_width=self._width_arrived if self.launcher_socket is not None else None,
             )
         self.started = False
 
@@ -259,6 +284,73 @@ class Agent:
         self.steps.restart_clock()
         self.throttle.restart_clock()
 
+    def _width_arrived(self, req: WidthRequest) -> None:
+        with self._lock:
+            if req.seq <= self._width_seq:
+                log.warning("slurm-antman: ignoring width seq %d (already at seq %d)", req.seq, self._width_seq)
+                return
+            self._width_seq = req.seq
+            # A newer width replaces one the boundary has not taken yet: only the newer is answered.
+            self._width_req = req
+        self.throttle.hurry()
+
+    def _width_here(self, ended: int) -> None:
+        """Training thread, at a boundary: checkpoint (the on_preempt hooks), answer width_done, hand
+        the list to the launcher, then wait to be stopped."""
+        with self._lock:
+            req, self._width_req = self._width_req, None
+        if req is None:
+            return
+        gpus = list(req.gpus)
+        notice = PreemptNotice(deadline_unix=time.time(), grace_s=0.0,
+                               reason=f"width change: {req.reason}", width=tuple(gpus))
+        if not self._preempt_hooks:
+            sys.stderr.write(f"slurm-antman: width change to GPUs {gpus} ({req.reason}); no checkpoint hook is "
+                             "registered (torch_patch.on_preempt(fn)): the workers restart from the last "
+                             "checkpoint the job saved by itself.\n")
+        for fn in self._preempt_hooks:
+            try:
+                fn(notice)
+            except Exception:
+                log.exception("slurm-antman: the checkpoint hook %r failed at a width change", fn)
+        checkpoint_ms = (time.perf_counter() - req.received_t) * 1000.0
+        client = self.client
+        path = self.launcher_socket
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            try:
+                sock.connect(path)  # type: ignore[arg-type]
+            except OSError as e:
+                log.error("slurm-antman: cannot reach the elastic launcher at %s (%s); the width stays", path, e)
+                if client is not None:
+                    client.send(P.Error(code=P.ErrorCode.internal.value,
+                                        message=f"width seq {req.seq}: the launcher's socket {path}: {e}"[:4096]),
+                                ref=req.ref)
+                return
+            # width_done first, handed to ZeroMQ before the launcher is told: it stops this process.
+            if client is not None:
+                client.send(P.WidthDone(seq=req.seq, checkpoint_ms=checkpoint_ms), ref=req.ref, wake=False)
+                client.flush_now(ended + 1)
+            try:
+                sock.send(json.dumps({"seq": req.seq, "gpus": gpus}, separators=(",", ":")).encode())
+            except OSError as e:
+                log.error("slurm-antman: could not hand width seq %d to the launcher at %s: %s", req.seq, path, e)
+                return
+        finally:
+            sock.close()
+        self.widths.append((req.seq, tuple(gpus), checkpoint_ms))
+        sys.stderr.write(f"slurm-antman: width change seq {req.seq} to GPUs {gpus} ({req.reason}): checkpoint "
+                         f"in {checkpoint_ms:.0f} ms, the launcher restarts the workers\n")
+        # Wait for the launcher's SIGTERM here, at a consistent point, rather than train on past the
+        # checkpoint (work that would be redone). Short slices: the main thread runs signal handlers.
+        deadline = time.monotonic() + self.width_wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        log.error("slurm-antman: the launcher did not restart the job within %.0f s of width seq %d; "
+                  "training goes on", self.width_wait_s, req.seq)
+        self.steps.restart_clock()
+        self.throttle.restart_clock()
+
     def _unmanaged(self, why: str) -> None:
         with self._lock:
             self._pending = LimitsUpdate(self.applied_seq, None, 1.0, None, reset=True)
@@ -328,6 +420,8 @@ class Agent:
                 client.flush_queued(ended + 1)
         if self._preempt is not None and not self._preempt_done.is_set():
             self._run_preempt_hooks()
+        if self._width_req is not None:
+            self._width_here(ended)
         self.pauser.after_boundary()
         if self._pause_req is not None:
             self._pause_here()

@@ -101,9 +101,27 @@ class LimitsUpdate:
 
 @dataclass
 class PreemptNotice:
+    """What a checkpoint hook (``torch_patch.on_preempt``) is called with.
+
+    A preemption: the job is requeued at ``deadline_unix``. A width change (the elastic launcher,
+    docs/elastic.md): ``width`` is the GPU list the job restarts on, ``grace_s`` is 0 and
+    ``deadline_unix`` the moment the hook runs: every worker is stopped as soon as the hook returns."""
+
     deadline_unix: float
     grace_s: float
     reason: str
+    width: Optional[tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
+class WidthRequest:
+    """A ``width`` message for the training thread (only an agent that named the feature gets one)."""
+
+    seq: int
+    gpus: tuple[int, ...]
+    reason: str
+    ref: Optional[str]  # the message's id: width_done refers to it
+    received_t: float   # time.perf_counter() on arrival
 
 
 class ProtocolClient(threading.Thread):
@@ -119,6 +137,7 @@ class ProtocolClient(threading.Thread):
         missed_heartbeats: int = MISSED_HEARTBEATS,
         on_pause: Optional[Callable[[int, str, float], None]] = None,
         on_resume: Optional[Callable[[int, float], None]] = None,
+        on_width: Optional[Callable[[WidthRequest], None]] = None,
     ) -> None:
         super().__init__(name="antman-agent", daemon=True)
         self.endpoint = check_endpoint(endpoint)
@@ -129,9 +148,13 @@ class ProtocolClient(threading.Thread):
         self._on_unmanaged = on_unmanaged
         self._on_pause = on_pause
         self._on_resume = on_resume
+        self._on_width = on_width
         if on_pause is not None and P.FEATURE_PAUSE not in register.features:
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_PAUSE))
-            self._register_body = register
+        # Only the agent the elastic launcher's socket was handed to (local rank 0) names "width".
+        if on_width is not None and P.FEATURE_WIDTH not in register.features:
+            register = dataclasses.replace(register, features=(*register.features, P.FEATURE_WIDTH))
+        self._register_body = register
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
         self._outbox: collections.deque[P.Body | tuple[P.Body, Optional[str]]] = collections.deque()
@@ -197,6 +220,19 @@ class ProtocolClient(threading.Thread):
         """:meth:`exchange` if anything is queued to send."""
         if self._outbox:
             self.exchange(arrived_during)
+
+    def flush_now(self, arrived_during: int, timeout: float = 1.0) -> bool:
+        """Training thread: hand everything queued to ZeroMQ before returning (a width change: the
+        process is stopped right after). True when the queue is empty."""
+        deadline = time.monotonic() + timeout
+        while self._outbox:
+            if self._sock is None or not self.is_alive():
+                return False
+            if not self.exchange(arrived_during):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+        return True
 
     def stop(self, reason: str = "exit", timeout: float = 1.0) -> None:
         if not self.is_alive():
@@ -360,6 +396,12 @@ class ProtocolClient(threading.Thread):
                 self._on_pause(body.seq, body.reason, time.perf_counter())
             else:
                 self._on_resume(body.seq, time.perf_counter())
+        elif isinstance(body, P.Width):
+            if self._on_width is None:  # never registered "width" (not local rank 0 of a launcher's job)
+                self._send(sock, P.Error(code=P.ErrorCode.unknown_type.value,
+                                         message=f"this agent does not support {body.TYPE!r}"), msg.id)
+            else:
+                self._on_width(WidthRequest(body.seq, tuple(body.gpus), body.reason, msg.id, time.perf_counter()))
         elif isinstance(body, P.Heartbeat):
             pass
         elif isinstance(body, P.Error):
