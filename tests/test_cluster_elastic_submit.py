@@ -5,6 +5,8 @@ environment."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from slurm_antman.jobtag import parse_tag
@@ -17,8 +19,31 @@ sleep 30
 """
 
 
-def _no_new_job(c, before: list[str]) -> None:
-    assert c.run(["squeue", "-h", "-o", "%i"]).stdout.split() == before
+def _refused(c, *args: str) -> str:
+    """sbatch's stderr for a submission that must fail and leave no job (named uniquely, so that jobs
+    of other tests, ending meanwhile, do not count)."""
+    name = f"elastic-refused-{time.monotonic_ns()}"
+    r = c.sbatch(f"--job-name={name}", *args, wrap="true", expect_ok=False)
+    assert r.returncode != 0, r.stdout
+    assert c.run(["squeue", "-h", "-n", name, "-o", "%i"]).stdout.split() == []
+    return r.stderr
+
+
+# The refusals need no empty cluster (nothing runs), so they take the session cluster as it is.
+
+def test_a_bad_value_fails_at_sbatch_naming_the_option(cluster):
+    err = _refused(cluster, "--antman=opportunistic", "--antman-elastic=3:2", "--gres=gpu:2")
+    assert "--antman-elastic: invalid value '3:2'" in err and "1 <= MIN <= MAX <= 64" in err
+
+
+def test_a_guaranteed_job_is_refused_naming_the_rule(cluster):
+    err = _refused(cluster, "--antman=guaranteed", "--antman-elastic=1:2", "--gres=gpu:2")
+    assert "--antman-elastic is only for --antman=opportunistic or --antman=auto" in err, err
+
+
+def test_max_must_equal_the_gpus_asked_for(cluster):
+    err = _refused(cluster, "--antman=opportunistic", "--antman-elastic=1:3", "--gres=gpu:2")
+    assert "--antman-elastic=1:3: MAX must equal the GPUs per node the job asks for, 2" in err, err
 
 
 def test_an_elastic_opportunistic_job_is_accepted_tagged_and_sees_its_range(clean_cluster):
@@ -37,30 +62,3 @@ def test_an_elastic_opportunistic_job_is_accepted_tagged_and_sees_its_range(clea
         assert len(seen["GPUS"].split(",")) == 2
     finally:
         c.run(["scancel", str(jid)])
-
-
-def test_a_bad_value_fails_at_sbatch_naming_the_option(clean_cluster):
-    c = clean_cluster
-    before = c.run(["squeue", "-h", "-o", "%i"]).stdout.split()
-    r = c.sbatch("--antman=opportunistic", "--antman-elastic=3:2", "--gres=gpu:2", wrap="true", expect_ok=False)
-    assert r.returncode != 0
-    assert "--antman-elastic: invalid value '3:2'" in r.stderr and "1 <= MIN <= MAX <= 64" in r.stderr
-    _no_new_job(c, before)
-
-
-def test_a_guaranteed_job_is_refused_naming_the_rule(clean_cluster):
-    c = clean_cluster
-    before = c.run(["squeue", "-h", "-o", "%i"]).stdout.split()
-    r = c.sbatch("--antman=guaranteed", "--antman-elastic=1:2", "--gres=gpu:2", wrap="true", expect_ok=False)
-    assert r.returncode != 0
-    assert "--antman-elastic is only for --antman=opportunistic or --antman=auto" in r.stderr, r.stderr
-    _no_new_job(c, before)
-
-
-def test_max_must_equal_the_gpus_asked_for(clean_cluster):
-    c = clean_cluster
-    before = c.run(["squeue", "-h", "-o", "%i"]).stdout.split()
-    r = c.sbatch("--antman=opportunistic", "--antman-elastic=1:3", "--gres=gpu:2", wrap="true", expect_ok=False)
-    assert r.returncode != 0
-    assert "--antman-elastic=1:3: MAX must equal the GPUs per node the job asks for, 2" in r.stderr, r.stderr
-    _no_new_job(c, before)

@@ -36,9 +36,12 @@ def test_help_lists_the_option(slurm_conf) -> None:
         assert "slurm-antman elastic width of an opportunistic job" in flat
 
 
+# Every command for one value; the values' rule itself is test_contracts.py's (the C harness).
+BAD = [("sbatch", v) for v in ("0:1", "1:65", "2", "01:2", "a:b", "")] + [(c, "3:2") for c in ("sbatch", "salloc", "srun")]
+
+
 @needs_slurm_clients
-@pytest.mark.parametrize("cmd", ["sbatch", "salloc", "srun"])
-@pytest.mark.parametrize("value", ["3:2", "0:1", "1:65", "2", "01:2", "a:b", ""])
+@pytest.mark.parametrize(("cmd", "value"), BAD)
 def test_bad_value_is_rejected_before_submission(slurm_conf, cmd: str, value: str) -> None:
     env = slurm_conf(_unused_port())
     res = _run(_argv(cmd, "--antman=opportunistic", f"--antman-elastic={value}"), env=env)
@@ -57,7 +60,7 @@ def test_control_bytes_are_shown_escaped(slurm_conf) -> None:
 
 
 @needs_slurm_clients
-@pytest.mark.parametrize("value", ["1:2", "64:64"])
+@pytest.mark.parametrize("value", ["1:2"])
 def test_valid_value_reaches_the_submit_request(slurm_conf, munged, value: str) -> None:
     ctld = FakeController()
     try:
