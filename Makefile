@@ -100,7 +100,8 @@ test-slurm24: $(VENV)/.installed
 	  mkdir -p /run/munge && chown munge: /run/munge && \
 	  { munge -n >/dev/null 2>&1 || runuser -u munge -- /usr/sbin/munged; } && \
 	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
-	    tests/test_job_submit_lua.py -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
+	    tests/test_job_submit_lua.py tests/test_spank_elastic.py tests/test_job_submit_elastic_lua.py \
+	    -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
 # --- GPU proof (issue 13, docs/gpu_proof.md) ------------------------------------------------------
 # The GPU node is offline and has torch, nvidia-ml-py and pytest but not pyzmq, PyYAML or pydantic:
