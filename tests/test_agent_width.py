@@ -194,3 +194,26 @@ def test_width_with_no_launcher_listening_answers_an_error_and_training_goes_on(
         stop.set()
         trainer.join(5)
         agent.stop()
+
+
+def test_torchruns_own_process_gets_no_agent_its_workers_do(tmp_path):
+    """torchrun (the console script, or ``python -m torch.distributed.run``) imports torch but is no
+    rank: an agent there would never reach a boundary, so never acknowledge limits."""
+    import subprocess
+    import sys
+
+    from torch_patch.activation import is_torchrun
+
+    assert is_torchrun("/opt/venv/bin/torchrun") and is_torchrun("/x/site-packages/torch/distributed/run.py")
+    assert is_torchrun("/x/torch/distributed/launch.py")
+    assert not is_torchrun("train.py") and not is_torchrun("/home/u/torchrun.py") and not is_torchrun("")
+    probe = "import sys, torch, torch_patch; print('patched' if torch_patch.current() else 'plain')\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTMAN_", "SLURM_"))}
+    env[P.ENV_CLASS] = "opportunistic"  # activates the hook; no endpoint: an agent that talks to nobody
+    got = {}
+    for name in ("torchrun", "train.py"):
+        (tmp_path / name).write_text(probe)
+        r = subprocess.run([sys.executable, str(tmp_path / name)], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        got[name] = r.stdout.strip()
+    assert got == {"torchrun": "plain", "train.py": "patched"}

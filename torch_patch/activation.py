@@ -4,8 +4,9 @@
 interpreter start-up. Outside a slurm-antman job it only looks up two environment variables, so every
 other Python process pays nothing. Inside a job (``ANTMAN_JOB_ID`` or ``ANTMAN_CLASS`` set) it puts a
 tiny finder at the front of ``sys.meta_path`` that waits for ``import torch``; when torch has finished
-importing, the agent starts. Any agent error is written to stderr and the job runs unpatched:
-``import torch`` must never fail because of us.
+importing, the agent starts, except in torchrun's own process (``torchrun``, ``python -m
+torch.distributed.run``), which is no rank: its workers get theirs. Any agent error is written to
+stderr and the job runs unpatched: ``import torch`` must never fail because of us.
 """
 
 from __future__ import annotations
@@ -47,7 +48,19 @@ def missing_zmq_line() -> str:
             f"{sys.version_info[0]}.{sys.version_info[1]} to the agent bundle.\n")
 
 
+# torchrun's own process (the parent of the ranks) imports torch and trains nothing: an agent there
+# would register as one more rank 0 that never reaches a boundary, so never acknowledges limits.
+TORCHRUN_MAINS = ("torch/distributed/run.py", "torch/distributed/launch.py")
+
+
+def is_torchrun(argv0: str) -> bool:
+    path = argv0.replace(os.sep, "/")
+    return os.path.basename(path) == "torchrun" or path.endswith(TORCHRUN_MAINS)
+
+
 def _start_agent() -> None:
+    if is_torchrun((getattr(sys, "argv", None) or [""])[0]):
+        return
     try:
         from . import agent
     except ModuleNotFoundError as e:

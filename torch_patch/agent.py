@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -40,6 +38,7 @@ from .memory import MemoryController
 from .pause import Pauser
 from .steps import StepCounter
 from .throttle import Throttle, check_share
+from .width import hand_over
 from slurm_antman import protocol as P
 from slurm_antman.protocol import JOB_ID_RE
 
@@ -314,30 +313,8 @@ class Agent:
             except Exception:
                 log.exception("slurm-antman: the checkpoint hook %r failed at a width change", fn)
         checkpoint_ms = (time.perf_counter() - req.received_t) * 1000.0
-        client = self.client
-        path = self.launcher_socket
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            try:
-                sock.connect(path)  # type: ignore[arg-type]
-            except OSError as e:
-                log.error("slurm-antman: cannot reach the elastic launcher at %s (%s); the width stays", path, e)
-                if client is not None:
-                    client.send(P.Error(code=P.ErrorCode.internal.value,
-                                        message=f"width seq {req.seq}: the launcher's socket {path}: {e}"[:4096]),
-                                ref=req.ref)
-                return
-            # width_done first, handed to ZeroMQ before the launcher is told: it stops this process.
-            if client is not None:
-                client.send(P.WidthDone(seq=req.seq, checkpoint_ms=checkpoint_ms), ref=req.ref, wake=False)
-                client.flush_now(ended + 1)
-            try:
-                sock.send(json.dumps({"seq": req.seq, "gpus": gpus}, separators=(",", ":")).encode())
-            except OSError as e:
-                log.error("slurm-antman: could not hand width seq %d to the launcher at %s: %s", req.seq, path, e)
-                return
-        finally:
-            sock.close()
+        if not hand_over(self.client, req, self.launcher_socket, checkpoint_ms, ended + 1):  # type: ignore[arg-type]
+            return
         self.widths.append((req.seq, tuple(gpus), checkpoint_ms))
         sys.stderr.write(f"slurm-antman: width change seq {req.seq} to GPUs {gpus} ({req.reason}): checkpoint "
                          f"in {checkpoint_ms:.0f} ms, the launcher restarts the workers\n")
