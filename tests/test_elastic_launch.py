@@ -82,6 +82,22 @@ def test_a_good_datagram_and_the_command_line() -> None:
             EL.initial_gpus(env, None)
 
 
+def test_physical_gpus_map_to_the_names_the_job_knows_them_by() -> None:
+    cvd = P.ENV_CUDA_VISIBLE_DEVICES
+    # ConstrainDevices=yes: the Prolog numbers the job's GPUs 0..n-1 and lists the physical ones alike.
+    constrained = {cvd: "0,1", P.ENV_GPUS: "2,3"}
+    assert EL.visible_names(constrained, ["0", "1"]) == {2: "0", 3: "1"}
+    launcher = EL.Launcher(["t.py"], ["0", "1"], 2, 5.0, None, env=constrained)
+    assert launcher._gpu_env() == {cvd: "0,1", P.ENV_GPUS: "2,3"}
+    # A GPU outside the job's device set could not be opened: the change is refused before anything stops.
+    launcher._change(5, [7], time.perf_counter())
+    assert (launcher.last_seq, launcher.gpus, launcher.proc) == (5, ["0", "1"], None)
+    # Without device constraints the names are the physical indices; outside a job, the list itself.
+    assert EL.visible_names({cvd: "2,3", P.ENV_GPUS: "2,3"}, ["2", "3"]) == {2: "2", 3: "3"}
+    assert EL.visible_names({cvd: "4,5"}, ["4", "5"]) == {4: "4", 5: "5"}
+    assert EL.visible_names({}, None) == {}
+
+
 # --- the launcher with a plain script (no torch in the workers, no agent) ----------------------------
 
 WORKER = r"""

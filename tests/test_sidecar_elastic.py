@@ -25,10 +25,11 @@ class Worker(SimAgent):
         super().__init__(endpoint, job_id, rank=local_rank,
                          features=(p.FEATURE_PAUSE, *((p.FEATURE_WIDTH,) if launcher else ())))
         self.cvd = cvd
+        self.world_size = len(cvd.split(","))
 
     def register(self) -> p.Message:
         req = self.send(p.Register(job_id=self.job_id, pid=self.pid, rank=self.rank, local_rank=self.rank,
-                                   world_size=2, hostname="n1", agent_version="sim", torch_version="none",
+                                   world_size=self.world_size, hostname="n1", agent_version="sim", torch_version="none",
                                    device="cuda", job_class="opportunistic", cuda_visible_devices=self.cvd,
                                    features=self.features))
         reply = self.recv("registered")
@@ -89,7 +90,15 @@ def test_a_claim_sheds_one_gpu_through_the_launcher_and_the_job_grows_back_after
         new0 = Worker(p.ipc(r.sidecar.dir.agent_path("200")), "200", 0, "0", launcher=True)
         agents.append(new0)
         new0.register()
-        assert "width" not in new0.drain_types()            # it runs where the sidecar counts it
+        assert "width" not in new0.drain_types()            # it runs at the width the sidecar counts
+        # A launcher's agent that comes back at the old width (its workers restarted before the change
+        # reached them) is told the width again.
+        stale = Worker(p.ipc(r.sidecar.dir.agent_path("200")), "200", 0, "0,1", launcher=True)
+        agents.append(stale)
+        stale.register()
+        again = stale.recv("width").body
+        assert (again.seq, again.gpus) == (1, [0])
+        stale.send(p.Bye(reason="exit"))
         v = r.sidecar.metrics_view()
         assert (v.width_shrinks, v.width_grows, v.width_unreturned, v.pauses) == (1, 0, 0, 0)
         # The guaranteed job leaves: GPU 1 is idle, and once the hold has passed the job grows onto it.

@@ -164,6 +164,20 @@ def parse_args(argv: list[str]) -> tuple[Optional[int], float, Optional[float], 
     return width, stop_timeout, standby, rest
 
 
+def visible_names(env: dict, visible: Optional[list[str]]) -> dict[int, str]:
+    """Physical GPU index -> the name the job's CUDA knows it by. The sidecar speaks physical indices
+    (``width.gpus``); under ``ConstrainDevices=yes`` the Prolog numbers the job's GPUs 0..n-1 in
+    ``CUDA_VISIBLE_DEVICES`` (CUDA sees only the devices the job's cgroup allows, in physical order)
+    and lists the physical ones, in the same order, in ``ANTMAN_GPUS``. Without ``ANTMAN_GPUS`` (not
+    under slurm-antman's Prolog) the names are the indices themselves."""
+    if visible is None:
+        return {}
+    physical = [e.strip() for e in (env.get(P.ENV_GPUS) or "").split(",") if e.strip()]
+    if len(physical) == len(visible) and all(_GPU_ENTRY.match(e) and e.isdigit() for e in physical):
+        return {int(g): v for g, v in zip(physical, visible)}
+    return {int(v): v for v in visible if v.isdigit()}
+
+
 def initial_gpus(env: dict, width: Optional[int]) -> tuple[Optional[list[str]], int]:
     """(the GPU list or None, the width)."""
     for name in (P.ENV_CUDA_VISIBLE_DEVICES, P.ENV_GPUS):
@@ -301,11 +315,13 @@ class Launcher:
         self.args = torchrun_args
         self.gpus = gpus
         self.width = width
+        self.env = dict(os.environ if env is None else env)
+        self.names = visible_names(self.env, gpus)  # physical index -> CUDA_VISIBLE_DEVICES name
+        self.physical = list(self.names)  # in the job's order: the Nth worker's GPU is the Nth
         self.stop_timeout = stop_timeout
         self.standby_after = standby_after
         self.standby: Optional[subprocess.Popen] = None
         self._standby_due: Optional[float] = None
-        self.env = dict(os.environ if env is None else env)
         self.last_seq = 0
         self.proc: Optional[subprocess.Popen] = None
         self.dir: Optional[str] = None
@@ -374,7 +390,8 @@ class Launcher:
     def _gpu_env(self) -> dict:
         if self.gpus is None:
             return {}
-        return {P.ENV_CUDA_VISIBLE_DEVICES: ",".join(self.gpus), P.ENV_GPUS: ",".join(self.gpus)}
+        physical = ",".join(map(str, self.physical)) if self.physical else ",".join(self.gpus)
+        return {P.ENV_CUDA_VISIBLE_DEVICES: ",".join(self.gpus), P.ENV_GPUS: physical}
 
     def _spawn(self, first: str, env_over: dict) -> subprocess.Popen:
         env = dict(self.env)
@@ -486,10 +503,17 @@ class Launcher:
 
     def _change(self, seq: int, gpus: list[int], t0: float) -> None:
         before, width_before = self.gpus, self.width
+        if self.names and any(g not in self.names for g in gpus):
+            # Only the GPUs the job started with are in its device cgroup: another one could not be
+            # opened, and a job restarted on it would fail. The job goes on at its width.
+            say(f"width change seq {seq} to GPUs {gpus} ignored: the job started on GPUs {sorted(self.names)}")
+            self.last_seq = seq
+            return
         self._stop()
         gone = time.perf_counter() - t0
         self.last_seq = seq
-        self.gpus = [str(g) for g in gpus]
+        self.gpus = [self.names[g] for g in gpus] if self.names else [str(g) for g in gpus]
+        self.physical = list(gpus)
         self.width = len(gpus)
         if self.ending is not None:
             say(f"width change seq {seq} not carried out: {signal.Signals(self.ending).name} ends the job")

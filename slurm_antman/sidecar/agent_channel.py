@@ -130,12 +130,12 @@ class AgentChannel:
         self._catch_up_width(job, agent)
 
     def _catch_up_width(self, job: RegisteredJob, agent: AgentConnection) -> None:
-        """A launcher's agent that registers with other GPUs than the job's (it restarted its workers
-        before the width change arrived, or the sidecar restarted) is told the job's width again."""
+        """A launcher's agent that registers at another width than the job's (its workers restarted
+        before the width change reached them, or the sidecar restarted) is told the job's width again.
+        By width, not by list: under ConstrainDevices the job names its GPUs 0..n-1, not physically."""
         if job.elastic_min is None or job.width_seq == 0 or p.FEATURE_WIDTH not in agent.reg.features:
             return
-        seen = agent.reg.cuda_visible_devices
-        if seen is not None and seen.split(",") != [str(g) for g in job.gpus]:
+        if agent.reg.world_size != len(job.gpus):
             self._send(job.socket, agent, p.Width(seq=job.width_seq, gpus=list(job.gpus),
                                                   reason="the job's width changed while its workers restarted"))
 

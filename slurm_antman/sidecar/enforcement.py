@@ -178,7 +178,8 @@ class Enforcement:
         """Tell the job's launcher (through its agent with the ``width`` feature) to restart its workers on
         ``change.gpus``. The job counts on the new GPUs from now: a GPU it gives up is the guaranteed
         job's at once, and must be left within the preemption grace time (``_check_width_returns``)."""
-        launcher = next((a for a in job.agents.values() if p.FEATURE_WIDTH in a.reg.features), None)
+        # The latest to register: an agent of workers that are going away may not have timed out yet.
+        launcher = next((a for a in reversed(job.agents.values()) if p.FEATURE_WIDTH in a.reg.features), None)
         if launcher is None:
             return
         before = list(job.gpus)
@@ -212,7 +213,7 @@ class Enforcement:
                     del job.shed[g]
                     self.width_return_s.append(now - since)
                     del self.width_return_s[:-PAUSE_TIMES_KEPT]
-                    log.info("job %s: GPU %d given back %.1f s after the width change", job.job_id, g, now - since)
+                    log.info("job %s: GPU %d given back %.2f s after the width change", job.job_id, g, now - since)
                     continue
                 if now < deadline or job.job_id in self.noncompliant or job.preempt is not None:
                     continue

@@ -89,7 +89,10 @@ class JobRegistry:
                                  self.opt.params.target_slowdown, self.opt.params.min_progress,
                                  avoid if until > time.time() else (),
                                  wait_without_room=self.opt.no_room_wait and b.may_wait)
-            gpus, placement, note = choice.gpus, choice.placement, choice.note
+            # In physical order: CUDA numbers the devices a job's cgroup allows that way, and the Prolog's
+            # CUDA_VISIBLE_DEVICES (0..n-1 under ConstrainDevices) and ANTMAN_GPUS follow this list, so
+            # the Nth worker (local rank N) runs on the Nth GPU here too.
+            gpus, placement, note = sorted(choice.gpus), choice.placement, choice.note
             if placement == "fallback":
                 log.warning("job %s: fallback placement on GPU(s) %s: %s", b.job_id, gpus, note)
             elif placement == "wait":
