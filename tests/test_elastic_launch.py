@@ -349,6 +349,9 @@ def sidecar(tmp_path):
     shutil.rmtree(short, ignore_errors=True)
 
 
+# Slow (13 s): tests/test_cluster_elastic.py runs the same job through the real sidecar and Slurm, and
+# make test is at its 15-minute limit; this one stays for a run without a cluster.
+@pytest.mark.slow
 def test_an_elastic_job_shrinks_and_grows_under_the_launcher_losing_nothing(tmp_path, sidecar):
     steps, every = 50, 10
     ckpt, log, err = tmp_path / "ckpt.pt", tmp_path / "train.jsonl", tmp_path / "launcher.err"
