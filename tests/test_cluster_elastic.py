@@ -15,11 +15,12 @@ import json
 import re
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from slurm_antman.lab import jobs
+from slurm_antman.lab.bench.elastic import (
+    GLOBAL_BATCH, GPU_MEMORY_MB, GUARANTEED, SidecarLog, elastic_job_script, events, lost_steps, steps,
+)
 from conftest import TEST_PORT_BASE, ClusterHandle, managed_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -27,9 +28,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 PORT_BASE = TEST_PORT_BASE + 1700
 GRACE_S = 10           # the devcluster's grace_time_s
 HOLD_S = 5.0           # sidecar.elastic_hold_s here (300 s by default)
-GLOBAL_BATCH = 32
-TRAIN = jobs.script("elastic_train.py")
-GUARANTEED = jobs.script("demo_guaranteed.py")
 
 
 @pytest.fixture(scope="module")
@@ -38,21 +36,9 @@ def elastic_cluster(tmp_path_factory):
     # opportunistic job needs. No coordinator: a width change is the node's own business.
     with managed_cluster(tmp_path_factory.mktemp("elastic-cluster"), tmp_path_factory.mktemp("elastic-jobs"),
                          nodes=1, gpus=2, cpus=4, port_base=PORT_BASE, accounting=False, coordinator=False,
-                         overrides={"nodes": {"gpu_memory_mb": 4096},
+                         overrides={"nodes": {"gpu_memory_mb": GPU_MEMORY_MB},
                                     "sidecar": {"elastic_hold_s": HOLD_S}}) as c:
         yield c
-
-
-def _events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass  # a line being written
-    return out
 
 
 def _wait(pred, timeout: float, what: str, why=lambda: ""):
@@ -63,10 +49,6 @@ def _wait(pred, timeout: float, what: str, why=lambda: ""):
             return v
         time.sleep(0.5)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{why()}")
-
-
-def _steps_at(events: list[dict], width: int, after: int = 0) -> list[dict]:
-    return [e for e in events[after:] if e.get("event") == "step" and e.get("world_size") == width]
 
 
 def _gap(events: list[dict], start_index: int) -> float:
@@ -80,19 +62,15 @@ def test_an_elastic_job_sheds_a_claimed_gpu_trains_on_and_grows_back(elastic_clu
     c = elastic_cluster
     log, ckpt, phase = tmp_path / "train.jsonl", tmp_path / "train.ckpt", tmp_path / "phase"
     phase.write_text("burst")
-    sidecar_log = c.c.dir / "log" / "sidecar-node1.log"
-    mark = sidecar_log.stat().st_size if sidecar_log.exists() else 0
-
-    def sidecar_says() -> str:
-        return sidecar_log.read_text(errors="replace")[mark:] if sidecar_log.exists() else ""
+    side = SidecarLog(c.c.dir / "log" / "sidecar-node1.log")
+    sidecar_says = side.text
 
     def diagnose() -> str:
-        return f"sidecar:\n{sidecar_says()[-3000:]}\njob output:\n{c.output(ej)[-3000:]}\nlog: {_events(log)[-5:]}"
+        return f"sidecar:\n{sidecar_says()[-3000:]}\njob output:\n{c.output(ej)[-3000:]}\nlog: {events(log)[-5:]}"
 
     ej = c.sbatch("--antman=opportunistic", "--antman-elastic=1:2", "--gres=gpu:2", "-w", "node1",
-                  script=f"#!/bin/bash\nexec {sys.executable} -m torch_patch.elastic_launch {TRAIN} --ckpt {ckpt} "
-                         f"--log-file {log} --steps 100000 --step-s 0.1 --global-batch {GLOBAL_BATCH}\n")
-    _wait(lambda: len(_steps_at(_events(log), 2)) >= 10, 120, "10 steps at width 2", diagnose)
+                  script=elastic_job_script(ckpt, log))
+    _wait(lambda: len(steps(events(log), 2)) >= 10, 120, "10 steps at width 2", diagnose)
     gj = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node1", script=f"#!/bin/bash\nexec {sys.executable} "
                   f"{GUARANTEED} {phase}\n")
     shed = _wait(lambda: re.search(r"job %d: WIDTH 2 -> 1, GPU\(s\) \[.*\] -> \[(\d)\]" % ej, sidecar_says()), 90,
@@ -100,30 +78,24 @@ def test_an_elastic_job_sheds_a_claimed_gpu_trains_on_and_grows_back(elastic_clu
     back = _wait(lambda: re.search(r"job %d: GPU (\d) given back ([0-9.]+) s after the width change" % ej,
                                    sidecar_says()), GRACE_S + 30, "the shed GPU given back", diagnose)
     returned_s = float(back.group(2))
-    n_before = len(_events(log))
-    _wait(lambda: len(_steps_at(_events(log), 1)) >= 5, 90, "5 steps at width 1", diagnose)
+    n_before = len(events(log))
+    _wait(lambda: len(steps(events(log), 1)) >= 5, 90, "5 steps at width 1", diagnose)
     assert c.show(ej)["JobState"] == "RUNNING" and c.show(ej).get("Restarts") == "0", diagnose()
     assert "PREEMPT" not in sidecar_says() and "PAUSE" not in sidecar_says(), diagnose()
 
     c.run(["scancel", str(gj)], check=True)
     _wait(lambda: re.search(r"job %d: WIDTH 1 -> 2" % ej, sidecar_says()), 60 + HOLD_S, "the grow", diagnose)
-    _wait(lambda: len(_steps_at(_events(log), 2, after=n_before)) >= 5, 90, "5 steps at width 2 again", diagnose)
+    _wait(lambda: len(steps(events(log)[n_before:], 2)) >= 5, 90, "5 steps at width 2 again", diagnose)
     c.run(["scancel", str(ej)], check=True)
 
-    events = _events(log)
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
-    assert [events[i]["world_size"] for i in starts] == [2, 1, 2], events
-    steps = [e for e in events if e.get("event") == "step"]
-    # Nothing lost: every step from 1 to the last trained, on exactly its samples, whatever the width;
-    # a step repeats only if it was logged after the checkpoint the restart loaded.
-    assert sorted({e["step"] for e in steps}) == list(range(1, steps[-1]["step"] + 1))
-    for e in steps:
-        assert (e["first"], e["last"]) == ((e["step"] - 1) * GLOBAL_BATCH, e["step"] * GLOBAL_BATCH - 1), e
-    for i in starts[1:]:
-        resumed_at = events[i]["step"]
-        last_logged = max(e["step"] for e in events[:i] if e.get("event") == "step")
-        assert 0 <= last_logged - resumed_at <= 1, (resumed_at, last_logged)
-    shrink_gap, grow_gap = _gap(events, starts[1]), _gap(events, starts[2])
+    evs = events(log)
+    starts = [i for i, e in enumerate(evs) if e.get("event") == "start"]
+    assert [evs[i]["world_size"] for i in starts] == [2, 1, 2], evs
+    # Nothing lost: every step from 1 to the last trained, on exactly its samples (GLOBAL_BATCH each),
+    # whatever the width; a restart resumes at the step the width change's checkpoint holds.
+    assert lost_steps(evs) == [], lost_steps(evs)
+    assert len(steps(evs)) >= 25 and steps(evs)[-1]["last"] == steps(evs)[-1]["step"] * GLOBAL_BATCH - 1
+    shrink_gap, grow_gap = _gap(evs, starts[1]), _gap(evs, starts[2])
     launcher = [json.loads(m) for m in re.findall(r"antman-elastic-launch: width change (\{.*\})", c.output(ej))]
     assert back.group(1) != shed.group(1)  # the GPU given back is not the one it kept
     print(f"\nelastic width on the devcluster: shed GPU {back.group(1)} given back {returned_s:.1f} s after the "
