@@ -1,5 +1,6 @@
 """The simulator's Slurm placement and backfill (issue 29): -N semantics, switches, EASY backfill's
-reservation, and the per-GPU cost of crossing nodes (Pollux's measurements, locality_data.py)."""
+reservation, and the per-GPU cost of crossing nodes (Pollux's measurements, locality_data.py). Elastic
+width: tests/test_simulator_elastic.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman.lab.evaluation import traces
-from slurm_antman.lab.evaluation.locality_data import profile_efficiency, profile_speedup
+from slurm_antman.lab.evaluation.locality_data import profile_efficiency
 from slurm_antman.lab.evaluation.simulator import SimConfig, simulate
 from slurm_antman.lab.evaluation.simulator.engine import Simulator
 from slurm_antman.lab.evaluation.simulator.scheduler import split
@@ -109,69 +110,6 @@ def test_placement_flags_are_checked_and_named():
                      (dict(bf_window_s=0.0), "bf_window_s")):
         with pytest.raises(ValueError, match=flag):
             SimConfig(policy="exclusive", **kw)
-
-
-def _r50_seed() -> int:
-    from slurm_antman.lab.evaluation.workloads import assign
-
-    return next(s for s in range(10_000) if assign("philly-2", s).kind == assign("philly-3", s).kind == "R50_32")
-
-
-def test_an_elastic_job_gives_up_the_reclaimed_gpu_instead_of_being_requeued(tmp_path):
-    # One node of 2 GPUs. b's 2-GPU job is over b's quota (opportunistic) and fills both GPUs; a's
-    # guaranteed job then lands on GPU 0, where the pair is too slow even at the minimum share
-    # (slow_preempt_s). Not elastic, b's job is requeued and waits for a room for 2 GPUs; elastic, it
-    # sheds GPU 0 and trains on at half width, with nothing lost.
-    jobs = trace(tmp_path, [(at(0), 5000.0, 2, "b"), (at(100), 10_000.0, 1, "a")])
-    b_id = jobs[0].job_id
-    base = dict(policy="antman", nodes=1, gpus_per_node=2, seed=_r50_seed(), utilisation="saturated",
-                slow_preempt_s=120.0)
-    rigid = simulate(jobs, SimConfig(**base))
-    elastic = simulate(jobs, SimConfig(**base, elastic_share=1.0))
-    rb = next(x for x in rigid.jobs if x["job_id"] == b_id)
-    eb = next(x for x in elastic.jobs if x["job_id"] == b_id)
-    assert rb["class"] == eb["class"] == "opportunistic" and eb["elastic"]
-    assert rb["preemptions"] >= 1
-    assert elastic.metrics["preemptions"] == 0 and eb["restarts"] == 0
-    assert elastic.metrics["shrinks"] >= 1 and eb["width_changes"] >= 1
-    assert eb["end_s"] < rb["end_s"]
-    assert elastic.metrics["jobs_done"] == 2
-
-
-def test_an_elastic_job_starts_narrow_and_grows_when_room_comes(tmp_path):
-    # a's guaranteed job holds GPU 0; b's elastic 2-GPU job finds room for one GPU only (under
-    # no_room=wait the busy GPU is no room): it starts at width 1 instead of waiting, and takes GPU 0
-    # once a's job is done and the hold is over.
-    jobs = trace(tmp_path, [(at(0), 3000.0, 1, "a"), (at(100), 8000.0, 2, "b")])
-    a_id, b_id = (j.job_id for j in jobs)
-    base = dict(policy="antman", nodes=1, gpus_per_node=2, seed=_r50_seed(), utilisation="saturated")
-    rigid = {x["job_id"]: x for x in simulate(jobs, SimConfig(**base)).jobs}
-    r = simulate(jobs, SimConfig(**base, elastic_share=1.0))
-    el = {x["job_id"]: x for x in r.jobs}
-    assert rigid[b_id]["first_start_s"] >= rigid[a_id]["end_s"] - 1e-6  # waited for a room for 2
-    assert el[b_id]["first_start_s"] == pytest.approx(100.0, abs=1.0)
-    assert r.metrics["grows"] >= 1 and el[b_id]["end_s"] < rigid[b_id]["end_s"]
-
-
-def test_an_elastic_job_at_half_width_keeps_its_profiles_measured_share_of_its_pace(tmp_path):
-    # One node of 4: a's guaranteed job holds 2 GPUs for longer than b's run, so b's elastic 4-GPU job
-    # runs its whole life at width 2. Its pace is S(2) / S(4) of its full width's (Pollux's one-node
-    # speedups, 0.53 for resnet50), not the 0.5 of linear scaling.
-    jobs = trace(tmp_path, [(at(0), 100_000.0, 2, "a"), (at(100), 5000.0, 4, "b")])
-    cfg = SimConfig(policy="antman", nodes=1, gpus_per_node=4, seed=_r50_seed(), utilisation="saturated",
-                    elastic_share=1.0)
-    b = next(x for x in simulate(jobs, cfg).jobs if x["job_id"] == jobs[1].job_id)
-    assert b["class"] == "opportunistic" and b["elastic"] and b["width_changes"] == 0
-    pace = profile_speedup(b["profile"], 2) / profile_speedup(b["profile"], 4)
-    assert pace > 0.5
-    assert b["end_s"] - b["first_start_s"] - cfg.start_overhead_s == pytest.approx(5000.0 / pace)
-
-
-def test_elastic_flags_are_checked_and_named():
-    for kw, flag in ((dict(elastic_share=1.5), "--elastic-share"), (dict(elastic_change_s=-1.0), "--elastic-change-s"),
-                     (dict(elastic_hold_s=-1.0), "--elastic-hold-s")):
-        with pytest.raises(ValueError, match=flag):
-            SimConfig(policy="antman", **kw)
 
 
 def test_size_buckets_compare_the_same_jobs_under_antman_and_exclusive(tmp_path):

@@ -81,9 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic-share", type=float, default=SimConfig.elastic_share,
                    help="antman: the share of multi-GPU jobs that are elastic (1 to their GPUs; 0 to 1)")
     p.add_argument("--elastic-change-s", type=float, default=SimConfig.elastic_change_s,
-                   help="antman: seconds a width change stops an elastic job (default: 5%% of a requeue's restart)")
+                   help="antman: seconds a width change stops an elastic job (default: the devcluster's measured "
+                        "median training gap, tests/test_cluster_elastic.py; Amoeba's ~95%% saving gives 0.3)")
     p.add_argument("--elastic-hold-s", type=float, default=SimConfig.elastic_hold_s,
                    help="antman: least seconds between two width changes of one job (hysteresis)")
+    p.add_argument("--elastic-narrow-start", action="store_true",
+                   help="antman, what-if not built on the real path: an elastic job with no room for all of it "
+                        "starts on the node with the most room, narrower")
+    p.add_argument("--elastic-grow-shared", action="store_true",
+                   help="antman, what-if not built on the real path: an elastic job grows onto any GPU where the "
+                        "node policy would place an opportunistic job (default: an idle GPU it shed)")
+    p.add_argument("--elastic-multinode", action="store_true",
+                   help="antman, what-if not built on the real path: jobs wider than a node may be elastic "
+                        "(job_submit.lua refuses them)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -125,7 +135,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                           resume_hold_s=a.resume_hold_s, placement=a.placement, backfill=a.backfill,
                           locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s,
                           elastic_share=a.elastic_share, elastic_change_s=a.elastic_change_s,
-                          elastic_hold_s=a.elastic_hold_s)
+                          elastic_hold_s=a.elastic_hold_s, elastic_narrow_start=a.elastic_narrow_start,
+                          elastic_grow_shared=a.elastic_grow_shared, elastic_multinode=a.elastic_multinode)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
@@ -145,7 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s, "placement": a.placement,
             "backfill": a.backfill, "locality": a.locality, "nodes_per_switch": a.nodes_per_switch,
             "switch_wait_s": a.switch_wait_s, "elastic_share": a.elastic_share,
-            "elastic_change_s": a.elastic_change_s, "elastic_hold_s": a.elastic_hold_s, "load_s": round(load_s, 3)}
+            "elastic_change_s": a.elastic_change_s, "elastic_hold_s": a.elastic_hold_s,
+            "elastic_narrow_start": a.elastic_narrow_start, "elastic_grow_shared": a.elastic_grow_shared,
+            "elastic_multinode": a.elastic_multinode, "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))

@@ -312,6 +312,7 @@ class AntmanAdapter:
                     g.guar.append(d.job_id)
                     self.free_gpus.discard(i)
                     self.free_by_node = None
+            self._elastic_release(j)  # a guaranteed job holds the GPUs it runs on, no shed slot
             self._refresh(j.gpus)
         elif kind == "requeue" and j.state == "RUNNING":
             self._stop(j, "preempt")

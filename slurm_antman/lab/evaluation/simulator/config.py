@@ -94,10 +94,16 @@ class SimConfig(TraceRunConfig):
     nodes_per_switch: int = 0
     switch_wait_s: Optional[float] = 300.0
     # antman: the share of multi-GPU jobs that are elastic (--antman-elastic=1:g), the seconds a width
-    # change stops a job, and the least time between two changes of one job (elastic.py).
+    # change stops a job (2.2 s: the devcluster's measured median, tests/test_cluster_elastic.py), and
+    # the least time between two changes of one job (elastic.py).
     elastic_share: float = 0.0
-    elastic_change_s: float = 0.3
+    elastic_change_s: float = 2.2
     elastic_hold_s: float = 300.0
+    # What-ifs not built on the real path (elastic.py): start narrow when there is no room for all of
+    # a job, grow wherever the node policy places an opportunistic job, elastic jobs wider than a node.
+    elastic_narrow_start: bool = False
+    elastic_grow_shared: bool = False
+    elastic_multinode: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -140,7 +140,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         duty = prof.duty(util)
         sj = SimJob(j, prof, requested, klass, submit, dur, work_left=dur, submitted_as=klass,
                   util=duty * prof.sm_util, duty=duty,
-                  elastic=is_elastic(j.job_id, j.gpus, self.cfg.elastic_share, self.cfg.seed))
+                  elastic=is_elastic(j.job_id, j.gpus, self.cfg.elastic_share, self.cfg.seed,
+                                     None if self.cfg.elastic_multinode else self.cfg.gpus_per_node))
         self.jobs[j.job_id] = sj
         self._push(submit, SUBMIT, j.job_id, 0)
 
@@ -253,7 +254,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         # the GPUs but is not throttled: the agent only acts from the first boundary on.
         j.state, j.gpus, j.start, j.t_last, j.view = "RUNNING", gpus, self.now, self.now + self.cfg.start_overhead_s, None
         j.locality = self._locality(j, gpus)
-        j.width_changed_at = self.now
+        # The elastic hold counts from the last width change; a narrow start (elastic.py) is one.
+        j.width_changed_at = self.now if len(gpus) < j.job.gpus else float("-inf")
         if j.first_start is None:
             j.first_start = self.now
         if self.cfg.policy == "antman" or not j.ran_as:
@@ -352,6 +354,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             if not g.guar and (self.cfg.policy not in WHOLE_GPU or not g.opp):
                 self.free_gpus.add(i)
                 self.free_by_node = None
+        self._elastic_release(j)
         gpus, j.gpus = j.gpus, ([] if j.state == "PENDING" else j.gpus)
         self._refresh(gpus)
         if j.state == "DONE":

@@ -314,7 +314,9 @@ class SlurmScheduler:
         return max(j.work_left, 0.0) + self.cfg.start_overhead_s
 
     def _place(self, j: SimJob, resv: Optional[Reservation] = None) -> Optional[list[int]]:
-        if self.cfg.placement == "spread":
+        # job_submit.lua keeps an elastic job on one node (elastic.py), whatever the placement model.
+        one_node = j.elastic and j.klass == "opportunistic" and self.cfg.policy == "antman"
+        if self.cfg.placement == "spread" and not (one_node and not self.cfg.elastic_multinode):
             return self._place_spread(j)
         want = j.job.gpus
         counts = split(want, self._nodes_for(want))
@@ -393,11 +395,13 @@ class SlurmScheduler:
                 free[ends[k][1]] = free.get(ends[k][1], 0) + ends[k][2]
                 k += 1
 
-    def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool, exclude: Iterable[int] = ()) -> list[int]:
-        """Up to ``take`` GPUs of node ``k`` for an opportunistic job: the node's free slots, then the
-        node policy's choice among its GPUs with room (antman) or its plain rules (shared)."""
+    def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool, exclude: Iterable[int] = (),
+                  extra_slots: int = 0) -> list[int]:
+        """Up to ``take`` GPUs of node ``k`` for an opportunistic job: the node's free slots (plus
+        ``extra_slots`` the job holds there already), then the node policy's choice among its GPUs with
+        room (antman) or its plain rules (shared)."""
         per_node = self.cfg.gpus_per_node
-        free_slots = self.opp_slots[k] - self.node_opp[k]
+        free_slots = self.opp_slots[k] - self.node_opp[k] + extra_slots
         if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
             return []
         node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
@@ -423,14 +427,15 @@ class SlurmScheduler:
         wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
         if len(counts) == 1:
             narrow: list[int] = []
-            elastic = j.elastic and self.cfg.policy == "antman"
+            narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
             for k in range(self.cfg.nodes):
                 got = self._opp_pick(j, k, counts[0], wait)
                 if len(got) >= counts[0]:
                     return got
-                if elastic and len(got) > len(narrow):
+                if narrow_start and len(got) > len(narrow):
                     narrow = got
-            # An elastic job starts on the node with the most room rather than wait (elastic.py).
+            # The what-if elastic_narrow_start (not built on the real path, elastic.py): start on the
+            # node with the most room rather than wait.
             return narrow or None
         picks: dict[int, list[int]] = {}
         for k in range(self.cfg.nodes):

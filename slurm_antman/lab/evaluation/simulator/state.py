@@ -54,6 +54,7 @@ class SimJob:
     elastic: bool = False   # opportunistic under antman: may run on 1 to job.gpus GPUs (elastic.py)
     width_changed_at: float = 0.0
     width_changes: int = 0
+    off: list[int] = field(default_factory=list)  # elastic: GPUs it shed, whose Slurm slots it keeps
 
 
 @dataclass(slots=True)
