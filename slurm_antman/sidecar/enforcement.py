@@ -221,16 +221,7 @@ class Enforcement:
                 self.width_unreturned_total += 1
                 why = (f"told to give up GPU {g} (a width change) {now - since:.0f} s ago, and its processes still "
                        f"use it after the grace time ({self.opt.params.grace_s:g} s)")
-                req = PreemptRequest(job.job_id, g, why, now, now)
-                self.noncompliant[job.job_id] = req
-                self.noncompliant_total += 1
-                log.warning("job %s: NON-COMPLIANT, asking for its requeue: %s", job.job_id, why)
-                if self._uplink is not None:
-                    self._report_now = True
-                else:
-                    job.preempt = req
-                    for a in job.agents.values():
-                        self._send_preempt(job, a)
+                self._noncompliant(job, g, why, now)
 
     def _pause(self, job: RegisteredJob, reason: str) -> None:
         job.pause_seq += 1
@@ -310,17 +301,21 @@ class Enforcement:
             job = self.jobs[job_id]
             if job_id in self.noncompliant or job.preempt is not None:
                 continue
-            gpu = next((g for g in job.gpus if g in guarded), job.gpus[0] if job.gpus else 0)
-            req = PreemptRequest(job_id, gpu, why, now, now)
-            self.noncompliant[job_id] = req
-            self.noncompliant_total += 1
-            log.warning("job %s: NON-COMPLIANT, asking for its requeue: %s", job_id, why)
-            if self._uplink is not None:
-                self._report_now = True
-            else:
-                job.preempt = req
-                for a in job.agents.values():
-                    self._send_preempt(job, a)
+            self._noncompliant(job, next((g for g in job.gpus if g in guarded), job.gpus[0] if job.gpus else 0), why, now)
+
+    def _noncompliant(self, job: RegisteredJob, gpu: int, why: str, now: float) -> None:
+        """Ask for the job's requeue at once: from the coordinator, which requeues it; without one, a
+        preemption notice to its agents, all a sidecar can do."""
+        req = PreemptRequest(job.job_id, gpu, why, now, now)
+        self.noncompliant[job.job_id] = req
+        self.noncompliant_total += 1
+        log.warning("job %s: NON-COMPLIANT, asking for its requeue: %s", job.job_id, why)
+        if self._uplink is not None:
+            self._report_now = True
+        else:
+            job.preempt = req
+            for a in job.agents.values():
+                self._send_preempt(job, a)
 
     def _check_health(self, mono: float, force: bool = False) -> None:
         if not force and mono - self._health_checked < HEALTH_CHECK_S:
