@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="antman: an opportunistic job on a node where too few GPUs meet the opportunistic rules "
                         "waits for room (wait, the default, as antman.yaml's opportunistic.no_room) or starts on the "
                         "least-loaded ones (fallback)")
+    p.add_argument("--no-room-wait-max-s", type=float, default=None,
+                   help="antman, what-if not built on the real path: under --no-room wait, an opportunistic job "
+                        "waits for room at most this long after its submission, then starts as under fallback")
     p.add_argument("--upgrade-running", action="store_true",
                    help="antman: make running opportunistic jobs guaranteed when their tenant has quota again "
                         "(antman.yaml opportunistic.upgrade_running; off by default)")
@@ -94,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--elastic-multinode", action="store_true",
                    help="antman, what-if not built on the real path: jobs wider than a node may be elastic "
                         "(job_submit.lua refuses them)")
+    p.add_argument("--wait-study-s", type=float, default=None,
+                   help="antman, a study: while a one-GPU opportunistic job waits for room, at most once per this "
+                        "many simulated seconds, count which rule keeps each GPU from it (metrics: wait_study)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -136,7 +142,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                           locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s,
                           elastic_share=a.elastic_share, elastic_change_s=a.elastic_change_s,
                           elastic_hold_s=a.elastic_hold_s, elastic_narrow_start=a.elastic_narrow_start,
-                          elastic_grow_shared=a.elastic_grow_shared, elastic_multinode=a.elastic_multinode)
+                          elastic_grow_shared=a.elastic_grow_shared, elastic_multinode=a.elastic_multinode,
+                          wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)

@@ -51,24 +51,32 @@ def _progress(g: GpuLoad, target_slowdown: float) -> float:
     return predicted_progress(g.utilization_avg, g.guaranteed_jobs, g.opportunistic_jobs, target_slowdown)
 
 
+def exclusion(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
+              min_progress: float, avoid: Collection[int] = ()) -> tuple[str, str]:
+    """The first opportunistic rule that keeps ``g`` from a new opportunistic job, as (rule, why):
+    rule is one of ``avoid``, ``slots``, ``guaranteed``, ``unmeasured``, ``utilisation``, ``progress``;
+    ("", "") when the GPU qualifies."""
+    if g.index in avoid:
+        return "avoid", f"GPU {g.index}: the job was moved off it for crawling"
+    if g.opportunistic_jobs >= slots_per_gpu:
+        return "slots", f"GPU {g.index}: {g.opportunistic_jobs}/{slots_per_gpu} opportunistic slots taken"
+    if g.guaranteed_jobs > 1:
+        return "guaranteed", f"GPU {g.index}: {g.guaranteed_jobs} guaranteed jobs (at most 1 may take opportunistic work)"
+    if not g.util_measured:
+        return "unmeasured", (f"GPU {g.index}: its guaranteed job has not iterated for a {window_s:g} s window yet; "
+                              "its utilisation is not measured")
+    if g.utilization_avg > threshold:
+        return "utilisation", f"GPU {g.index}: utilisation {g.utilization_avg:.2f} > {threshold:.2f} over {window_s:g} s"
+    if min_progress > 0 and _progress(g, target_slowdown) < min_progress:
+        return "progress", (f"GPU {g.index}: predicted progress {_progress(g, target_slowdown):.2f} < {min_progress:.2f} "
+                            f"({g.guaranteed_jobs} guaranteed, {g.opportunistic_jobs} opportunistic, utilisation "
+                            f"{g.utilization_avg:.2f})")
+    return "", ""
+
+
 def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
              min_progress: float, avoid: Collection[int]) -> str:
-    if g.index in avoid:
-        return f"GPU {g.index}: the job was moved off it for crawling"
-    if g.opportunistic_jobs >= slots_per_gpu:
-        return f"GPU {g.index}: {g.opportunistic_jobs}/{slots_per_gpu} opportunistic slots taken"
-    if g.guaranteed_jobs > 1:
-        return f"GPU {g.index}: {g.guaranteed_jobs} guaranteed jobs (at most 1 may take opportunistic work)"
-    if not g.util_measured:
-        return (f"GPU {g.index}: its guaranteed job has not iterated for a {window_s:g} s window yet; "
-                "its utilisation is not measured")
-    if g.utilization_avg > threshold:
-        return f"GPU {g.index}: utilisation {g.utilization_avg:.2f} > {threshold:.2f} over {window_s:g} s"
-    if min_progress > 0 and _progress(g, target_slowdown) < min_progress:
-        return (f"GPU {g.index}: predicted progress {_progress(g, target_slowdown):.2f} < {min_progress:.2f} "
-                f"({g.guaranteed_jobs} guaranteed, {g.opportunistic_jobs} opportunistic, utilisation "
-                f"{g.utilization_avg:.2f})")
-    return ""
+    return exclusion(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid)[1]
 
 
 def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: float,

@@ -104,8 +104,21 @@ class SimConfig(TraceRunConfig):
     elastic_narrow_start: bool = False
     elastic_grow_shared: bool = False
     elastic_multinode: bool = False
+    # A study, not a policy (issue 29): while a one-GPU opportunistic job waits for room (no_room=wait),
+    # at most once per this many simulated seconds, which rule keeps each GPU of the cluster from it
+    # (policy.node.placement.exclusion; "node_slots:RULE": its node's opportunistic Slurm slots are taken too),
+    # sampled at the scheduling passes where such a job finds no room.
+    # None: no study. It reads the state only: the run is the same with it.
+    wait_study_s: Optional[float] = None
+    # What-if, not built on the real path: under no_room=wait, an opportunistic job waits for room at
+    # most this long after its submission, then starts as under fallback. None: it waits as long as it takes.
+    no_room_wait_max_s: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if self.no_room_wait_max_s is not None and not self.no_room_wait_max_s >= 0:
+            raise ValueError(f"--no-room-wait-max-s must be >= 0 seconds, got {self.no_room_wait_max_s!r}")
+        if self.wait_study_s is not None and not self.wait_study_s > 0:
+            raise ValueError(f"--wait-study-s must be > 0 simulated seconds, got {self.wait_study_s!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"--policy {self.policy!r} is not allowed; allowed: {', '.join(POLICIES)}")
         for name in ("nodes", "gpus_per_node", "slots_per_gpu"):

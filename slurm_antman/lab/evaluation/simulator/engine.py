@@ -101,6 +101,9 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         # Kept up to date so a scheduling pass over a long queue costs little per job.
         self.free_gpus: set[int] = set(range(n))      # no guaranteed job (exclusive: no job at all)
         self.usage: dict[str, int] = {}               # tenant -> GPUs running as guaranteed
+        self.wait_study: dict[str, int] = {}  # cfg.wait_study_s: rule -> GPU samples (scheduler._study_wait)
+        self.wait_study_next = 0.0
+        self.wait_woken: set[str] = set()  # no_room_wait_max_s: jobs whose end-of-wait pass is queued
         self.counts = {"oom_failures": 0, "preemptions": 0, "upgrades": 0, "cycles": 0,
                        "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0, "pauses": 0, "resumes": 0,
                        "width_changes": 0, "shrinks": 0, "grows": 0}
@@ -399,6 +402,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             coordinator_cycles=self.counts["cycles"],
             quotas=dict(self.quotas),
         )
+        if self.cfg.wait_study_s is not None:
+            metrics["wait_study"] = dict(self.wait_study)
         return SimResult(self.cfg.policy, metrics, rows, _downsample(self.series, self.cfg.max_samples))
 
 

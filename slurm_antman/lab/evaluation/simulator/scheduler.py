@@ -47,7 +47,7 @@ import heapq
 from typing import Iterable, Iterator, Optional
 
 from slurm_antman.policy.cluster.quota import fits_quota
-from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
+from slurm_antman.policy.node.placement import GpuLoad, choose_gpus, exclusion
 
 from ..locality_data import profile_efficiency
 from .config import WHOLE_GPU
@@ -421,10 +421,45 @@ class SlurmScheduler:
             pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
         return [k * per_node + i for i in pick.gpus]
 
+    def _waits_for_room(self, j: SimJob) -> bool:
+        """Under no_room=wait an opportunistic job waits for a GPU that meets the rules; with the what-if
+        ``no_room_wait_max_s`` (not built on the real path) only that long after its submission, then
+        it takes the least-loaded GPUs as under fallback."""
+        if self.cfg.policy != "antman" or self.cfg.no_room != "wait":
+            return False
+        return self.cfg.no_room_wait_max_s is None or self.now - j.submit < self.cfg.no_room_wait_max_s
+
+    def _waiting_for_room(self, j: SimJob, width: int) -> None:
+        """A job that waits for room: the study's sample, and under ``no_room_wait_max_s`` a pass when
+        its wait is over (nothing else may happen on the cluster until then)."""
+        if width == 1 and self.cfg.wait_study_s is not None:
+            self._study_wait()
+        if self.cfg.no_room_wait_max_s is not None and j.job.job_id not in self.wait_woken:
+            self.wait_woken.add(j.job.job_id)
+            self._push(j.submit + self.cfg.no_room_wait_max_s, WAKE, j.job.job_id, 0)
+
+    def _study_wait(self) -> None:
+        """``cfg.wait_study_s``: which rule keeps each GPU from a waiting one-GPU opportunistic job."""
+        if self.now < self.wait_study_next:
+            return
+        self.wait_study_next = self.now + self.cfg.wait_study_s
+        per = self.cfg.gpus_per_node
+        self.wait_study["samples"] = self.wait_study.get("samples", 0) + 1
+        for k in range(self.cfg.nodes):
+            full = self.opp_slots[k] - self.node_opp[k] <= 0
+            for g in self.gpus[k * per:(k + 1) * per]:
+                load = GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp),
+                               self.now >= g.measured_at)
+                rule = exclusion(load, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
+                                 self.lp_params.target_slowdown, self.cfg.min_progress)[0] or "qualifies"
+                if full:  # the coordinator's slot count for the node, from its last cycle, is used up
+                    rule = f"node_slots:{rule}"
+                self.wait_study[rule] = self.wait_study.get(rule, 0) + 1
+
     def _place_opportunistic(self, j: SimJob, counts: list[int]) -> Optional[list[int]]:
         """On one node for a job that fits one (the first node, in order, with room for all of it),
         else on nodes each with room for its part, under one switch while it waits for one."""
-        wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
+        wait = self._waits_for_room(j)
         if len(counts) == 1:
             narrow: list[int] = []
             narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
@@ -436,6 +471,8 @@ class SlurmScheduler:
                     narrow = got
             # The what-if elastic_narrow_start (not built on the real path, elastic.py): start on the
             # node with the most room rather than wait.
+            if not narrow and wait:
+                self._waiting_for_room(j, counts[0])
             return narrow or None
         picks: dict[int, list[int]] = {}
         for k in range(self.cfg.nodes):
@@ -462,7 +499,7 @@ class SlurmScheduler:
                 return None
             return self._pack(sorted(self.free_gpus), want, prefer_empty=self.cfg.policy == "shared")
         chosen: list[int] = []
-        wait = self.cfg.policy == "antman" and self.cfg.no_room == "wait"
+        wait = self._waits_for_room(j)
         for k in range(self.cfg.nodes):
             if len(chosen) >= want:
                 break
