@@ -16,6 +16,18 @@ so a replay and a simulation of the same trace can be compared:
 - the agent reports the footprint as GPU memory and ``sm_util`` x duty as GPU busy time
   (``Agent.emulate_device``), which is what the sidecar's emulated telemetry adds up.
 
+With ``--contend`` the formula is not used: the job runs on its GPUs' contending devices
+(``contended_gpu``), which execute one job's kernels at a time, in submission order, with a
+context-switch cost, so its slowdown is the time it waits for the device behind its neighbours. A
+mini-batch is then a host phase of ``iter_ms * (1 - sm_util)`` (data loading: a sleep, the device
+left to the others), then a GPU phase of ``iter_ms * sm_util`` launched as kernels of at most
+``KERNEL_MAX_S`` without waiting for each (each launch a module call, as :class:`_Kernel` is, for the
+launch-mode throttle), then a synchronize (``loss.item()``). ``sm_util`` is nvidia-smi's busy fraction
+of the model alone (docs/workload_model.md), so alone the device is busy exactly that fraction of the
+job's time (``contended_gpu.split_minibatch``). The record's ``mean_slowdown`` is then measured: the
+mini-batch's time, less the throttle's idle, over ``iter_ms``. The formula stays the default (the
+replay's comparisons with the simulator depend on it); all jobs of one replay must use the same mode.
+
 The compute is ``time.sleep``: dozens of these jobs share two cores, so they must not burn CPU.
 Progress is counted in solo work seconds (``iter_ms`` per mini-batch, whatever it took), saved to a
 checkpoint by the preemption hook, every ~10 s and on SIGTERM, and resumed by a requeued run. Every
@@ -42,6 +54,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from slurm_antman.protocol import ENV_CLASS, ENV_CUDA_VISIBLE_DEVICES, ENV_GPUS
 
+from .contended_gpu import DEFAULT_SWITCH_S, ContendedDevice, DeviceError, Sleeper, minibatch, split_minibatch
 from .emulated_gpu import OOM, WAIT, Board, BoardError, OomCheck, write_json_atomic
 from .workloads import BY_NAME, Profile
 
@@ -117,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="each GPU's memory in bytes: fail with CUDA out of memory when the jobs' "
                         "footprints on a GPU exceed it and this job arrived last (uncontrolled "
                         "sharing); absent: never")
+    p.add_argument("--contend", action="store_true",
+                   help="run on the GPUs' contending emulated devices (contended_gpu): the slowdown is "
+                        "the time spent waiting for the device, not the workload formula's")
+    p.add_argument("--switch-ms", type=float, default=DEFAULT_SWITCH_S * 1e3,
+                   help="with --contend: the device's context-switch cost in ms, if this job starts the "
+                        "device (default %(default)s, assumed: see contended_gpu)")
     return p
 
 
@@ -132,6 +151,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(f"--spill-rate must be in (0, 1], got {a.spill_rate}")
     if not (math.isfinite(a.iter_scale) and a.iter_scale > 0):
         p.error(f"--iter-scale must be a number > 0, got {a.iter_scale}")
+    if not (math.isfinite(a.switch_ms) and 0 <= a.switch_ms <= 1000):
+        p.error(f"--switch-ms must be in [0, 1000] (milliseconds), got {a.switch_ms}")
     if a.gpu_mem_bytes is not None and a.gpu_mem_bytes < 1:
         p.error(f"--gpu-mem-bytes must be an integer >= 1 (bytes of GPU memory), got {a.gpu_mem_bytes}")
     for flag, path in (("--state-dir", a.state_dir), ("--board-dir", a.board_dir)):
@@ -203,11 +224,34 @@ def _kernel_class() -> type:
     return _Kernel
 
 
+def _launch_class() -> type:
+    import torch
+
+    class _Launch(torch.nn.Module):
+        """One kernel launch on the contending device (``--contend``): a module call, so that the
+        agent's launch-mode throttle hooks it as it hooks a real model's launches. Returns at once
+        unless the job's launch queue is full (``ContendedDevice``)."""
+
+        def __init__(self, dev: ContendedDevice) -> None:
+            super().__init__()
+            self.dev = dev
+
+        def forward(self, seconds: float) -> None:
+            self.dev.launch(seconds)
+            return None
+
+    return _Launch
+
+
 class EmulatedJob:
     def __init__(self, profile: Profile, work_s: float, state_dir: str, board: Board, ident: Identity,
                  spill_rate: float = DEFAULT_SPILL_RATE, iter_scale: float = 1.0,
-                 gpu_mem_bytes: Optional[int] = None) -> None:
+                 gpu_mem_bytes: Optional[int] = None, contend: bool = False,
+                 switch_s: float = DEFAULT_SWITCH_S) -> None:
         self.profile = profile
+        self.contend = contend
+        self.switch_s = switch_s
+        self.device: Optional[ContendedDevice] = None
         self.gpu_mem_bytes = gpu_mem_bytes  # None: never out of memory
         self.work_s = work_s
         self.state_dir = state_dir
@@ -262,6 +306,7 @@ class EmulatedJob:
             "mean_slowdown": self._slowdown_sum / self._iterations if self._iterations else 1.0,
             "iterations": self._iterations,
             "class": os.environ.get(ENV_CLASS),
+            "contend": self.contend,  # mean_slowdown measured on the contending device, not the formula
             "rank": int(os.environ.get("SLURM_PROCID", "0") or 0),
         }
         # One write() of one line with O_APPEND: lines of concurrent writers (there are none per job
@@ -292,6 +337,10 @@ class EmulatedJob:
             agent.emulate_device(self.profile.mem_bytes, self.profile.sm_util)
             torch_patch.on_preempt(lambda notice: self.save_checkpoint())
             self._arrive()
+            if self.contend:
+                # After the memory check: a job that does not fit never computes.
+                self.device = ContendedDevice(self.board.root, self.ident.node, self.ident.gpus,
+                                              self.ident.job_id, switch_s=self.switch_s)
             self._loop(agent)
             completed = True
             return EXIT_OK
@@ -302,10 +351,15 @@ class EmulatedJob:
             return EXIT_FAILED
         except _Terminated:
             return EXIT_TERMINATED
+        except DeviceError as e:
+            sys.stderr.write(f"emulated_job: the contending emulated GPU failed: {e}\n")
+            return EXIT_FAILED
         finally:
             # From here on a SIGTERM is only noted: the record is what the replay is measured by,
             # and a job that completed stays completed.
             self.guard.hold_forever()
+            if self.device is not None:
+                self.device.close()  # the device drops whatever of ours is still queued
             try:
                 self.board.withdraw(self.ident.job_id)
             finally:
@@ -349,7 +403,11 @@ class EmulatedJob:
     def _loop(self, agent: Any) -> None:
         import torch_patch
 
-        kernel = _kernel_class()()
+        dev = self.device
+        kernel = _kernel_class()() if dev is None else _launch_class()(dev)
+        if dev is not None:
+            self._throttle_synchronizes(agent.throttle, dev)
+        host_sleep = Sleeper()
         job_id, footprint, util = self.ident.job_id, self.profile.mem_bytes, self.profile.sm_util
         published_share: Optional[float] = None
         last_publish = last_ckpt = time.monotonic()
@@ -360,15 +418,23 @@ class EmulatedJob:
                 with self.guard.held():
                     self.board.publish(job_id, util * share, footprint, self.profile.kind, share)
                 published_share, last_publish = share, now
-            slowdown = self.board.slowdown(job_id, self.profile)
+            if dev is None:
+                slowdown = self.board.slowdown(job_id, self.profile)
             self._check_memory()
             limit = agent.memory.limit_bytes
-            busy = self.iter_s * slowdown
-            if limit is not None and limit < footprint:
-                busy /= self.spill_rate
-            n = max(1, math.ceil(busy / KERNEL_MAX_S))
-            for _ in range(n):
-                kernel(busy / n)
+            rate = self.spill_rate if limit is not None and limit < footprint else 1.0
+            if dev is None:
+                busy = self.iter_s * slowdown / rate
+                n = max(1, math.ceil(busy / KERNEL_MAX_S))
+                for _ in range(n):
+                    kernel(busy / n)
+            else:
+                # Spilled, both phases stretch: the job runs at ``rate`` of its speed, as above.
+                gpu_s, host_s = split_minibatch(self.iter_s / rate, util)
+                idle0, t0 = agent.throttle.idle_s, time.perf_counter()
+                minibatch(dev, gpu_s, host_s, KERNEL_MAX_S, launch=kernel, sleep=host_sleep)
+                took = time.perf_counter() - t0 - (agent.throttle.idle_s - idle0)
+                slowdown = took * rate / self.iter_s
             with self.guard.held():
                 torch_patch.step()  # the boundary: limits applied, throttle idle paid, report sent
                 self.work_done_s += self.iter_s
@@ -377,6 +443,15 @@ class EmulatedJob:
                 if time.monotonic() - last_ckpt >= CHECKPOINT_EVERY_S:
                     self.save_checkpoint()
                     last_ckpt = time.monotonic()
+
+    @staticmethod
+    def _throttle_synchronizes(throttle: Any, dev: ContendedDevice) -> None:
+        """The agent's throttle drains the device before it idles (on CUDA it is given
+        ``torch.cuda.synchronize``), so that its idle time really leaves the device to the others; an
+        emulated agent has no CUDA, and the contending device's synchronize is the equivalent. The
+        throttle takes it only as a constructor argument: set where the agent keeps it."""
+        if hasattr(throttle, "_synchronize") and throttle._synchronize is None:
+            throttle._synchronize = dev.synchronize
 
 
 def oom_message(want: int, gpu: Optional[int], capacity: int, others: int) -> str:
@@ -402,7 +477,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.write(f"emulated_job: SLURMD_NODENAME (or the host name): {e}\n")
         return EXIT_USAGE
     job = EmulatedJob(BY_NAME[args.profile], args.work_s, args.state_dir, board, ident,
-                      spill_rate=args.spill_rate, iter_scale=args.iter_scale, gpu_mem_bytes=args.gpu_mem_bytes)
+                      spill_rate=args.spill_rate, iter_scale=args.iter_scale, gpu_mem_bytes=args.gpu_mem_bytes,
+                      contend=args.contend, switch_s=args.switch_ms / 1e3)
     job.guard.install()
     return job.run()
 

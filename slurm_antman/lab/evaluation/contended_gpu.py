@@ -1,0 +1,804 @@
+"""An emulated GPU that really contends: one small device server per emulated GPU, which executes one
+job's kernels at a time, in submission order, without preemption, and charges a context-switch cost
+whenever the next kernel belongs to another job than the last one (issue 30, item 1).
+
+``emulated_gpu``'s board makes two emulated jobs on one GPU slow each other by a number read from the
+workload formula (``Profile.slowdown``): the devcluster replay could only repeat the simulator's model
+of interference. Here interference *emerges* from the jobs' timing: a job whose kernels queue behind a
+neighbour's waits, and how long depends on when both have work, which is what the formula models.
+
+**The device.** A process per GPU, on a Unix socket in the board's directory of that GPU,
+``ROOT/<node>/<gpu>/.device.sock`` (dot files: the board's readers skip them). It is started on demand
+by the first job that finds none (``ContendedDevice`` spawns ``python -m ...contended_gpu serve``, which
+daemonises), and an ``flock`` on ``.device.lock`` held for its whole life makes sure only one runs per
+GPU: a second one started by a concurrent job waits briefly for the lock and exits. It exits when no job
+has been connected for ``idle_s``. It logs to ``.device.log``. Its core (:class:`DeviceCore`) is a FIFO of
+kernels over all connections:
+
+- a kernel is a duration; the device "executes" it by sleeping in ``select`` until it is due (CPU-cheap:
+  dozens of jobs share two cores here, so nothing spins), then answers ``d <seq> <start_ns> <end_ns>``
+  (``time.monotonic_ns``, the same clock in every process of the machine);
+- time is kept *virtually*: a kernel queued behind another starts when that one was due to end, not when
+  the server woke up to notice, so a late wake-up on a loaded machine delays the notification, never the
+  device (its busy time adds up exactly);
+- non-preemptive: a running kernel always runs to its end; kernels are at most ``MAX_KERNEL_S`` long;
+- ``switch_s`` is charged before a kernel whose owner (connection) differs from the previous kernel's,
+  also after an idle gap (the other context must be loaded again), never for the first kernel and never
+  between two kernels of one job.
+
+**The switch cost** (``DEFAULT_SWITCH_S`` = 0.1 ms) is **assumed**. NVIDIA does not publish how long
+a time-slice switch between CUDA contexts takes ("Detailed context switching mechanics and parametrics
+are not published or specified by NVIDIA", forums.developer.nvidia.com/t/multi-process-context-switching/188437),
+and no measurement of it was found (PipeSwitch, OSDI'20, measures switching whole models between
+processes, 3.6-6.6 ms of start-up, which is loading the model, not a time slice). For scale: a
+preemptive switch saves and restores every SM's on-chip state; on a V100 that is 80 SMs x (256 KiB of
+registers + up to 96 KiB of shared memory) = 27.5 MiB each way, ~64 us at its 900 GB/s (NVIDIA's Volta
+whitepaper figures). This device switches only at kernel boundaries, where less state is live, so
+0.1 ms is at the high end; either way it is small against ~50 ms kernels: the device is, to within
+a fraction of a percent, a pure time slicer.
+
+**The protocol** (one ASCII line per message, at most ``LINE_MAX`` bytes):
+
+- job -> device: ``hello <name>`` first (``<name>``: a board name, e.g. the job id), then
+  ``k <seq> <microseconds> <launch_ns>`` per kernel launch (``seq``: the job's own counter, echoed
+  back; ``launch_ns``: ``time.monotonic_ns()`` at the launch). The kernels the device reads in one
+  wake-up are queued in the order of their launch times, not in the order it happens to read the
+  jobs' sockets, so "submission order" holds across jobs however late the device wakes; a launch time
+  counts as at most 1 s before the device read it, never after;
+- device -> job: ``ok <version> <switch_us> <pid>`` for the hello, ``d <seq> <start_ns> <end_ns>`` per
+  kernel done, in the job's launch order; ``err <reason>`` for a malformed or refused request, after
+  which the device closes that connection (it is logged; the device serves on).
+- A closed connection (the job exited or was killed) drops that job's queued kernels at once; a kernel
+  of it already running finishes (non-preemptive), at most ``MAX_KERNEL_S`` later.
+- A job that does not read its completions is dropped (its socket buffer full: at most
+  ``MAX_QUEUED`` short lines, which a reading client never reaches).
+
+**The job side** (:class:`ContendedDevice`) models CUDA's asynchrony: ``launch`` returns at once while
+fewer than ``inflight`` of the job's kernels are unfinished (CUDA's launch queue) and blocks for the
+oldest otherwise; ``synchronize`` waits for all (``loss.item()``, ``torch.cuda.synchronize()``). A job on
+several GPUs sends every kernel to each of them and waits for all (its step waits for its slowest GPU).
+If its device goes away (the Slurm job that started it ended and took it along, or it was killed), the
+job starts or finds another one and sends its unfinished kernels again.
+
+A mixed GPU, where some jobs contend here and others take the formula's slowdown from the board, is not
+meaningful: a replay runs all its emulated jobs in one mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import fcntl
+import math
+import os
+import re
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from .emulated_gpu import BoardError, _check_name
+
+PROTOCOL_VERSION = 1
+SOCK_NAME, LOCK_NAME, LOG_NAME = ".device.sock", ".device.lock", ".device.log"
+DEFAULT_SWITCH_S = 0.0001     # assumed (module doc)
+DEFAULT_INFLIGHT = 4          # kernels a job may have unfinished before a launch blocks (class doc)
+DEFAULT_IDLE_S = 60.0         # the device exits after this long with no job connected
+MAX_KERNEL_S = 1.0            # the longest kernel the device accepts (a killed job frees it within this)
+MAX_QUEUED = 1024             # unfinished kernels per job
+MAX_CLIENTS = 256
+LINE_MAX = 160
+LOCK_WAIT_S = 2.0             # a second device started for the same GPU waits this long for the lock
+START_TIMEOUT_S = 15.0        # a job gives up finding or starting its device after this long
+RESPAWN_S = 2.0               # ... and starts another one if the one it started does not answer
+HANDSHAKE_TIMEOUT_S = 5.0
+READ_TIMEOUT_S = 120.0        # no completion for this long: the device is taken as gone
+MAX_RECOVERIES = 20
+# The device sleeps the last this-many seconds before a kernel is due without select (see run).
+_PRECISE_S = 0.0015
+# Unix socket paths are limited to 108 bytes; a longer board path is reached through /proc/self/fd.
+_SUN_PATH_MAX = 100
+
+_HELLO_RE = re.compile(rb"hello ([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})")
+_KERNEL_RE = re.compile(rb"k (\d{1,18}) (\d{1,10}) (\d{1,20})")
+_MAX_LAUNCH_AGE_S = 1.0
+_DONE_RE = re.compile(rb"d (\d{1,18}) (\d{1,20}) (\d{1,20})")
+_OK_RE = re.compile(rb"ok (\d+) (\d+) (\d+)")
+
+
+class DeviceError(RuntimeError):
+    """The device could not be reached or refused a request."""
+
+
+def gpu_dir(root: str, node: str, gpu: int) -> str:
+    """``ROOT/<node>/<gpu>``, the board's directory of one GPU, checked as the board checks it."""
+    _check_name("node", node)
+    if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+        raise BoardError(f"gpu {gpu!r}: a GPU index (an integer >= 0)")
+    return os.path.join(root, node, str(gpu))
+
+
+# --- the device's core: a FIFO of kernels, in virtual time ------------------------------------------
+
+
+@dataclass
+class Kernel:
+    owner: int
+    seq: int
+    dur: float
+    submitted: float
+    start: float = math.nan
+    end: float = math.nan
+    switched: bool = False  # a context switch was charged before it
+
+
+@dataclass
+class DeviceCore:
+    """What the device does, without I/O: ``submit`` kernels, ``advance`` to now (the kernels that
+    finished by then, each started when the device was free and its turn came), ``drop`` a job's queued
+    kernels. Times are seconds of one monotonic clock."""
+
+    switch_s: float = DEFAULT_SWITCH_S
+    queue: collections.deque = field(default_factory=collections.deque)
+    running: Optional[Kernel] = None
+    last_owner: Optional[int] = None
+    free_at: float = -math.inf
+    busy_s: float = 0.0
+    switches: int = 0
+    done_kernels: int = 0
+
+    def submit(self, owner: int, seq: int, dur: float, now: float) -> None:
+        self.queue.append(Kernel(owner, seq, dur, now))
+        if self.running is None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if not self.queue:
+            self.running = None
+            return
+        k = self.queue.popleft()
+        t = max(self.free_at, k.submitted)
+        if self.last_owner is not None and k.owner != self.last_owner:
+            t += self.switch_s
+            k.switched = True
+            self.switches += 1
+        k.start, k.end = t, t + k.dur
+        self.running, self.last_owner = k, k.owner
+
+    def advance(self, now: float) -> list[Kernel]:
+        done = []
+        while self.running is not None and self.running.end <= now:
+            k = self.running
+            done.append(k)
+            self.free_at = k.end
+            self.busy_s += k.dur
+            self.done_kernels += 1
+            self._start_next()
+        return done
+
+    def deadline(self) -> Optional[float]:
+        return None if self.running is None else self.running.end
+
+    def drop(self, owner: int) -> int:
+        """Forgets ``owner``'s queued kernels (its running one, if any, runs to its end)."""
+        before = len(self.queue)
+        self.queue = collections.deque(k for k in self.queue if k.owner != owner)
+        return before - len(self.queue)
+
+    @property
+    def idle(self) -> bool:
+        return self.running is None and not self.queue
+
+
+# --- addresses and locks ----------------------------------------------------------------------------
+
+
+class _Address:
+    """The device socket's address for bind/connect: the path itself, or, when the board's path is too
+    long for a Unix socket, the same file through an ``O_PATH`` descriptor of its directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, SOCK_NAME)
+        self._fd: Optional[int] = None
+        if len(os.fsencode(self.path)) <= _SUN_PATH_MAX:
+            self.addr = self.path
+        else:
+            self._fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            self.addr = f"/proc/self/fd/{self._fd}/{SOCK_NAME}"
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "_Address":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _take_lock(directory: str, wait_s: float) -> Optional[int]:
+    """The device's lock for this GPU, or None if another device holds it for ``wait_s``."""
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.02)
+
+
+# --- the device server ------------------------------------------------------------------------------
+
+
+class _Conn:
+    __slots__ = ("ident", "sock", "buf", "name", "queued")
+
+    def __init__(self, ident: int, sock: socket.socket) -> None:
+        self.ident, self.sock, self.buf, self.name, self.queued = ident, sock, bytearray(), None, 0
+
+
+class _Stop(BaseException):
+    pass
+
+
+class DeviceServer:
+    """One GPU's device (module doc). ``run`` returns when idle for ``idle_s`` or on SIGTERM/SIGINT."""
+
+    def __init__(self, directory: str, switch_s: float = DEFAULT_SWITCH_S, idle_s: float = DEFAULT_IDLE_S,
+                 log: Optional[Callable[[str], None]] = None) -> None:
+        self.dir = directory
+        self.core = DeviceCore(switch_s)
+        self.idle_s = idle_s
+        self._log = log or (lambda s: None)
+        self.conns: dict[int, _Conn] = {}
+        self._next_ident = 0
+        self._sel = selectors.DefaultSelector()
+        self._listener: Optional[socket.socket] = None
+        self._ino: Optional[int] = None
+        self._batch: list[tuple[float, int, _Conn, int, float]] = []  # read this wake-up, not yet queued
+        self.refused = 0
+
+    def log(self, msg: str) -> None:
+        self._log(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} device pid {os.getpid()} {self.dir}: {msg}")
+
+    def bind(self) -> None:
+        """Binds the socket (the caller holds the lock, so a socket file already there is stale)."""
+        with _Address(self.dir) as a:
+            try:
+                os.unlink(a.path)
+            except FileNotFoundError:
+                pass
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o077)  # only this user's jobs may connect
+            try:
+                s.bind(a.addr)
+            finally:
+                os.umask(old)
+            self._ino = os.stat(a.path).st_ino
+        s.listen(64)
+        s.setblocking(False)
+        self._listener = s
+        self._sel.register(s, selectors.EVENT_READ, None)
+
+    def run(self) -> None:
+        idle_since: Optional[float] = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                deadline = self.core.deadline()
+                if deadline is not None:
+                    # select's timeout is rounded up to whole milliseconds: wait there until ~1.5 ms
+                    # before the kernel is due, then the rest in one precise sleep, so that a job
+                    # waiting for the device hears of its kernel ~0.1 ms after it ended, not ~1 ms.
+                    remaining = deadline - now
+                    if remaining > _PRECISE_S:
+                        timeout: Optional[float] = remaining - _PRECISE_S
+                    else:
+                        if remaining > 0:
+                            time.sleep(remaining)
+                        timeout = 0.0
+                elif idle_since is not None:
+                    timeout = max(0.0, idle_since + self.idle_s - now)
+                else:
+                    timeout = None
+                for key, _ in self._sel.select(timeout):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._read(key.data)
+                self._queue_batch()
+                now = time.monotonic()
+                for k in self.core.advance(now):
+                    c = self.conns.get(k.owner)
+                    if c is not None:
+                        c.queued -= 1
+                        self._send(c, b"d %d %d %d\n" % (k.seq, int(k.start * 1e9), int(k.end * 1e9)))
+                if self.conns or not self.core.idle:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= self.idle_s:
+                    self.log(f"idle for {self.idle_s:g} s: exiting ({self.core.done_kernels} kernels, "
+                             f"{self.core.busy_s:.1f} s busy, {self.core.switches} switches)")
+                    return
+        except _Stop:
+            self.log("stopped by a signal")
+
+    def close(self) -> None:
+        """Removes the socket file if it is still this device's, closes everything."""
+        if self._listener is not None:
+            path = os.path.join(self.dir, SOCK_NAME)
+            try:
+                if os.stat(path).st_ino == self._ino:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self._listener.close()
+            self._listener = None
+        for c in list(self.conns.values()):
+            c.sock.close()
+        self.conns.clear()
+        self._sel.close()
+
+    # --- connections ---
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()  # type: ignore[union-attr]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # EMFILE and the like: refuse this one, keep serving
+                self.log(f"accept failed: {e}")
+                return
+            sock.setblocking(False)
+            c = _Conn(self._next_ident, sock)
+            self._next_ident += 1
+            self.conns[c.ident] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+            if len(self.conns) > MAX_CLIENTS:
+                self._refuse(c, f"more than {MAX_CLIENTS} jobs on this device")
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(c, "closed")
+            return
+        c.buf += data
+        now = time.monotonic()
+        while c.ident in self.conns:
+            nl = c.buf.find(b"\n")
+            if nl < 0:
+                if len(c.buf) > LINE_MAX:
+                    self._refuse(c, f"a line longer than {LINE_MAX} bytes")
+                return
+            line = bytes(c.buf[:nl])
+            del c.buf[:nl + 1]
+            self._request(c, line, now)
+
+    def _request(self, c: _Conn, line: bytes, now: float) -> None:
+        if len(line) > LINE_MAX:
+            self._refuse(c, f"a line longer than {LINE_MAX} bytes")
+            return
+        if c.name is None:
+            m = _HELLO_RE.fullmatch(line)
+            if m is None:
+                self._refuse(c, f"expected 'hello <name>' first, got {line[:40]!r}")
+                return
+            c.name = m.group(1).decode()
+            self._send(c, b"ok %d %d %d\n" % (PROTOCOL_VERSION, round(self.core.switch_s * 1e6), os.getpid()))
+            return
+        m = _KERNEL_RE.fullmatch(line)
+        if m is None:
+            self._refuse(c, f"not a request: {line[:40]!r}")
+            return
+        us = int(m.group(2))
+        if not 0 < us <= MAX_KERNEL_S * 1e6:
+            self._refuse(c, f"kernel of {us} us: allowed 1 to {int(MAX_KERNEL_S * 1e6)}")
+            return
+        if c.queued >= MAX_QUEUED:
+            self._refuse(c, f"more than {MAX_QUEUED} unfinished kernels")
+            return
+        c.queued += 1
+        launched = min(now, max(now - _MAX_LAUNCH_AGE_S, int(m.group(3)) / 1e9))
+        self._batch.append((launched, len(self._batch), c, int(m.group(1)), us / 1e6))
+
+    def _queue_batch(self) -> None:
+        """Queues the kernels read in this wake-up, in the order they were launched."""
+        batch, self._batch = sorted(self._batch, key=lambda b: b[:2]), []
+        for launched, _, c, seq, dur in batch:
+            if c.ident in self.conns:  # not refused or gone meanwhile
+                self.core.submit(c.ident, seq, dur, launched)
+
+    def _send(self, c: _Conn, data: bytes) -> None:
+        try:
+            sent = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._drop(c, "gone while answering")
+            return
+        if sent != len(data):
+            # Completions are short lines bounded by MAX_QUEUED: only a job that stopped reading fills
+            # its socket buffer. The device must never wait for one job.
+            self._drop(c, "not reading its completions")
+
+    def _refuse(self, c: _Conn, reason: str) -> None:
+        self.refused += 1
+        self.log(f"refused job {c.name or '?'} (connection {c.ident}): {reason}")
+        try:
+            c.sock.send(b"err " + reason.encode("ascii", "replace")[:LINE_MAX - 5] + b"\n")
+        except OSError:
+            pass
+        self._drop(c, "refused")
+
+    def _drop(self, c: _Conn, why: str) -> None:
+        if self.conns.pop(c.ident, None) is None:
+            return
+        dropped = self.core.drop(c.ident)
+        if dropped:
+            self.log(f"job {c.name or '?'} (connection {c.ident}) {why}: {dropped} queued kernels dropped")
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.sock.close()
+
+
+def serve(root: str, node: str, gpu: int, switch_s: float = DEFAULT_SWITCH_S, idle_s: float = DEFAULT_IDLE_S,
+          lock_wait_s: float = LOCK_WAIT_S) -> int:
+    """Runs the device of one GPU unless one runs already. 0 in both cases; 2 on bad arguments."""
+    try:
+        d = gpu_dir(root, node, gpu)
+    except BoardError as e:
+        sys.stderr.write(f"contended_gpu serve: {e}\n")
+        return 2
+    os.makedirs(d, exist_ok=True)
+    log_fd = os.open(os.path.join(d, LOG_NAME), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def log(msg: str) -> None:
+        try:
+            os.write(log_fd, (msg + "\n").encode())
+        except OSError:
+            pass
+
+    lock = _take_lock(d, lock_wait_s)
+    if lock is None:
+        os.close(log_fd)
+        return 0  # another device runs for this GPU
+    server = DeviceServer(d, switch_s, idle_s, log)
+
+    def stop(signum, frame):
+        raise _Stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.bind()
+        server.log(f"serving (switch {switch_s * 1e3:g} ms, idle exit {idle_s:g} s)")
+        server.run()
+    except _Stop:
+        server.log("stopped by a signal")
+    except Exception:
+        server.log("failed:\n" + traceback.format_exc())
+        return 1
+    finally:
+        server.close()  # the socket goes before the lock: a device started next binds afresh
+        os.close(lock)
+        os.close(log_fd)
+    return 0
+
+
+# --- the job's side ---------------------------------------------------------------------------------
+
+
+def _package_root() -> str:
+    import slurm_antman
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(slurm_antman.__file__)))
+
+
+def spawn_device(root: str, node: str, gpu: int, switch_s: float, idle_s: float) -> None:
+    """Starts a device for the GPU in the background (it daemonises; the lock keeps it one per GPU)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "slurm_antman.lab.evaluation.contended_gpu", "serve", "--daemon",
+           "--root", root, "--node", node, "--gpu", str(gpu), "--switch-ms", repr(switch_s * 1e3),
+           "--idle-s", repr(idle_s)]
+    subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=env, close_fds=True, start_new_session=True, timeout=30, check=False)
+
+
+class _Link:
+    """One job's connection to one GPU's device."""
+
+    def __init__(self, root: str, node: str, gpu: int, name: str, switch_s: float, idle_s: float,
+                 start_timeout_s: float) -> None:
+        self.root, self.node, self.gpu, self.name = root, node, gpu, name
+        self.dir = gpu_dir(root, node, gpu)
+        self.switch_s, self.idle_s, self.start_timeout_s = switch_s, idle_s, start_timeout_s
+        self.sock: Optional[socket.socket] = None
+        self.buf = bytearray()
+        # seq -> (us, launch_ns), in launch order
+        self.outstanding: "collections.OrderedDict[int, tuple[int, int]]" = collections.OrderedDict()
+        self.seq = 0
+        self.recoveries = 0
+        self.server_pid: Optional[int] = None
+        self.server_switch_us: Optional[int] = None
+        self.last_done: Optional[tuple[int, int, int]] = None  # (seq, start_ns, end_ns)
+        os.makedirs(self.dir, exist_ok=True)
+        self._connect()
+
+    def _try_connect(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(HANDSHAKE_TIMEOUT_S)
+            with _Address(self.dir) as a:
+                s.connect(a.addr)
+            s.sendall(b"hello %s\n" % self.name.encode())
+            buf = bytearray()
+            while b"\n" not in buf:
+                chunk = s.recv(256)
+                if not chunk:
+                    raise ConnectionResetError("the device closed the connection during the hello")
+                buf += chunk
+                if len(buf) > LINE_MAX:
+                    raise DeviceError(f"device at {self.dir}: an overlong answer to hello")
+            line, _, rest = bytes(buf).partition(b"\n")
+            m = _OK_RE.fullmatch(line)
+            if m is None:
+                raise DeviceError(f"device at {self.dir} refused the hello: {line.decode('ascii', 'replace')}")
+            if int(m.group(1)) != PROTOCOL_VERSION:
+                raise DeviceError(f"device at {self.dir} speaks protocol {m.group(1).decode()}, this job "
+                                  f"{PROTOCOL_VERSION}")
+            self.server_switch_us, self.server_pid = int(m.group(2)), int(m.group(3))
+            s.settimeout(READ_TIMEOUT_S)
+            self.buf = bytearray(rest)
+            return s
+        except BaseException:
+            s.close()
+            raise
+
+    def _connect(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        next_spawn = 0.0
+        delay = 0.005
+        while True:
+            try:
+                self.sock = self._try_connect()
+                return
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError,
+                    socket.timeout) as e:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise DeviceError(f"no emulated GPU device at {self.dir} within {self.start_timeout_s:g} s "
+                                      f"({e}); its log: {os.path.join(self.dir, LOG_NAME)}") from None
+                if now >= next_spawn:
+                    spawn_device(self.root, self.node, self.gpu, self.switch_s, self.idle_s)
+                    next_spawn = time.monotonic() + RESPAWN_S
+                time.sleep(delay)
+                delay = min(0.1, delay * 2)
+
+    def _recover(self, why: str) -> None:
+        """The device went away: find or start another and send the unfinished kernels again."""
+        self.recoveries += 1
+        if self.recoveries > MAX_RECOVERIES:
+            raise DeviceError(f"device at {self.dir} lost {self.recoveries} times ({why}); giving up")
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        self._connect()
+        if self.outstanding:
+            self._send(b"".join(b"k %d %d %d\n" % (seq, us, t) for seq, (us, t) in self.outstanding.items()))
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self.sock.sendall(data)  # type: ignore[union-attr]
+        except (BrokenPipeError, ConnectionResetError, socket.timeout) as e:
+            self._recover(f"send: {e}")  # resends everything unfinished, this too
+
+    def launch(self, us: int, inflight: int) -> None:
+        while len(self.outstanding) >= inflight:
+            self._wait_one()
+        seq = self.seq
+        self.seq += 1
+        t = time.monotonic_ns()
+        self.outstanding[seq] = (us, t)
+        self._send(b"k %d %d %d\n" % (seq, us, t))
+
+    def synchronize(self) -> None:
+        while self.outstanding:
+            self._wait_one()
+
+    def _wait_one(self) -> None:
+        try:
+            line = self._readline()
+        except (ConnectionResetError, BrokenPipeError, EOFError, socket.timeout) as e:
+            self._recover(f"read: {e!r}")
+            return
+        m = _DONE_RE.fullmatch(line)
+        if m is None:
+            text = line.decode("ascii", "replace")
+            if text.startswith("err "):
+                raise DeviceError(f"device at {self.dir} refused a request: {text[4:]}")
+            raise DeviceError(f"device at {self.dir}: unexpected answer {text[:60]!r}")
+        seq = int(m.group(1))
+        if self.outstanding.pop(seq, None) is None:
+            raise DeviceError(f"device at {self.dir} finished kernel {seq}, which this job has not launched")
+        self.last_done = (seq, int(m.group(2)), int(m.group(3)))
+
+    def _readline(self) -> bytes:
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                line = bytes(self.buf[:nl])
+                del self.buf[:nl + 1]
+                return line
+            if len(self.buf) > LINE_MAX:
+                raise DeviceError(f"device at {self.dir}: an overlong line")
+            chunk = self.sock.recv(4096)  # type: ignore[union-attr]
+            if not chunk:
+                raise EOFError("the device closed the connection")
+            self.buf += chunk
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class ContendedDevice:
+    """A job's handle on the contending devices of its GPUs (module doc): ``launch`` a kernel of
+    ``seconds`` (asynchronous up to ``inflight`` unfinished kernels per GPU), ``synchronize`` to wait
+    for all of them. ``inflight`` (default 4) is **assumed**: CUDA's launch queue holds about a thousand
+    launches (not documented by NVIDIA), so a real job's whole iteration is usually in flight; an
+    emulated kernel here stands for up to ~50 ms of work, and 4 of them hold a whole GPU phase of most
+    profiles, while a longer phase blocks at launches as a full CUDA queue does."""
+
+    def __init__(self, root: str, node: str, gpus: Sequence[int], name: str, switch_s: float = DEFAULT_SWITCH_S,
+                 inflight: int = DEFAULT_INFLIGHT, idle_s: float = DEFAULT_IDLE_S,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+        _check_name("name", name)
+        if not (isinstance(inflight, int) and inflight >= 1):
+            raise ValueError(f"inflight must be an integer >= 1, got {inflight!r}")
+        if not (math.isfinite(switch_s) and 0 <= switch_s <= MAX_KERNEL_S):
+            raise ValueError(f"switch_s must be in [0, {MAX_KERNEL_S}], got {switch_s!r}")
+        gpus = sorted(set(gpus))
+        if not gpus:
+            raise ValueError("a device needs at least one GPU")
+        self.inflight = inflight
+        self.links: list[_Link] = []
+        try:
+            for g in gpus:
+                self.links.append(_Link(root, node, g, name, switch_s, idle_s, start_timeout_s))
+        except BaseException:
+            self.close()
+            raise
+
+    def launch(self, seconds: float) -> None:
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and 0 < seconds <= MAX_KERNEL_S):
+            raise ValueError(f"a kernel takes (0, {MAX_KERNEL_S}] seconds, got {seconds!r}")
+        us = max(1, round(seconds * 1e6))
+        for link in self.links:
+            link.launch(us, self.inflight)
+
+    def synchronize(self) -> None:
+        for link in self.links:
+            link.synchronize()
+
+    @property
+    def server_pids(self) -> list[Optional[int]]:
+        return [link.server_pid for link in self.links]
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+
+    def __enter__(self) -> "ContendedDevice":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- a mini-batch on the device -----------------------------------------------------------------------
+
+
+def split_minibatch(iter_s: float, sm_util: float) -> tuple[float, float]:
+    """(GPU phase, host phase) of a mini-batch of ``iter_s`` for a profile of ``sm_util``.
+
+    ``sm_util`` is nvidia-smi's utilisation of the model alone (docs/workload_model.md, "L"): the
+    fraction of the time a kernel was running. So alone, a mini-batch keeps the GPU busy
+    ``iter_s * sm_util`` and leaves it idle the rest, ``iter_s * (1 - sm_util)`` (data loading, the
+    host's own work): the GPU phase runs on the device, the host phase is a sleep beside it. The
+    formula's duty ``b`` is a fraction of that benchmark's GPU work (``Profile.duty``); an emulated job
+    runs its benchmark, duty 1. Overlap of host work with the GPU (a data loader's prefetching) is not
+    modelled: it is already inside the measured utilisation, which is what the split keeps."""
+    gpu = iter_s * sm_util
+    return gpu, max(0.0, iter_s - gpu)
+
+
+class Sleeper:
+    """Sleeps that add up: oversleeping is carried over to the next sleep (as ``_Kernel`` does)."""
+
+    def __init__(self) -> None:
+        self.owed = 0.0
+
+    def __call__(self, seconds: float) -> None:
+        self.owed += seconds
+        if self.owed > 0:
+            t = time.perf_counter()
+            time.sleep(self.owed)
+            self.owed -= time.perf_counter() - t
+
+
+def minibatch(device: ContendedDevice, gpu_s: float, host_s: float, kernel_max_s: float,
+              launch: Optional[Callable[[float], None]] = None, sleep: Callable[[float], None] = time.sleep) -> None:
+    """One mini-batch: the host phase (the device idle, as far as this job goes), then the GPU phase in
+    kernels of at most ``kernel_max_s`` launched without waiting (``launch``, default
+    ``device.launch``), then a synchronize, as ``loss.item()`` does."""
+    if host_s > 0:
+        sleep(host_s)
+    if gpu_s > 0:
+        n = max(1, math.ceil(gpu_s / kernel_max_s - 1e-9))
+        go = launch or device.launch
+        for _ in range(n):
+            go(gpu_s / n)
+        device.synchronize()
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+
+def _daemonise() -> None:
+    """Fork once: the parent (what the spawning job waits for) returns at once, the child serves on,
+    in its own session, without a controlling terminal."""
+    if os.fork() > 0:
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slurm_antman.lab.evaluation.contended_gpu",
+                                description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run one emulated GPU's device (jobs start it on demand)")
+    s.add_argument("--root", required=True, help="the emulated GPUs' board directory")
+    s.add_argument("--node", required=True)
+    s.add_argument("--gpu", type=int, required=True)
+    s.add_argument("--switch-ms", type=float, default=DEFAULT_SWITCH_S * 1e3,
+                   help="context-switch cost in ms (default %(default)s: assumed, see the module doc)")
+    s.add_argument("--idle-s", type=float, default=DEFAULT_IDLE_S, help="exit after this long with no job")
+    s.add_argument("--daemon", action="store_true", help="fork into the background first")
+    a = p.parse_args(argv)
+    if not (math.isfinite(a.switch_ms) and 0 <= a.switch_ms <= MAX_KERNEL_S * 1e3):
+        p.error(f"--switch-ms must be in [0, {MAX_KERNEL_S * 1e3:g}], got {a.switch_ms}")
+    if not (math.isfinite(a.idle_s) and a.idle_s > 0):
+        p.error(f"--idle-s must be a number > 0, got {a.idle_s}")
+    if a.daemon:
+        _daemonise()
+    return serve(a.root, a.node, a.gpu, a.switch_ms / 1e3, a.idle_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
