@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
 from slurm_antman.policy.node.core import GiB, GpuInfo, JobInfo, NodePolicyParams, NodeSnapshot, PolicyState, decide
 
 P = NodePolicyParams(pause_max_s=120.0, elastic_hold_s=60.0)
@@ -91,32 +89,3 @@ def test_the_hold_is_forgotten_with_the_job():
     d = run([guar(79), elastic()])
     assert "201" in d.state.width_changed
     assert run([guar(79)], d.state, now=1001.0).state.width_changed == {}
-
-
-def test_a_narrow_job_crawls_by_its_pace_against_its_full_width_and_shows_it():
-    # Width 1 of 2, alone on GPU 0 (GPU 1 busy with a guaranteed job it shed): it runs at its solo
-    # time there, but makes half of its whole self; slowed down there (solo time now 0.8 x 100 +
-    # 0.2 x 300 = 140 ms, the policy's EWMA) it makes 140 / 300 x 1/2 = 0.233 of it: crawling.
-    narrow = lambda it, ms: elastic(gpus=(0,), iteration=it, iteration_ms=ms)  # noqa: E731
-    d = run([guar(10), narrow(1, 100.0)], now=900.0)
-    assert d.progress["201"] == 0.5 and "201" not in d.state.crawling
-    d = run([guar(10), narrow(2, 300.0)], d.state, now=1000.0)
-    assert d.progress["201"] == pytest.approx(140 / 300 / 2) and d.state.crawling == {"201": 1000.0}
-    assert not d.width_changes  # nothing of its own shared to shed, no idle GPU to grow onto
-    # The sharing test adds up what jobs make of one GPU, not their pace: a full-width neighbour at
-    # 0.55 and this job's 0.5 on GPU 0 are not "a loss" there.
-    other = JobInfo("300", "opportunistic", (0,), 3.0, 2 * GiB, iteration=1, iteration_ms=100.0)
-    d2 = run([guar(10), narrow(1, 100.0), other], now=900.0)
-    assert "300" not in d2.state.crawling
-
-
-def test_a_width_change_starts_the_jobs_times_afresh_and_a_narrow_crawler_still_grows():
-    d = run([elastic(iteration=1, iteration_ms=100.0)], now=900.0)
-    assert d.state.opportunistic["201"].width == 2 and d.state.opportunistic["201"].solo_ms == 100.0
-    # Width 1 after a shed: a slower iteration at the new width is its new solo time, not a slowdown.
-    d = run([guar(79), elastic(gpus=(0,), iteration=2, iteration_ms=180.0)], d.state, now=1000.0)
-    assert d.state.opportunistic["201"].width == 1 and d.state.opportunistic["201"].solo_ms == 180.0
-    # Crawling for its width alone (GPU 1 idle again past the hold): it grows.
-    slow = replace(d.state, crawling={"201": 990.0}, width_changed={"201": 900.0})
-    d = run([elastic(gpus=(0,), iteration=3, iteration_ms=400.0)], slow, now=1000.0)
-    assert [c.gpus for c in d.width_changes] == [(0, 1)]

@@ -227,22 +227,6 @@ def test_a_crawling_job_sheds_the_guaranteed_gpu_with_the_lowest_budget_and_noth
     assert sorted(e.gpus) == [0, 2] and e.width_changes == 1
 
 
-def test_a_narrow_elastic_job_crawls_by_its_pace_against_its_full_width(tmp_path):
-    # As the local policy (elastic_pace): a 2-GPU job left on one GPU making 0.4 of it makes 0.2 of its
-    # whole self, under min_progress (0.25): crawling, and the coordinator sees 0.2. At full width the
-    # same rate is no crawl. (philly-2205 on the window: 0.14 of its pace for 207,000 s, unseen before.)
-    sim, (e,) = _manual(tmp_path, [(at(0), 5000.0, 2, "b")], nodes=1, gpus_per_node=2)
-    _put(sim, e, "opportunistic", [0, 1], 0.0)
-    jid = e.job.job_id
-    g = sim.gpus[0]
-    g.rate[jid] = 0.4
-    sim._track_crawl(g, [], [e])
-    assert g.progress[jid] == pytest.approx(0.4) and jid not in g.crawl
-    e.gpus = [0]
-    sim._track_crawl(g, [], [e])
-    assert g.progress[jid] == pytest.approx(0.2) and jid in g.crawl
-
-
 # -- growing back ------------------------------------------------------------------------------------
 
 def test_an_elastic_job_grows_back_onto_its_own_gpu_once_idle_after_the_hold(tmp_path):

@@ -120,7 +120,6 @@ class GuaranteedTrack:
     best_ms: Optional[float] = None
     last_iteration: Optional[int] = None
     demand_bytes: int = 0
-    width: Optional[int] = None  # an elastic job's width the times were taken at (a change starts afresh)
 
     @property
     def baseline_ms(self) -> Optional[float]:
@@ -209,20 +208,16 @@ def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float
 
 
 def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
-             prev: Mapping[str, float], now: float, p: NodePolicyParams,
-             pace: Optional[Mapping[str, float]] = None) -> dict[str, float]:
+             prev: Mapping[str, float], now: float, p: NodePolicyParams) -> dict[str, float]:
     """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or, on a
     GPU without a guaranteed job whose opportunistic jobs together make less progress than one of
     them alone, the one making the least (the newest on a tie). ``order``: each GPU's opportunistic
-    jobs, oldest first. ``pace``: a job's progress against its whole self where that differs from
-    its progress on the GPU (an elastic job below its full width, ``elastic_pace``), for the
-    ``min_progress`` test; the sharing test adds up what each job makes of the GPU."""
-    pace = pace or {}
+    jobs, oldest first."""
     out: dict[str, float] = {}
     for g, jobs in order.items():
         known = [progress[j] for j in jobs if j in progress]
         for j in jobs:
-            if j in progress and pace.get(j, progress[j]) < p.min_progress:
+            if j in progress and progress[j] < p.min_progress:
                 out[j] = prev.get(j, now)
         if g not in guaranteed_on and len(jobs) > 1 and len(known) == len(jobs) and sum(known) < 1.0:
             slowest = min(reversed(jobs), key=lambda j: progress[j])
@@ -236,15 +231,6 @@ def can_shed(job: JobInfo, shed: Mapping[str, set[int]]) -> bool:
     if job.elastic_min is None or not job.can_resize:
         return False
     return len(job.gpus) - len(shed.get(job.job_id, ())) - 1 >= job.elastic_min
-
-
-def elastic_pace(progress: float, width: int, full_width: int) -> float:
-    """An elastic job's progress against its full width: what it makes of its GPUs, times the share
-    of its GPUs it holds (linear scaling: the real path does not know the model's scaling curve). A
-    job left narrow beside a long guaranteed job crawls by this measure, and the coordinator may move
-    it to where it fits whole (docs/evaluation.md, issue 29: philly-2205 ran at 0.14 of its pace for
-    207,000 s, its progress on its one GPU 0.5)."""
-    return progress * width / full_width if full_width > 0 else progress
 
 
 def _quantize(n: int, q: int) -> int:
@@ -304,11 +290,7 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             continue
         alone = all(len(on_gpu[g]) == 1 for g in j.gpus if g in on_gpu)
         prev = state.opportunistic.get(j.job_id)
-        width = len(j.gpus) if j.elastic_min is not None else None
-        if prev is not None and prev.width != width:
-            prev = None  # iteration times at another width are not this width's
-        track = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
-        opp_tracks[j.job_id] = replace(track, width=width)
+        opp_tracks[j.job_id] = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
 
     # Compute budget per GPU for its opportunistic jobs.
     budget: dict[int, float] = {}
@@ -426,17 +408,14 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             limits[j.job_id] = UNLIMITED
 
     progress: dict[str, float] = {}
-    pace: dict[str, float] = {}
     for j in snap.jobs:
         if j.job_class == "opportunistic" and j.job_id not in preempted and j.job_id not in paused:
             v = progress_of(opp_tracks[j.job_id], j.iteration_ms, limits[j.job_id].compute_share)
             if v is not None:
                 progress[j.job_id] = v
-                if j.elastic_min is not None and len(j.gpus) < len(j.elastic_gpus):
-                    pace[j.job_id] = elastic_pace(v, len(j.gpus), len(j.elastic_gpus))
     order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
                  if j.job_id not in preempted and j.job_id not in paused] for g in gpus}
-    crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p, pace)
+    crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
 
     changes, width_changed = _width_changes(snap, jobs, shed, crawl, preempted, paused, guarded_gpus, on_gpu, gpus,
                                             state.width_changed, budget, now, p)
@@ -447,10 +426,8 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                         gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
                         preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl,
                         paused=paused, width_changed=width_changed)
-    # What the coordinator sees of an elastic job below full width is its pace: where it would fit
-    # whole promises more (policy.cluster.moves).
-    return Decision(limits, tuple(new_preempt), new_state, slowdown, {**progress, **pace}, tuple(new_pauses),
-                    tuple(resumes), tuple(changes))
+    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress, tuple(new_pauses), tuple(resumes),
+                    tuple(changes))
 
 
 def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mapping[str, set[int]],
@@ -478,8 +455,7 @@ def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mappin
                 lost = {worst}
                 reason = (f"crawling: GPU {worst} is shared with a guaranteed job at compute share "
                           f"{budget.get(worst, 1.0):.0%}; width {len(j.gpus)} -> {len(j.gpus) - 1}")
-        # Grow, also for a job that crawls for its width alone (nothing of its own to shed).
-        if not lost and held and len(j.gpus) < len(j.elastic_gpus):
+        elif held and len(j.gpus) < len(j.elastic_gpus):
             # Grow into an idle GPU of its set: nobody else on it, and room for the job's footprint.
             for g in j.elastic_gpus:
                 info = gpus.get(g)

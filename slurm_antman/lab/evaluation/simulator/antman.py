@@ -176,14 +176,10 @@ class AntmanAdapter:
     def _track_crawl(self, g: SimGpu, guar: list[SimJob], opp: list[SimJob]) -> None:
         """The local policy's crawling rule on the modelled progress (each job's rate on this GPU);
         a cycle is due when a crawler's ``move_after_s`` is over."""
-        rates = {j.job.job_id: g.rate[j.job.job_id] for j in opp}
-        # An elastic job below full width: its pace against its whole self, as the local policy has it.
-        pace = {j.job.job_id: lp.elastic_pace(rates[j.job.job_id], len(j.gpus), j.job.gpus)
-                for j in opp if j.elastic and len(j.gpus) < j.job.gpus}
-        g.progress = {**rates, **pace}  # what the coordinator sees, as from a sidecar's report
+        g.progress = {j.job.job_id: g.rate[j.job.job_id] for j in opp}
         order = {0: [j.job.job_id for j in sorted(opp, key=lambda j: (j.start or 0.0, j.job.job_id))]}
         before = g.crawl
-        g.crawl = lp.crawling(rates, order, {0} if guar else set(), before, self.now, self.lp_params, pace)
+        g.crawl = lp.crawling(g.progress, order, {0} if guar else set(), before, self.now, self.lp_params)
         wait = self.cfg.move_after_s
         if g.crawl:
             self.crawl_gpus.add(g.index)

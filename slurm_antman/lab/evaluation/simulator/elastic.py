@@ -143,9 +143,7 @@ class ElasticWidth:
                     worst = min(mine, key=lambda i: (sum(self.gpus[i].share.values()), i))
                     self._shrink(j, [worst])
                     changed.add(jid)
-                    continue
-            # Grow, also a job that crawls for its width alone (policy.node.core._width_changes).
-            if len(j.gpus) < j.job.gpus:
+            elif len(j.gpus) < j.job.gpus:
                 if self._grow(j) is not None:
                     changed.add(jid)
 
