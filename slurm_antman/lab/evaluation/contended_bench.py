@@ -9,13 +9,16 @@ worker processes of their own (this module with ``--worker``) on one device star
 worker doing the emulated job's mini-batch (``contended_gpu.minibatch``: a host phase, then its GPU
 phase in kernels of at most ``emulated_job.KERNEL_MAX_S``, launched without waiting, then a
 synchronize). A pair's measured slowdown is each side's mean mini-batch time beside the other over its
-own alone, measured in the same run.
+own alone with the same drawn idle (``pair_entry``), measured in the same run.
 
 The default profiles are one per interference kind of ``workloads.INTERFERENCE``, the zoo's exact
 match where Gavel measured the same model: resnet50 (R50_32), transformer_nmt (T64), lstm_lm (LM80),
 rl_ppo_atari (A3C), cyclegan (CG): all 15 pairs of the kinds with measured numbers.
 
-At duty 1 (the default) the formula is Gavel's measured pair ``d``. ``--duties 1.0,0.5`` also runs
+At duty 1 (the default) the formula is Gavel's measured pair ``d``. The host phase is fixed, as the
+emulated job's is, so two jobs of one period can lock into the best interleaving the device allows;
+``--host-jitter`` draws each host phase from ``[0, 2 x]`` its length instead (random phases, which is
+what the formula's "busy periods overlap at random" assumes). ``--duties 1.0,0.5`` also runs
 every profile and pair at lower duty, the way a production job with a data-loader stall runs: before
 each mini-batch the worker sleeps a stall drawn from ``[0, 2 m]``, ``m = (1/b - 1)`` x its mini-batch
 time (random, so two equal jobs do not lock into a phase; as ``antman bench models`` does on a GPU).
@@ -119,20 +122,21 @@ def worker(a: argparse.Namespace) -> dict:
         now = t0
         while now < end_all:
             stall = rng.uniform(0.0, 2.0 * stall_mean) if stall_mean > 0 else 0.0
+            host = rng.uniform(0.0, 2.0 * host_s) if a.host_jitter else host_s
             sleep(stall)
-            minibatch(dev, gpu_s, host_s, kmax, sleep=sleep)
+            minibatch(dev, gpu_s, host, kmax, sleep=sleep)
             now = time.monotonic()
             if first is None:
                 first = now  # the first mini-batch is the warm-up: two jobs started together collide in it
             elif now <= end_window:
                 n += 1
                 last = now
-                stalled += stall
+                stalled += stall + host
         pid = dev.server_pids[0]
     if n == 0:
         raise BenchError(f"{a.worker}: fewer than two mini-batches completed in the {a.window_s} s window")
     return {"profile": a.worker, "duty": a.duty, "iterations": n, "iter_ms": (last - first) / n * 1e3,
-            "nominal_ms": (iter_s + stall_mean) * 1e3, "stall_ms": stalled / n * 1e3, "device_pid": pid}
+            "nominal_ms": (iter_s + stall_mean) * 1e3, "idle_ms": stalled / n * 1e3, "device_pid": pid}
 
 
 # --- the parent ---------------------------------------------------------------------------------------
@@ -144,7 +148,7 @@ def _worker_cmd(name: str, duty: float, seed: int, ident: str, a: argparse.Names
             "--name", ident, "--root", root, "--duty", repr(duty), "--seed", str(seed),
             "--window-s", repr(a.window_s), "--linger-s", repr(linger_s), "--iter-scale", repr(a.iter_scale),
             "--switch-ms", repr(a.switch_ms), "--inflight", str(a.inflight),
-            "--device-idle-s", repr(a.device_idle_s)]
+            "--device-idle-s", repr(a.device_idle_s)] + (["--host-jitter"] if a.host_jitter else [])
 
 
 def run_together(jobs: Sequence[tuple[str, float]], a: argparse.Namespace, root: str, run_no: int) -> list[dict]:
@@ -191,7 +195,7 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
         "what": "pairs of profiles on one contending emulated GPU (slurm_antman.lab.evaluation.contended_bench)",
         "date_unix": time.time(), "switch_ms": a.switch_ms, "inflight": a.inflight, "window_s": a.window_s,
         "iter_scale": a.iter_scale, "kernel_max_s": _kernel_max_s(), "duties": duties, "seed": a.seed,
-        "profiles": {}, "pairs": []}
+        "host_jitter": a.host_jitter, "profiles": {}, "pairs": []}
     runs = itertools.count()
     pids: set[int] = set()
     try:
@@ -228,10 +232,15 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
 
 def pair_entry(a: str, b: str, da: float, db: float, ra: dict, rb: dict, sa: dict, sb: dict,
                full: Optional[dict]) -> dict:
-    q: dict[str, Any] = {"a": a, "b": b, "duty_a": da, "duty_b": db, "iter_ms_a": ra["iter_ms"],
-                         "iter_ms_b": rb["iter_ms"], "solo_ms_a": sa["iter_ms"], "solo_ms_b": sb["iter_ms"]}
-    q["slowdown_a"] = ra["iter_ms"] / sa["iter_ms"]
-    q["slowdown_b"] = rb["iter_ms"] / sb["iter_ms"]
+    """One pair at one combination of duties. A side's slowdown is its mini-batch time beside the
+    other over its time alone **with the same idle**: the alone run's time less its mean drawn idle
+    (stall, and the host phase with ``--host-jitter``) plus the pair run's. The idle is drawn at
+    random, and a dozen draws differ between two runs by several percent of a mini-batch; this takes
+    that noise out, and changes nothing where the idle is fixed (duty 1, no jitter)."""
+    q: dict[str, Any] = {"a": a, "b": b, "duty_a": da, "duty_b": db, "run_a": ra, "run_b": rb,
+                         "solo_a": sa, "solo_b": sb}
+    for who, r, solo in (("a", ra, sa), ("b", rb, sb)):
+        q[f"slowdown_{who}"] = r["iter_ms"] / (solo["iter_ms"] - solo["idle_ms"] + r["idle_ms"])
     cal = full if full is not None else q
     for who, victim, other, bv, bn in (("a", a, b, da, db), ("b", b, a, db, da)):
         q[f"formula_{who}"] = formula(victim, other, bv, bn)
@@ -277,6 +286,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the device's context-switch cost (default %(default)s ms, assumed: contended_gpu)")
     p.add_argument("--inflight", type=int, default=DEFAULT_INFLIGHT, help="kernels in flight per job")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-jitter", action="store_true",
+                   help="draw each host phase from [0, 2 x its length] instead of a fixed one (random "
+                        "phases; the emulated job's host phase is fixed)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="write the JSON document to this file")
     # Passed by the parent to each worker process.
