@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from typing import Any, Optional, Sequence
 import slurm_antman
 
 from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, pair_slowdown
+from slurm_antman.lab.worker_pool import run_released
 
 # What a PyTorch process holds on a GPU before its first tensor: the CUDA context and the loaded
 # kernel images. pytorch/pytorch#34323 reports 781 MB in nvidia-smi for a process that only
@@ -291,29 +291,8 @@ def run_together(names: Sequence[str], a: argparse.Namespace,
     root = os.path.dirname(os.path.dirname(os.path.abspath(slurm_antman.__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     stalls_ms = stalls_ms or [0.0] * len(names)
-    procs = [subprocess.Popen(_worker_cmd(n, a, st), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for n, st in zip(names, stalls_ms)]
-    try:
-        for n, p in zip(names, procs):
-            line = p.stdout.readline().strip()
-            if line != "ready":
-                p.kill()
-                raise BenchModelsError(f"worker {n} did not start: {line!r}; stderr: {p.stderr.read()[-2000:]}")
-        for p in procs:  # both windows start within a millisecond of each other
-            p.stdin.write(f"go {a.window_s}\n")
-            p.stdin.flush()
-        out = []
-        for n, p in zip(names, procs):
-            stdout, stderr = p.communicate(timeout=a.window_s * 20 + READY_TIMEOUT_S)
-            if p.returncode != 0:
-                raise BenchModelsError(f"worker {n} exited {p.returncode}: {stderr[-2000:]}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    return run_released([_worker_cmd(n, a, st) for n, st in zip(names, stalls_ms)], names, env,
+                        f"go {a.window_s}", a.window_s * 20 + READY_TIMEOUT_S, BenchModelsError)
 
 
 def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:

@@ -41,7 +41,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from typing import Any, Optional, Sequence
 
 from .contended_gpu import DEFAULT_INFLIGHT, DEFAULT_SWITCH_S, ContendedDevice, Sleeper, minibatch, split_minibatch
 from .workloads import BY_NAME
+from ..worker_pool import run_released
 
 DEFAULT_PROFILES = ("resnet50", "transformer_nmt", "lstm_lm", "rl_ppo_atari", "cyclegan")
 NODE = "bench"
@@ -159,32 +159,9 @@ def run_together(jobs: Sequence[tuple[str, float]], a: argparse.Namespace, root:
     env["PYTHONPATH"] = os.pathsep.join(x for x in (_package_root(), env.get("PYTHONPATH")) if x)
     longest = max(BY_NAME[n].iter_ms / 1000.0 * a.iter_scale / d for n, d in jobs)
     linger = max(0.5, 2.5 * longest)
-    procs = []
-    try:
-        for i, (n, d) in enumerate(jobs):
-            cmd = _worker_cmd(n, d, a.seed * 1000 + run_no * 10 + i, f"w{run_no}-{i}", a, root, linger)
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env))
-        for (n, _), p in zip(jobs, procs):
-            line = p.stdout.readline().strip()
-            if line != "ready":
-                p.kill()
-                raise BenchError(f"worker {n} did not start: {line!r}; stderr: {p.stderr.read()[-2000:]}")
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        out = []
-        for (n, _), p in zip(jobs, procs):
-            stdout, stderr = p.communicate(timeout=a.window_s + linger + READY_TIMEOUT_S)
-            if p.returncode != 0:
-                raise BenchError(f"worker {n} exited {p.returncode}: {stderr[-2000:]}")
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    cmds = [_worker_cmd(n, d, a.seed * 1000 + run_no * 10 + i, f"w{run_no}-{i}", a, root, linger)
+            for i, (n, d) in enumerate(jobs)]
+    return run_released(cmds, [n for n, _ in jobs], env, "go", a.window_s + linger + READY_TIMEOUT_S, BenchError)
 
 
 def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
