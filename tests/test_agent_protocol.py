@@ -284,6 +284,9 @@ def test_bad_endpoint_and_class_are_rejected_clearly():
         Agent(job_id="../1", use_cuda=False)
 
 
+# Slow (25 s: the gap must stretch and come back over many reports), and timing-bound under load:
+# make test is at its 15-minute limit.
+@pytest.mark.slow
 def test_dear_reports_are_spread_out_to_keep_their_cost_within_budget(peer):
     """A report that takes 2 ms (on a GPU, reading the allocator costs that much) would take 4 % of a
     job reporting every 50 ms: the agent stretches the gap until reports cost REPORT_BUDGET, at most

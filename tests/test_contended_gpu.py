@@ -1,4 +1,4 @@
-"""The contending emulated GPU (slurm_antman/lab/evaluation/contended_gpu.py): the device's FIFO core in
+"""The contending emulated GPU (slurm_antman/lab/evaluation/contended_gpu.py and contended_device.py): the device's FIFO core in
 virtual time, then the real device server over its Unix socket with real client processes.
 
 Timing bounds are properties of a FIFO device with generous margins (this machine has two cores and
@@ -23,6 +23,7 @@ import pytest
 
 from slurm_antman.lab.evaluation import contended_bench as cb
 from slurm_antman.lab.evaluation import contended_gpu as cg
+from slurm_antman.lab.evaluation import contended_device as cd
 from slurm_antman.lab.evaluation.emulated_gpu import BoardError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +46,7 @@ def _device_pids(root: str) -> set[int]:
 
 def _alive_device(pid: int) -> bool:
     try:
-        return b"contended_gpu" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"contended_device" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -99,7 +100,7 @@ def _read_all(s: socket.socket) -> bytes:
 
 
 def test_core_is_fifo_across_jobs_and_never_preempts():
-    core = cg.DeviceCore(switch_s=0.001)
+    core = cd.DeviceCore(switch_s=0.001)
     core.submit(owner=1, seq=0, dur=0.010, now=0.000)
     core.submit(owner=2, seq=0, dur=0.010, now=0.001)  # B arrives while A's kernel runs
     core.submit(owner=1, seq=1, dur=0.010, now=0.002)  # A's next comes after B's: it waits its turn
@@ -112,7 +113,7 @@ def test_core_is_fifo_across_jobs_and_never_preempts():
 
 
 def test_core_charges_the_switch_only_when_the_owner_changes():
-    core = cg.DeviceCore(switch_s=0.005)
+    core = cd.DeviceCore(switch_s=0.005)
     t = 0.0
     for owner in (1, 1, 2, 2, 1):
         core.submit(owner, 0, 0.010, t)
@@ -129,7 +130,7 @@ def test_core_charges_the_switch_only_when_the_owner_changes():
 
 
 def test_core_drops_a_gone_jobs_queue_but_finishes_its_running_kernel():
-    core = cg.DeviceCore(switch_s=0.0)
+    core = cd.DeviceCore(switch_s=0.0)
     for seq in range(3):
         core.submit(1, seq, 0.100, 0.0)
     core.submit(2, 0, 0.010, 0.0)
@@ -243,7 +244,7 @@ def test_paths_and_arguments_are_checked(tmp_path):
             cg.ContendedDevice(str(tmp_path), node, [gpu], "a")
     with pytest.raises(BoardError):
         cg.ContendedDevice(str(tmp_path), "n1", [0], "../a")
-    assert cg.serve(str(tmp_path), "../x", 0) == 2
+    assert cd.serve(str(tmp_path), "../x", 0) == 2
     # A board path too long for a socket address is reached through /proc/self/fd.
     long_root = str(tmp_path / ("x" * 100))
     with cg.ContendedDevice(long_root, NODE, [0], "a", idle_s=0.5) as d:
@@ -268,6 +269,8 @@ def test_two_jobs_at_duty_one_take_about_twice_as_long_together(root):
     assert "| resnet50 (R50_32, 1) | resnet50 (R50_32) |" in cb.table({"pairs": [q]})
 
 
+# Slow: two emulated jobs end to end; the device itself is tested above (make test is at its limit).
+@pytest.mark.slow
 def test_emulated_jobs_contend_instead_of_taking_the_formula(tmp_path):
     def start(job_id: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTMAN_", "SLURM_", "CUDA_VISIBLE"))}

@@ -165,11 +165,9 @@ def parse_args(argv: list[str]) -> tuple[Optional[int], float, Optional[float], 
 
 
 def visible_names(env: dict, visible: Optional[list[str]]) -> dict[int, str]:
-    """Physical GPU index -> the name the job's CUDA knows it by. The sidecar speaks physical indices
-    (``width.gpus``); under ``ConstrainDevices=yes`` the Prolog numbers the job's GPUs 0..n-1 in
-    ``CUDA_VISIBLE_DEVICES`` (CUDA sees only the devices the job's cgroup allows, in physical order)
-    and lists the physical ones, in the same order, in ``ANTMAN_GPUS``. Without ``ANTMAN_GPUS`` (not
-    under slurm-antman's Prolog) the names are the indices themselves."""
+    """Physical GPU index (``width.gpus``) -> the job's CUDA name for it: under ``ConstrainDevices=yes``
+    the Prolog numbers the job's GPUs 0..n-1 in ``CUDA_VISIBLE_DEVICES``, the physical ones alike in
+    ``ANTMAN_GPUS``. Without ``ANTMAN_GPUS`` (no slurm-antman Prolog) the names are the indices."""
     if visible is None:
         return {}
     physical = [e.strip() for e in (env.get(P.ENV_GPUS) or "").split(",") if e.strip()]
@@ -504,8 +502,7 @@ class Launcher:
     def _change(self, seq: int, gpus: list[int], t0: float) -> None:
         before, width_before = self.gpus, self.width
         if self.names and any(g not in self.names for g in gpus):
-            # Only the GPUs the job started with are in its device cgroup: another one could not be
-            # opened, and a job restarted on it would fail. The job goes on at its width.
+            # Only the GPUs it started with are in its device cgroup: it goes on at its width.
             say(f"width change seq {seq} to GPUs {gpus} ignored: the job started on GPUs {sorted(self.names)}")
             self.last_seq = seq
             return

@@ -262,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-ms", type=float, default=DEFAULT_SWITCH_S * 1e3,
                    help="the device's context-switch cost (default %(default)s ms, assumed: contended_gpu)")
     p.add_argument("--inflight", type=int, default=DEFAULT_INFLIGHT, help="kernels in flight per job")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the host phases' draws (--host-jitter; default 0)")
     p.add_argument("--host-jitter", action="store_true",
                    help="draw each host phase from [0, 2 x its length] instead of a fixed one (random "
                         "phases; the emulated job's host phase is fixed)")
