@@ -256,14 +256,28 @@ def test_paths_and_arguments_are_checked(tmp_path):
     os.kill(pid, signal.SIGTERM)
 
 
-def test_two_jobs_at_duty_one_take_about_twice_as_long_together(root):
-    # A property of a FIFO device: two jobs that always have work split it. Real processes, the
-    # pair bench's own workers; ResNet-50 is at sm_util 1 (no host phase), at 1/5 of its mini-batch.
+def test_two_jobs_that_always_have_work_split_the_device_in_turns():
+    # A property of a FIFO device, in its virtual time (no clock read): two jobs that always have a
+    # kernel queued alternate, each kernel waiting for exactly the other's plus one switch, so together
+    # each takes twice its time alone and a switch per kernel.
+    core = cd.DeviceCore(switch_s=0.001)
+    for seq in range(10):
+        for owner in (1, 2):
+            core.submit(owner, seq, 0.010, 0.0)
+    done = core.advance(10.0)
+    ends = {o: max(k.end for k in done if k.owner == o) for o in (1, 2)}
+    assert [k.owner for k in done] == [1, 2] * 10 and core.switches == 19
+    assert core.busy_s == pytest.approx(0.200)
+    assert max(ends.values()) == pytest.approx(0.200 + core.switches * 0.001)
+
+
+def test_the_pair_bench_runs_real_workers_and_tables_them(root):
+    # The pair bench's own workers, real processes: they run and their entry carries the formula's
+    # number for the table. (How much they slow each other is the bench's measurement, not a test's.)
     a = cb._parser().parse_args(["--window-s", "1.0", "--iter-scale", "0.2"])
     alone, = cb.run_together([("resnet50", 1.0)], a, root, 0)
     x, y = cb.run_together([("resnet50", 1.0), ("resnet50", 1.0)], a, root, 1)
-    for r in (x, y):
-        assert 1.6 <= r["iter_ms"] / alone["iter_ms"] <= 2.4, (r, alone)
+    assert all(r["iter_ms"] > 0 for r in (alone, x, y))
     q = cb.pair_entry("resnet50", "resnet50", 1.0, 1.0, x, y, alone, alone, None)
     assert q["formula_a"] == pytest.approx(2.73, abs=0.005)  # what the table compares with (Gavel's pair)
     assert "| resnet50 (R50_32, 1) | resnet50 (R50_32) |" in cb.table({"pairs": [q]})
