@@ -75,6 +75,29 @@ def test_feedback_raises_share_at_baseline_and_lowers_it_on_slowdown():
     assert d.state.guaranteed["100"].solo_ms == 100.0
 
 
+def test_warm_up_and_checkpoint_reports_do_not_inflate_the_solo_baseline():
+    # The H100 proof's case: the first report holds the warm-up iteration (2.1 s), then 72 ms steps.
+    d = run([guar(10, 0, 2100.0)])
+    for i in range(1, 6):
+        d = run([guar(10, i, 72.0 + (i % 2))], d.state)
+    assert d.state.guaranteed["100"].solo_ms == pytest.approx(72.0, abs=1.0)
+    # A checkpoint save in a solo report moves it by nothing either.
+    d = run([guar(10, 6, 5000.0)], d.state)
+    assert d.state.guaranteed["100"].solo_ms == pytest.approx(72.0, abs=1.0)
+    # So an opportunistic neighbour's 40 % is read as 40 %, and the share goes down, not up.
+    share = run([guar(10, 7, 72.0), opp("201", 2.0)], d.state).limits["201"].compute_share
+    d = run([guar(10, 7, 101.0), opp("201", 2.0)], d.state)
+    assert d.slowdown["100"] == pytest.approx(101.0 / 72.0 - 1.0, abs=0.02)
+    assert d.limits["201"].compute_share < share
+
+
+def test_solo_baseline_follows_a_lasting_change_of_the_job_own_speed():
+    d = run([guar(10, 0, 100.0)])
+    for i in range(1, 12):
+        d = run([guar(10, i, 100.0 if i < 4 else 150.0)], d.state)
+    assert d.state.guaranteed["100"].solo_ms == 150.0  # a new phase, not noise: the median moves
+
+
 def test_share_never_below_minimum_nor_above_one():
     d = run([guar(10, 1, 100.0)])
     for i in range(2, 30):

@@ -75,6 +75,9 @@ def load_cudart() -> ctypes.CDLL:
     raise OSError("CUDA runtime (libcudart) not found: " + "; ".join(errors or ["no candidates"]))
 
 
+_LIVE_CALLBACKS: list = []
+
+
 class HostSpill:
     """A MemPool that PyTorch uses when a device allocation runs out of memory."""
 
@@ -93,9 +96,11 @@ class HostSpill:
         self.held_bytes = 0  # host bytes held now (segments of the pool, used or free)
         self.held_total_bytes = 0  # host bytes ever handed out
         self.failures = 0
-        # The callbacks must outlive the pool: keep them on the instance.
+        # The callbacks must outlive the pool, which PyTorch may free after this object is cleared
+        # at interpreter shutdown: the module keeps them too.
         self._alloc_cb = _ALLOC_FN(self._alloc)
         self._free_cb = _FREE_FN(self._free)
+        _LIVE_CALLBACKS.extend((self._alloc_cb, self._free_cb))
         alloc_ptr = ctypes.cast(self._alloc_cb, ctypes.c_void_p).value
         free_ptr = ctypes.cast(self._free_cb, ctypes.c_void_p).value
         self._allocator = torch._C._cuda_customAllocator(alloc_ptr, free_ptr)
@@ -118,7 +123,13 @@ class HostSpill:
     def _free(self, ptr: Optional[int], size: int, device: int, stream: Optional[int]) -> None:
         if not ptr:
             return
-        self._cudart.cudaFreeHost(ptr)
+        try:
+            cudart = self._cudart
+        except AttributeError:
+            # Interpreter shutdown cleared this object while the pool still frees its segments: the
+            # host memory goes with the process.
+            return
+        cudart.cudaFreeHost(ptr)
         with self._lock:
             self.held_bytes -= size
             self._segments.pop(ptr, None)

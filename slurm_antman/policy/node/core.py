@@ -65,7 +65,12 @@ class NodePolicyParams:
     share_step: float = 0.05                 # additive increase per report at baseline
     share_backoff: float = 0.5               # multiplicative decrease on slowdown / demand rise
     demand_rise_bytes: int = 256 * MiB       # a guaranteed demand rise this large throttles at once
-    baseline_alpha: float = 0.2              # EWMA weight of a new solo iteration time
+    # The solo baseline is the lower median of the last this-many solo reports. Not a running mean:
+    # one warm-up report (cuDNN autotuning, the allocator growing: seconds on a GPU) or a checkpoint
+    # save would hold a mean above the job's real time for dozens of reports, and a baseline that is
+    # too slow reads interference as a speed-up, so the loop raises the share while the guaranteed job
+    # suffers (the H100 proof of 2026-11-26 read 116 ms against 72 ms alone).
+    baseline_window: int = 9
     grace_s: float = 30.0                    # preemption notice to requeue
     # Over target with the budget at min_share this long: preempt the newest opportunistic job on the
     # GPU. None (the default): never, throttle only. Off by default because a requeued job is often
@@ -120,6 +125,7 @@ class GuaranteedTrack:
     best_ms: Optional[float] = None
     last_iteration: Optional[int] = None
     demand_bytes: int = 0
+    solo_samples: tuple[float, ...] = ()  # the latest solo reports, oldest first (baseline_window)
 
     @property
     def baseline_ms(self) -> Optional[float]:
@@ -241,17 +247,19 @@ def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bo
                       p: NodePolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
     """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
     fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
-    solo, best, slowdown = prev.solo_ms, prev.best_ms, None
+    solo, best, slowdown, samples = prev.solo_ms, prev.best_ms, None, prev.solo_samples
     if fresh:
         ms = float(job.iteration_ms)
         if alone:
-            solo = ms if solo is None else (1 - p.baseline_alpha) * solo + p.baseline_alpha * ms
+            samples = (samples + (ms,))[-max(1, p.baseline_window):]
+            solo = sorted(samples)[(len(samples) - 1) // 2]
         base = solo if solo is not None else best
         if not alone and base:
             slowdown = ms / base - 1.0
         best = ms if best is None else min(best, ms)
     rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
-    track = GuaranteedTrack(solo, best, job.iteration if fresh else prev.last_iteration, job.mem_demand_bytes)
+    track = GuaranteedTrack(solo, best, job.iteration if fresh else prev.last_iteration, job.mem_demand_bytes,
+                            samples)
     return track, slowdown, rose
 
 
