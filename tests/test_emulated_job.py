@@ -114,7 +114,7 @@ def test_two_jobs_on_one_gpu_see_each_other(tmp_path):
     other_gpu.publish("103", 1.0, 1 << 30, RESNET.kind)
     # The workload model's measured interference at the neighbour's share, from what the board says.
     assert a.slowdown("101", RESNET) == pytest.approx(RESNET.slowdown([(LSTM.kind, 0.5)]))
-    assert a.slowdown("101", RESNET) == pytest.approx(1 + 0.5 * (pair_slowdowns()[(RESNET.kind, LSTM.kind)] - 1))
+    assert a.slowdown("101", RESNET) == pytest.approx(1 / (0.5 + 0.5 / pair_slowdowns()[(RESNET.kind, LSTM.kind)]))
     assert b.slowdown("102", LSTM) == pytest.approx(LSTM.slowdown([(RESNET.kind, 1.0)]))
     assert a.neighbour_mem("101") == 2 << 30
     assert other_gpu.slowdown("103", RESNET) == 1.0

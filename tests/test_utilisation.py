@@ -50,13 +50,40 @@ def test_formula_scales_the_measured_pair_by_both_duties():
     r50, nmt = workloads.BY_NAME["resnet50"], workloads.BY_NAME["transformer_nmt"]
     d = r50.slowdown([(nmt.kind, 1.0)])  # Gavel's pair, both at full utilisation
     assert workloads.pair_slowdown(r50.kind, nmt.kind, 1.0, 1.0) == pytest.approx(d)
-    assert workloads.pair_slowdown(r50.kind, nmt.kind, 0.5, 0.5) == pytest.approx(1 + 0.25 * (d - 1))
+    # Work-conserving: the victim's GPU half runs at 1 - x + x / d while the neighbour is active x of
+    # the time, its host half not at all.
+    assert workloads.pair_slowdown(r50.kind, nmt.kind, 0.5, 0.5) == pytest.approx(0.5 + 0.5 / (0.5 + 0.5 / d))
     assert workloads.pair_slowdown(r50.kind, nmt.kind, 0.5, 0.5, share_neighbour=0.1) == pytest.approx(
-        1 + 0.025 * (d - 1))
+        0.5 + 0.5 / (0.95 + 0.05 / d))
+    # Below the old linear form (1 + b x (d - 1)) between the ends, equal at them.
+    assert workloads.pair_slowdown(r50.kind, nmt.kind, 1.0, 0.5) < 1 + 0.5 * (d - 1)
     assert workloads.pair_slowdown(r50.kind, nmt.kind, 0.0, 1.0) == 1.0
     # The penalty beyond an even time slice: d - 2 (negative where the pair overlaps better).
     assert workloads.contention_penalty(r50.kind, nmt.kind) == pytest.approx(d - 2)
     assert workloads.contention_penalty("T64", "LM80") < 0
     # Profile.slowdown with duties is the same formula.
-    assert r50.slowdown([(nmt.kind, 0.5 * 0.1)], duty=0.5) == pytest.approx(1 + 0.025 * (d - 1))
+    assert r50.slowdown([(nmt.kind, 0.5 * 0.1)], duty=0.5) == pytest.approx(
+        workloads.pair_slowdown(r50.kind, nmt.kind, 0.5, 0.5, share_neighbour=0.1))
     assert r50.duty(0.5) == pytest.approx(0.5) and workloads.BY_NAME["rl_ppo_atari"].duty(0.5) == 1.0
+
+
+def test_several_neighbours_add_their_costs_only_while_active_together():
+    r50 = workloads.BY_NAME["resnet50"]
+    e = workloads.INTERFERENCE[(r50.kind, r50.kind)]
+    # Two uncontrolled copies: a three-way slice, 1 + 2e, as the measured pair generalises.
+    assert r50.slowdown([(r50.kind, 1.0), (r50.kind, 1.0)]) == pytest.approx(1 + 2 * e)
+    # Two at load 0.5: active together a quarter of the time, alone each a quarter, neither a quarter.
+    assert workloads.gpu_rate([(0.5, e), (0.5, e)]) == pytest.approx(0.25 + 0.5 / (1 + e) + 0.25 / (1 + 2 * e))
+    # Beyond the exact limit, the mean field, never below the all-active rate.
+    many = [(1.0, e)] * 12
+    assert workloads.gpu_rate(many) == pytest.approx(1 / (1 + 12 * e))
+    assert workloads.gpu_rate([(0.0, e), (0.3, 0.0)]) == 1.0
+
+
+def test_share_curve_is_the_slowdown_of_one_throttled_neighbour():
+    from slurm_antman.lab.evaluation.simulator.antman import curve_slowdown
+
+    r50, lstm = workloads.BY_NAME["resnet50"], workloads.BY_NAME["lstm_lm"]
+    a, q = r50.share_curve([(lstm.kind, 0.7)], 0.6)
+    for share in (0.05, 0.3, 1.0):
+        assert curve_slowdown(a, q, share) == pytest.approx(r50.slowdown([(lstm.kind, 0.7 * share)], 0.6))

@@ -15,7 +15,7 @@ the numbers the workload model uses:
   production job with a data-loader stall keeps the GPU only part of its benchmark busy: between
   steps the worker sleeps on the CPU (the GPU idle) for ``1/b - 1`` times its solo step time. Each pair
   at each combination of duties checks the interference formula of ``evaluation.workloads``
-  (``slowdown = 1 + b_i b_j (d_ij - 1)``) against the measurement, calibrated with the same run's
+  (``slowdown = 1 - b_i + b_i / (1 - b_j + b_j / d_ij)``) against the measurement, calibrated with the same run's
   full-duty pair (docs/workload_model.md, "Checking the interference formula on a GPU").
 - ``--device cpu`` runs the same process machinery on the CPU (the numbers mean nothing for a GPU;
   it exists so the machinery is tested where there is no GPU).
@@ -39,7 +39,7 @@ from typing import Any, Optional, Sequence
 
 import slurm_antman
 
-from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, pair_slowdown
+from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, pair_slowdown, slowdown_beside
 from slurm_antman.lab.worker_pool import run_released
 
 # What a PyTorch process holds on a GPU before its first tensor: the CUDA context and the loaded
@@ -106,7 +106,7 @@ def predicted_slowdown(full_duty_slowdown: float, duty_victim: float, duty_neigh
     """The formula of ``workloads.pair_slowdown`` with a measured pair as its calibration instead of
     Gavel's: a slowdown of the whole mini-batch, idle time included. Not clamped at 1, so at duty 1
     it returns the calibration exactly, noise and all."""
-    return 1.0 + duty_victim * duty_neighbour * share_neighbour * (full_duty_slowdown - 1.0)
+    return slowdown_beside(duty_victim, duty_neighbour * share_neighbour, full_duty_slowdown)
 
 
 def duty_combinations(duties: Sequence[float], same: bool) -> list[tuple[float, float]]:

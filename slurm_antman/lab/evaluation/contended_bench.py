@@ -23,7 +23,7 @@ every profile and pair at lower duty, the way a production job with a data-loade
 each mini-batch the worker sleeps a stall drawn from ``[0, 2 m]``, ``m = (1/b - 1)`` x its mini-batch
 time (random, so two equal jobs do not lock into a phase; as ``antman bench models`` does on a GPU).
 There the table also gives the formula calibrated with the device's own full-duty pair
-(``1 + b_i b_j (d_device - 1)``), which checks the formula's overlap term ``b_i b_j`` on its own.
+(``workloads.slowdown_beside`` with ``d_device``), which checks the formula's overlap term on its own.
 
 The device models time-slicing only: no two kernels share the SMs, no memory-bandwidth or cache
 contention. So it cannot reproduce a pair Gavel measured above 2 (contention beyond an even slice) nor
@@ -47,7 +47,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from .contended_gpu import DEFAULT_INFLIGHT, DEFAULT_SWITCH_S, ContendedDevice, Sleeper, minibatch, split_minibatch
-from .workloads import BY_NAME
+from .workloads import BY_NAME, slowdown_beside
 from ..worker_pool import run_released
 
 DEFAULT_PROFILES = ("resnet50", "transformer_nmt", "lstm_lm", "rl_ppo_atari", "cyclegan")
@@ -221,7 +221,7 @@ def pair_entry(a: str, b: str, da: float, db: float, ra: dict, rb: dict, sa: dic
     cal = full if full is not None else q
     for who, victim, other, bv, bn in (("a", a, b, da, db), ("b", b, a, db, da)):
         q[f"formula_{who}"] = formula(victim, other, bv, bn)
-        q[f"device_formula_{who}"] = 1.0 + bv * bn * (cal[f"slowdown_{who}"] - 1.0)
+        q[f"device_formula_{who}"] = slowdown_beside(bv, bn, cal[f"slowdown_{who}"])
     return q
 
 

@@ -10,21 +10,28 @@ as a benchmark runs it, and its ``kind`` names the job type whose slowdown besid
 Gavel measured on one V100 (``published.GAVEL_V100_PAIRS``) as benchmarks, i.e. at full utilisation.
 A job in a production cluster keeps the GPU busy only a fraction of that: its *duty*
 ``b = min(1, u / sm_util)`` for a production utilisation ``u`` (``utilisation.py`` draws ``u`` from
-published production figures). Job i beside neighbours j, each running a ``share_j`` of the time
-(1.0 uncontrolled; the compute share the local policy gives an opportunistic job, whose throttle keeps
-it idle the rest of the time), takes
+published production figures). Job i beside neighbours j, each with work on the GPU a fraction
+``x_j = b_j * share_j`` of the time (``share_j`` 1.0 uncontrolled; the compute share the local policy
+gives an opportunistic job, whose throttle keeps it idle the rest of the time), at random phases
+(neither knows the other's), takes
 
-    slowdown_i = 1 + b_i * sum_j b_j * share_j * (1 + pi_ij)
+    slowdown_i = 1 - b_i + b_i / rate_i,    rate_i = E[ 1 / (1 + sum over the active j of e_ij) ]
 
-times its solo mini-batch time. ``b_i * b_j * share_j`` is the fraction of i's time in which both
-have work on the GPU (their busy periods overlap at random: neither knows the other's phase), and in
-that time the pair time-slices (each gets half: 1) and pays a contention penalty ``pi_ij`` on top
-(caches, memory bandwidth, context switches; negative where two kernels overlap better than a
-time slice). The penalty is calibrated to Gavel's measured pairs at full utilisation (b = 1,
-share = 1): ``pi_ij = measured_slowdown_ij - 2``, so two benchmark-busy jobs slow by exactly the
-measured pair, and two that each keep the GPU 40 % of its benchmark busy mostly interleave
-(1 + 0.16 (1 + pi)). An opportunistic job throttled to ``share`` progresses at
-``share / slowdown`` of its solo rate.
+times its solo mini-batch time: its host time (1 - b_i) is untouched, and its GPU work proceeds at
+``rate_i`` of its solo speed, 1 while no neighbour is active and ``1 / (1 + e_ij)`` while j is (the
+pair time-slices, and more than one active neighbour is a wider slice: their extra costs add). The
+expectation is over which neighbours are active, each independently with probability ``x_j``. With one
+neighbour, ``rate = 1 - x + x / d``. The extra cost ``e_ij = d_ij - 1`` is Gavel's measured pair
+slowdown at full utilisation (b = 1, share = 1), so two benchmark-busy jobs slow by exactly the
+measured pair.
+
+The rate is averaged over the victim's *work*, not its solo time. Until 2026-11-26 the model was
+``1 + b_i * sum_j x_j * e_ij``, which counts the overlap as a fraction of the victim's solo time and so
+forgets that its work inside the overlap takes longer; at small loads that is d times too steep. An
+H100 measured the throttle's curve (docs/benchmarks.md, "Run 2 and 3": ResNet-50 pairs at shares 1 to
+0.05): this form within 0.03, the linear one off by up to 0.21. Both agree at full load. An
+opportunistic job throttled to ``share`` progresses at ``share / slowdown`` of its solo rate (the
+same runs: progress 0.456 x share, the form's 1 / 2.19 = 0.457).
 """
 
 from __future__ import annotations
@@ -48,11 +55,47 @@ def contention_penalty(victim_kind: str, neighbour_kind: str) -> float:
     return INTERFERENCE[(victim_kind, neighbour_kind)] - 1.0
 
 
+# Up to this many active-capable neighbours the rate is the exact expectation (2^k terms at most);
+# beyond, the mean-field rate, floored at the rate with all of them active.
+_EXACT_NEIGHBOURS = 8
+
+
+def gpu_rate(neighbours: Iterable[tuple[float, float]]) -> float:
+    """A job's GPU work rate, solo = 1, beside neighbours given as (load x_j, extra cost e_j) (module
+    doc). Loads are clamped to [0, 1], negative extra costs to 0."""
+    items = [(min(1.0, x), e) for x, e in ((float(x), max(0.0, float(e))) for x, e in neighbours)
+             if x > 0.0 and e > 0.0]
+    if not items:
+        return 1.0
+    if len(items) > _EXACT_NEIGHBOURS:
+        rate = 1.0 - sum(x * e / (1.0 + e) for x, e in items)
+        return max(rate, 1.0 / (1.0 + sum(e for _, e in items)))
+    dist = {0.0: 1.0}  # the sum of the active neighbours' extra costs -> its probability
+    for x, e in items:
+        nxt: dict[float, float] = {}
+        for y, p in dist.items():
+            nxt[y] = nxt.get(y, 0.0) + p * (1.0 - x)
+            nxt[y + e] = nxt.get(y + e, 0.0) + p * x
+        dist = nxt
+    return sum(p / (1.0 + y) for y, p in dist.items())
+
+
+def slowdown_beside(duty_victim: float, load: float, full_slowdown: float) -> float:
+    """The formula for one neighbour of load ``load`` whose pair at full load measured
+    ``full_slowdown`` (module doc). Not clamped: a pair measured faster together (noise) stays as
+    measured at full load, as ``antman bench models`` checks it."""
+    x = min(1.0, max(0.0, load))
+    b = max(0.0, duty_victim)
+    return 1.0 - b + b * full_slowdown / (full_slowdown * (1.0 - x) + x)  # exactly d at full load
+
+
 def pair_slowdown(victim_kind: str, neighbour_kind: str, duty_victim: float, duty_neighbour: float,
                   share_neighbour: float = 1.0) -> float:
     """The formula for one pair: what ``antman bench models --pairs-with`` checks on a GPU."""
     load = max(0.0, duty_neighbour) * max(0.0, share_neighbour)
-    return 1.0 + max(0.0, duty_victim) * load * INTERFERENCE.get((victim_kind, neighbour_kind), 0.0)
+    return slowdown_beside(duty_victim, load, 1.0 + INTERFERENCE.get((victim_kind, neighbour_kind), 0.0))
+
+
 KINDS = frozenset(k for k, _ in INTERFERENCE)
 
 # Smallest GPU the zoo must fit on: a 16 GB V100 (Philly's and PAI's clusters had 12-32 GB GPUs; the
@@ -76,8 +119,21 @@ class Profile:
         """Mini-batch time over the solo time beside ``neighbours``: (kind, load) of every other job
         on the GPU, its load being its duty times its compute share; ``duty`` is this job's own
         (module doc). With every duty 1 this is the measured pair beside one uncontrolled neighbour."""
-        return 1.0 + max(0.0, duty) * sum(
-            INTERFERENCE.get((self.kind, k), 0.0) * max(0.0, load) for k, load in neighbours)
+        b = max(0.0, duty)
+        if b == 0.0:
+            return 1.0
+        rate = gpu_rate((load, INTERFERENCE.get((self.kind, k), 0.0)) for k, load in neighbours)
+        return 1.0 - b + b / rate
+
+    def share_curve(self, neighbour_duties: Iterable[tuple[str, float]], duty: float = 1.0) -> tuple[float, float]:
+        """(a, q) with ``slowdown(share) = 1 - a + a / (1 - share q)`` for neighbours (kind, duty) all
+        throttled to one share: exact for one neighbour; for several, q is the sum of their slopes at
+        share 0 (the AIMD loop works at small shares). What ``simulator.antman`` feeds the loop."""
+        q = 0.0
+        for k, d in neighbour_duties:
+            e = INTERFERENCE.get((self.kind, k), 0.0)
+            q += min(1.0, max(0.0, d)) * e / (1.0 + e)
+        return max(0.0, duty), q
 
     def duty(self, utilisation: float) -> float:
         """The fraction of its benchmark's GPU work a job does when it keeps the GPU ``utilisation``

@@ -27,12 +27,14 @@ from slurm_antman.policy.node import core as lp
 from .state import PAUSE_CHECK, SLOW, WAKE, SimGpu, SimJob
 
 # The AIMD loop's steady state (``Simulator._steady_shares``) is a smooth function of the interference
-# coefficient c, which production utilisation makes continuous: each distinct c cost 120 runs of the
-# local policy and took a third of antman's simulation time. c is taken on a logarithmic grid of 5 %
-# steps (within 2.5 % of the true c; the steady share is a staircase in c that halves with the AIMD
-# decrease), and the steady states are kept for the process: a run needs a few hundred of them.
+# curve's two numbers (a, q) (``workloads.Profile.share_curve``), which production utilisation makes
+# continuous: each distinct curve costs 120 runs of the local policy, and a third of antman's simulation
+# time went to them when every one was run. Both are taken on a logarithmic grid of 5 % steps (within
+# 2.5 %; the steady share is a staircase that halves with the AIMD decrease), and the steady states are
+# kept for the process: a run needs a few hundred of them.
 _C_STEP = 0.05
 _C_MIN = 1e-4  # below: no measurable interference
+_Q_MAX = 0.999  # the curve's pole: a share this close to it reads as a slowdown of 1,000x
 _SHARE_CACHE: dict[tuple, tuple[float, bool]] = {}
 
 
@@ -40,6 +42,11 @@ def _c_grid(c: float) -> float:
     if c < _C_MIN:
         return 0.0
     return math.exp(round(math.log(c) / _C_STEP) * _C_STEP)
+
+
+def curve_slowdown(a: float, q: float, share: float) -> float:
+    """The guaranteed job's slowdown at ``share`` on the curve (a, q) (workloads.Profile.share_curve)."""
+    return 1.0 - a + a / (1.0 - min(_Q_MAX, share * q))
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +81,11 @@ class AntmanAdapter:
             g.need = None
         steady, slow = None, False
         if guar:
-            # All opportunistic jobs on a GPU get the same share; the guaranteed job then slows by
-            # 1 + share x c (workloads module doc), so the AIMD loop's steady state depends on c alone.
-            c = guar[0].profile.slowdown(((o.profile.kind, o.duty) for o in opp), guar[0].duty) - 1.0
-            steady, slow = self._steady_shares(_c_grid(c), len(opp))
+            # All opportunistic jobs on a GPU get the same share; the guaranteed job then slows along
+            # one curve of the share (workloads module doc), so the AIMD loop's steady state depends on
+            # the curve's two numbers alone.
+            a, q = guar[0].profile.share_curve(((o.profile.kind, o.duty) for o in opp), guar[0].duty)
+            steady, slow = self._steady_shares(_c_grid(a), _c_grid(q), len(opp))
         self._track_slow(g, guar, slow)
         shares: dict[str, float] = {}
         spill: set[str] = set()
@@ -145,11 +153,12 @@ class AntmanAdapter:
             g.slow_since = None
             self.slow_gpus.discard(i)
 
-    def _steady_shares(self, c: float, n: int) -> tuple[float, bool]:
+    def _steady_shares(self, a: float, q: float, n: int) -> tuple[float, bool]:
         """The mean compute share of each of ``n`` opportunistic jobs beside a guaranteed job that
-        slows by 1 + share x ``c``, over the last half of 120 reports of ``policy.node.core.decide``, and
-        whether the guaranteed job ends over target at the floor share (its slow_preempt_s rule)."""
-        key = (self.lp_params, c, n)
+        slows along the curve (a, q) (``curve_slowdown``), over the last half of 120 reports of
+        ``policy.node.core.decide``, and whether the guaranteed job ends over target at the floor share
+        (its slow_preempt_s rule)."""
+        key = (self.lp_params, a, q, n)
         hit = _SHARE_CACHE.get(key)
         if hit is not None:
             return hit
@@ -163,7 +172,7 @@ class AntmanAdapter:
         history: list[float] = []
         share = self.lp_params.initial_share
         for it in range(1, 121):
-            rep = replace(gjob, iteration=it, iteration_ms=base_ms * (1.0 + share * c))
+            rep = replace(gjob, iteration=it, iteration_ms=base_ms * curve_slowdown(a, q, share))
             d = lp.decide(lp.NodeSnapshot(info, (rep,) + ojobs), state, self.lp_params, float(it))
             state = d.state
             share = d.limits["o0"].compute_share
