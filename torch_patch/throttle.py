@@ -91,6 +91,9 @@ class Throttle:
         self.idle_s = 0.0
         self._handles: list[Any] = []
         self._lock = threading.Lock()
+        # Slot filling (torch_patch/slots.py): with a gate, every hook first waits for the guaranteed
+        # job's idle slot; the share's idle debt still applies on top.
+        self.gate: Optional[Any] = None
 
     @property
     def share(self) -> float:
@@ -113,9 +116,21 @@ class Throttle:
             self._iter_start = self._mark
             if share >= 1.0 or self.mode == "off":
                 self._ratio = 0.0
-                self._remove_hooks()
-            elif self.mode == "launch" and not self._handles:
+            want = self.gate is not None or (self._ratio > 0.0 and self.mode == "launch")
+            if want and not self._handles:
                 self._install_hooks()
+            elif not want:
+                self._remove_hooks()
+
+    def set_gate(self, gate: Optional[Any]) -> None:
+        """Launch into the guaranteed job's idle slots (a ``slots.SlotGate``), or stop (None)."""
+        with self._lock:
+            self.gate = gate
+        self.set_share(self._share)
+
+    @property
+    def hurry_event(self) -> threading.Event:
+        return self._hurry
 
     def _hurriable_sleep(self, seconds: float) -> None:
         self._hurry.wait(seconds)
@@ -188,6 +203,8 @@ class Throttle:
 
     def end_iteration(self) -> None:
         """Iteration boundary: pays what is owed for the iteration, or learns the reference."""
+        if self.gate is not None:
+            self.gate.boundary()
         if self._ratio == 0.0:
             now = self._clock()
             took = now - self._iter_start
@@ -257,7 +274,18 @@ class Throttle:
 
     def _forward_pre(self, module: Any, args: Any) -> None:
         self.tick()
+        if self.gate is not None:
+            self._wait_for_slot()
         return None
+
+    def _wait_for_slot(self) -> None:
+        waited = self.gate.before_launch()
+        if waited > 0:
+            # Waiting for a slot is idle time: it pays the share's debt rather than adding to it.
+            self.idle_s += waited
+            self._iter_idle += waited
+            self._debt = max(0.0, self._debt - waited)
+            self._mark = self._clock()
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         self.tick()
@@ -273,4 +301,6 @@ class Throttle:
 
     def _backward_pre(self, grad_outputs: Any) -> None:
         self.tick()
+        if self.gate is not None:
+            self._wait_for_slot()
         return None

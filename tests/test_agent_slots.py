@@ -1,0 +1,141 @@
+"""Slot filling in the agent (torch_patch/slots.py, the throttle's gate): the guaranteed side
+publishes its phases from real module calls, the opportunistic side launches only into idle slots."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from slurm_antman.protocol import slot_page as sp
+from torch_patch.slots import SlotGate, SlotPublisher
+from torch_patch.throttle import Throttle
+
+MS = 10**6
+
+
+def _page(tmp_path) -> str:
+    path = str(tmp_path / "gpu0.slots")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        sp.init_page(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_publisher_marks_the_burst_from_the_first_module_to_the_boundary(tmp_path):
+    path = _page(tmp_path)
+    pub = SlotPublisher(path)
+    reader = sp.SlotReader(path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    try:
+        assert reader.read().state == sp.NONE  # nothing launched yet
+        for _ in range(3):
+            model(torch.ones(2, 4))
+            assert reader.read().state == sp.BUSY
+            # One hook call per iteration: it removed itself after the first module.
+            assert pub._handle is None
+            time.sleep(0.002)
+            pub.boundary()  # no CUDA: the work is done by the boundary
+            s = reader.read()
+            assert s.state == sp.IDLE
+            time.sleep(0.003)
+        s = reader.read()
+        assert s.periods == 3 and s.busy_mean_ns >= 2 * MS and s.idle_mean_ns >= 3 * MS
+    finally:
+        pub.close()
+    assert reader.read().state == sp.NONE
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def synchronize(self) -> None:
+        self.done.wait(5)
+
+
+def test_on_cuda_the_page_goes_idle_only_when_the_work_drained_and_nothing_new_was_launched(tmp_path):
+    path = _page(tmp_path)
+    events: list[_Event] = []
+
+    def record() -> _Event:
+        events.append(_Event())
+        return events[-1]
+
+    pub = SlotPublisher(path, cuda_event=record)
+    reader = sp.SlotReader(path)
+    lin = torch.nn.Linear(2, 2)
+    try:
+        lin(torch.ones(1, 2))
+        pub.boundary()  # the training thread goes on; the GPU has not drained yet
+        assert reader.read().state == sp.BUSY
+        events[0].done.set()
+        deadline = time.monotonic() + 5
+        while reader.read().state != sp.IDLE and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert reader.read().state == sp.IDLE
+        # Next iteration: launched before the drain of its predecessor, so never idle in between.
+        lin(torch.ones(1, 2))
+        pub.boundary()
+        lin(torch.ones(1, 2))
+        events[1].done.set()
+        time.sleep(0.05)
+        assert reader.read().state == sp.BUSY
+    finally:
+        for e in events:
+            e.done.set()
+        pub.close()
+
+
+def test_gate_waits_for_the_slot_and_counts_the_wait_as_idle(tmp_path):
+    path = _page(tmp_path)
+    w = sp.SlotWriter(path)
+    # The guaranteed job's history: 20 ms bursts, 40 ms idle; it is busy now.
+    for _ in range(3):
+        w.busy()
+        time.sleep(0.02)
+        w.idle()
+        time.sleep(0.04)
+    w.busy()
+    syncs: list[float] = []
+    gate = SlotGate(path, synchronize=lambda: syncs.append(time.monotonic()))
+    th = Throttle(mode="launch")
+    th.set_gate(gate)
+    lin = torch.nn.Linear(2, 2)
+    flip = threading.Timer(0.03, w.idle)
+    flip.start()
+    try:
+        t0 = time.monotonic()
+        lin(torch.ones(1, 2))  # waits until the guaranteed job goes idle
+        took = time.monotonic() - t0
+        assert took >= 0.025, took
+        assert gate.waited_s >= 0.025 and th.idle_s >= 0.025
+        lin(torch.ones(1, 2))  # in the slot: the previous module is drained first, no wait
+        assert len(syncs) == 1 and gate.launches == 2 and gate.blind == 0
+    finally:
+        flip.cancel()
+        th.close()
+        gate.close()
+
+
+def test_gate_without_a_publisher_leaves_it_to_the_duty_throttle(tmp_path):
+    gate = SlotGate(_page(tmp_path))  # state NONE
+    assert gate.before_launch() < 0.01 and gate.blind == 1
+
+
+def test_hurry_ends_a_wait_for_a_slot_that_never_comes(tmp_path):
+    path = _page(tmp_path)
+    w = sp.SlotWriter(path)
+    w.busy()
+    w.idle()
+    w.busy()  # busy, with an idle mean of ~0: no slot will ever fit
+    hurry = threading.Event()
+    gate = SlotGate(path, hurry=hurry)
+    threading.Timer(0.05, hurry.set).start()
+    t0 = time.monotonic()
+    gate.before_launch()
+    assert 0.04 <= time.monotonic() - t0 < 2.0

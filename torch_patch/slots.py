@@ -1,0 +1,165 @@
+"""Idle-slot filling in the job (issue 30, items 2 and 3): the guaranteed job's agent publishes its
+device phases on the GPU's idle-slot page (``slurm_antman/protocol/slot_page.py``), and an
+opportunistic job's agent launches only into the slots the page shows, with at most one module's
+work in flight. AntMan's GpuOpManager (OSDI'20, §4.2) does this inside the framework's executor,
+per operator; here the hook points are the throttle's (every module's forward and, through its
+output's autograd node, its backward), so the granularity is a module.
+
+**Publisher** (role ``publish``, a guaranteed job): the page says ``busy`` from the first module call
+after an iteration boundary, and ``idle`` once that iteration's device work has drained. Without CUDA
+(the emulated jobs, whose device is synchronised before their boundary) that is the boundary itself. On
+CUDA an event is recorded at the boundary and a thread waits for it (``Event.synchronize`` releases the
+GIL), so the training thread never blocks; if the next iteration launched before the drain, the GPU
+never went idle and the page stays ``busy``. The hook that notices the first launch removes itself, so
+the guaranteed job pays one hook call per iteration.
+
+**Gate** (role ``fill``, an opportunistic job): before each module, the agent first waits for what it
+launched at the previous hook (so at most one module's work is ever in flight: it is what runs over
+into the guaranteed job's next burst, since a device never preempts), measures how long that took, and
+then waits, polling the page, until ``slot_page.may_launch`` says the next module's work fits in the
+guaranteed job's current idle slot. When the page tells nothing (no publisher, stale, torn) it does
+not wait: the duty throttle and the sidecar's AIMD loop, which stay underneath, are the safety net.
+A pause's ``hurry`` ends a wait at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from slurm_antman.protocol import slot_page as sp
+
+log = logging.getLogger("slurm_antman.agent")
+
+ROLES = ("publish", "fill")
+POLL_S = 0.0002         # between two reads of the page while waiting for a slot
+WORK_EWMA = 0.2         # weight of a new module's measured work in the estimate
+MARGIN = 0.8            # of the mean idle period that new work may fill (slot_page.may_launch)
+
+
+class SlotPublisher:
+    """The guaranteed job's side. ``boundary()`` from the training thread at each iteration
+    boundary; the first module call after it marks the burst's start by itself."""
+
+    def __init__(self, path: str, cuda_event: Optional[Callable[[], Any]] = None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self.writer = sp.SlotWriter(path, clock=clock)
+        self.path = path
+        self._clock = clock
+        self._event = cuda_event  # () -> a recorded event with .synchronize(); None: no CUDA
+        self._lock = threading.Lock()
+        self._launched = False     # a module ran since the last boundary
+        self._handle: Any = None
+        self._drains: Optional[queue.SimpleQueue] = None
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        if cuda_event is not None:
+            self._drains = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._drain_loop, name="antman-slots", daemon=True)
+            self._thread.start()
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._handle is None:
+            from torch.nn.modules import module as nn_module
+
+            self._handle = nn_module.register_module_forward_pre_hook(self._first_launch)
+
+    def _first_launch(self, module: Any, args: Any) -> None:
+        with self._lock:
+            self._launched = True
+            if not self._closed:
+                self.writer.busy()
+            h, self._handle = self._handle, None
+        if h is not None:
+            h.remove()
+        return None
+
+    def boundary(self) -> None:
+        with self._lock:
+            self._launched = False
+            if self._closed:
+                return
+            if self._drains is None:
+                self.writer.idle()
+        if self._drains is not None:
+            self._drains.put(self._event())
+        self._arm()
+
+    def _drain_loop(self) -> None:
+        while True:
+            ev = self._drains.get()
+            if ev is None:
+                return
+            try:
+                ev.synchronize()
+            except Exception:  # a broken context: the page goes stale and readers fall back
+                log.exception("slurm-antman: idle-slot drain wait failed")
+                return
+            with self._lock:
+                if not self._launched and not self._closed:
+                    self.writer.idle(self._clock())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            h, self._handle = self._handle, None
+            self.writer.close()
+        if h is not None:
+            h.remove()
+        if self._drains is not None:
+            self._drains.put(None)
+
+
+class SlotGate:
+    """The opportunistic job's side: ``before_launch()`` at each hook, from the training thread.
+    Returns the seconds it waited for a slot (idle time, as the throttle counts it)."""
+
+    def __init__(self, path: str, synchronize: Optional[Callable[[], None]] = None,
+                 hurry: Optional[threading.Event] = None, clock: Callable[[], int] = time.monotonic_ns,
+                 poll_s: float = POLL_S) -> None:
+        self.reader = sp.SlotReader(path, clock=clock)
+        self.path = path
+        self._sync = synchronize
+        self._hurry = hurry or threading.Event()
+        self._clock = clock
+        self._poll_s = poll_s
+        self._launch_ns: Optional[int] = None
+        self.work_ns = 0.0          # estimated device work of one module (EWMA of the measured)
+        self.waited_s = 0.0
+        self.launches = 0
+        self.blind = 0              # launches the page said nothing about (the duty throttle decided)
+
+    def before_launch(self) -> float:
+        if self._launch_ns is not None:
+            self.boundary()  # at most one module's work in flight: wait for it, measure it
+        t0 = self._clock()
+        while True:
+            ok = sp.may_launch(self.reader.read(), self._clock(), int(self.work_ns), MARGIN)
+            if ok is None:
+                self.blind += 1
+                break
+            if ok or self._hurry.wait(self._poll_s):
+                break
+        now = self._clock()
+        self._launch_ns = now
+        self.launches += 1
+        waited = (now - t0) / 1e9
+        self.waited_s += waited
+        return waited
+
+    def boundary(self) -> None:
+        """Measure the last module's work now, so the host time before the next iteration's first
+        launch (its data loading) is not counted as device work."""
+        if self._launch_ns is not None:
+            if self._sync is not None:
+                self._sync()
+            took = self._clock() - self._launch_ns
+            self.work_ns = took if self.work_ns == 0 else self.work_ns + WORK_EWMA * (took - self.work_ns)
+            self._launch_ns = None
+
+    def close(self) -> None:
+        self.reader.close()
