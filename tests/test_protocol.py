@@ -26,7 +26,12 @@ SAMPLES = [
     p.Registered(job_id="42", job_class="guaranteed", seq=0, mem_limit_bytes=None, compute_share=1.0,
                  heartbeat_s=1.0, throttle="off"),
     _report(),
+    p.Registered(job_id="42", job_class="opportunistic", seq=3, mem_limit_bytes=1 << 30, compute_share=0.5,
+                 heartbeat_s=1.0, throttle="launch", slot_page="/run/slurm-antman/n1/slots/gpu0.slots",
+                 slot_role="fill"),
     p.Limits(seq=4, mem_limit_bytes=5 << 30, compute_share=0.25),
+    p.Limits(seq=5, mem_limit_bytes=None, compute_share=1.0, slot_page="/run/slurm-antman/n1/slots/gpu3.slots",
+             slot_role="publish"),
     p.Ack(seq=4, applied_iteration=9),
     p.Preempt(deadline_unix=1.7e9, grace_s=30.0, reason="guaranteed job 41 needs memory"),
     p.Register(job_id="42", pid=100, rank=0, local_rank=0, world_size=1, hostname="n1", agent_version="0.2",
@@ -239,3 +244,78 @@ def test_width_refuses_an_empty_repeated_or_too_long_gpu_list(gpus):
     with pytest.raises(p.ProtocolError) as e:
         p.decode([frames[0], json.dumps(env).encode()], accept=p.SIDECAR_TO_AGENT)
     assert e.value.code == p.ErrorCode.bad_value and "width.gpus" in e.value.message
+
+
+# --- the idle-slot page's fields (issue 30) -----------------------------------------------------------
+
+PAGE = "/run/slurm-antman/n1/slots/gpu0.slots"
+OLD_REGISTERED_FIELDS = {"job_id", "job_class", "seq", "mem_limit_bytes", "compute_share", "heartbeat_s", "throttle"}
+
+
+def _registered(**kw):
+    base = dict(job_id="42", job_class="guaranteed", seq=0, mem_limit_bytes=None, compute_share=1.0,
+                heartbeat_s=1.0, throttle="off")
+    base.update(kw)
+    return p.Registered(**base)
+
+
+def test_slot_fields_stay_off_the_wire_while_null_so_an_older_agent_never_meets_them():
+    body = json.loads(p.encode(p.message(_registered()))[1])["body"]
+    assert set(body) == OLD_REGISTERED_FIELDS
+    lim = json.loads(p.encode(p.message(p.Limits(seq=1, mem_limit_bytes=None, compute_share=1.0)))[1])["body"]
+    assert set(lim) == {"seq", "mem_limit_bytes", "compute_share"}
+    # Absent decodes as null: "no page" reads the same either way.
+    back = p.decode(p.encode(p.message(_registered())), p.SIDECAR_TO_AGENT).body
+    assert (back.slot_page, back.slot_role) == (None, None)
+    sent = json.loads(p.encode(p.message(_registered(slot_page=PAGE, slot_role="publish")))[1])["body"]
+    assert (sent["slot_page"], sent["slot_role"]) == (PAGE, "publish")
+
+
+def _slot_body(mtype, **fields):
+    base = p.body_dict(_registered()) if mtype == "registered" else {"seq": 2, "mem_limit_bytes": None,
+                                                                         "compute_share": 1.0}
+    return _frames(_env(mtype, {**base, **fields}))
+
+
+@pytest.mark.parametrize("mtype", ["registered", "limits"])
+def test_a_slot_role_that_is_not_publish_or_fill_is_named(mtype):
+    err = _code(_slot_body(mtype, slot_page=PAGE, slot_role="write"), p.SIDECAR_TO_AGENT)
+    assert err.code is p.ErrorCode.bad_value
+    assert f"{mtype}.slot_role: 'write' is not allowed; allowed: fill, publish" in err.message
+
+
+@pytest.mark.parametrize("mtype", ["registered", "limits"])
+def test_a_slot_page_path_over_255_characters_or_not_absolute_is_refused(mtype):
+    longest = "/" + "a" * (p.MAX_SLOT_PAGE_PATH - 1)
+    assert p.decode(_slot_body(mtype, slot_page=longest, slot_role="fill")).body.slot_page == longest
+    err = _code(_slot_body(mtype, slot_page=longest + "a", slot_role="fill"))
+    assert err.code is p.ErrorCode.bad_value and f"{mtype}.slot_page: longer than 255 characters" in err.message
+    for bad in ("slots/gpu0.slots", "/run/x\n/gpu0.slots", "/run/x\x00y"):
+        err = _code(_slot_body(mtype, slot_page=bad, slot_role="fill"))
+        assert err.code is p.ErrorCode.bad_value and f"{mtype}.slot_page" in err.message, bad
+    err = _code(_slot_body(mtype, slot_page=7, slot_role="fill"))
+    assert err.code is p.ErrorCode.bad_type
+
+
+@pytest.mark.parametrize("fields", [dict(slot_page=PAGE), dict(slot_role="fill"),
+                                    dict(slot_page=PAGE, slot_role=None), dict(slot_page=None, slot_role="publish")])
+def test_a_slot_page_and_its_role_come_together(fields):
+    err = _code(_slot_body("limits", **fields))
+    assert err.code is p.ErrorCode.bad_value and "slot_page and slot_role come together" in err.message
+    with pytest.raises(ValueError, match="come together"):
+        _registered(**fields)
+
+
+def test_encode_refuses_a_slot_role_the_agent_would_refuse():
+    # A sender bug fails at the sender, never as an agent's error.
+    with pytest.raises(p.ProtocolError) as ei:
+        p.encode(p.message(p.Limits(seq=1, mem_limit_bytes=None, compute_share=1.0, slot_page=PAGE,
+                                    slot_role="read")))
+    assert ei.value.code is p.ErrorCode.bad_value and "slot_role" in ei.value.message
+
+
+def test_the_slots_feature_is_one_more_register_feature():
+    assert p.FEATURE_SLOTS == "slots" and p.SLOT_ROLES == ("publish", "fill")
+    reg = p.Register(job_id="42", pid=100, rank=0, local_rank=0, world_size=1, hostname="n1", agent_version="0.3",
+                     torch_version="2.13.0", device="cuda", job_class="guaranteed", features=(p.FEATURE_SLOTS,))
+    assert p.decode(p.encode(p.message(reg))).body.features == ("slots",)

@@ -146,6 +146,7 @@ class _Spec:
     names: frozenset
     required: tuple
     fields: tuple  # (name, checker, default or _MISSING)
+    omit: tuple = ()  # (name, default) of the fields left off the wire while they hold their default
 
 
 _SPECS: dict[type, _Spec] = {}
@@ -157,8 +158,9 @@ def _spec(cls: type) -> _Spec:
         fields = []
         for fd in dataclasses.fields(cls):
             fields.append((fd.name, _checker(fd.metadata["kind"], fd.metadata), fd.default))
+        omit = tuple((fd.name, fd.default) for fd in dataclasses.fields(cls) if fd.metadata.get("omit_default"))
         spec = _Spec(frozenset(n for n, _, _ in fields),
-                     tuple(n for n, _, d in fields if d is _MISSING), tuple(fields))
+                     tuple(n for n, _, d in fields if d is _MISSING), tuple(fields), omit)
         _SPECS[cls] = spec
     return spec
 
@@ -231,7 +233,11 @@ def _to_wire(obj: Any) -> Any:
         return [_to_wire(x) for x in obj]
     spec = _SPECS.get(type(obj))
     if spec is not None:
-        return {name: _to_wire(getattr(obj, name)) for name, _, _ in spec.fields}
+        out = {name: _to_wire(getattr(obj, name)) for name, _, _ in spec.fields}
+        for name, default in spec.omit:
+            if out[name] == default:
+                del out[name]
+        return out
     return obj
 
 

@@ -7,11 +7,25 @@ from dataclasses import field
 from typing import Any, ClassVar, Optional
 
 from .spec import (
-    AGENT_CLASSES, DEVICES, JOB_CLASSES, MAX_JOB_GPUS, JOB_ID_RE, NODE_NAME_RE, PLACEMENTS, TELEMETRY_KINDS, THROTTLE_MODES, Body,
-    ErrorCode, _bytes_, _dc, _f, _job_id, _text,
+    AGENT_CLASSES, DEVICES, JOB_CLASSES, MAX_JOB_GPUS, JOB_ID_RE, MAX_SLOT_PAGE_PATH, NODE_NAME_RE, PLACEMENTS,
+    SLOT_PAGE_RE, SLOT_ROLES, TELEMETRY_KINDS, THROTTLE_MODES, Body, ErrorCode, _bytes_, _dc, _f, _job_id, _text,
 )
 
 # --- agent channel: per-job ROUTER (sidecar) <-> DEALER (agent) ------------------------------
+
+
+def _slot_page() -> Any:
+    return _f(str, nullable=True, pattern=SLOT_PAGE_RE, max_len=MAX_SLOT_PAGE_PATH, default=None, omit_default=True)
+
+
+def _slot_role() -> Any:
+    return _f(str, nullable=True, choices=SLOT_ROLES, default=None, omit_default=True)
+
+
+def _check_slot_pair(page: Optional[str], role: Optional[str]) -> None:
+    if (page is None) != (role is None):
+        raise ValueError(f"slot_page and slot_role come together or not at all, got slot_page={page!r}, "
+                         f"slot_role={role!r}")
 
 
 @_dc
@@ -47,6 +61,14 @@ class Registered(Body):
     compute_share: float = _f(float, gt=0.0, le=1.0)
     heartbeat_s: float = _f(float, gt=0.0, le=3600.0)
     throttle: str = _f(str, choices=THROTTLE_MODES)
+    # The idle-slot page of the agent's GPU and what the agent does with it (docs/protocol.md, "The
+    # idle-slot page"); sent only to agents whose register.features has "slots", and left off the wire
+    # while null, so an older agent never meets them.
+    slot_page: Optional[str] = _slot_page()
+    slot_role: Optional[str] = _slot_role()
+
+    def __post_init__(self) -> None:
+        _check_slot_pair(self.slot_page, self.slot_role)
 
 
 @_dc
@@ -69,6 +91,11 @@ class Limits(Body):
     seq: int = _f(int, ge=1)
     mem_limit_bytes: Optional[int] = _bytes_(nullable=True)
     compute_share: float = _f(float, gt=0.0, le=1.0)
+    slot_page: Optional[str] = _slot_page()    # as in registered; null: no page (any more)
+    slot_role: Optional[str] = _slot_role()
+
+    def __post_init__(self) -> None:
+        _check_slot_pair(self.slot_page, self.slot_role)
 
 
 @_dc

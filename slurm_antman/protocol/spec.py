@@ -102,10 +102,13 @@ _MISSING = dataclasses.MISSING
 def _f(kind: Any, *, nullable: bool = False, ge: Optional[float] = None, gt: Optional[float] = None,
        le: Optional[float] = None, choices: Optional[Iterable[str]] = None,
        pattern: Optional[re.Pattern[str]] = None, max_len: Optional[int] = None,
-       default: Any = _MISSING) -> Any:
+       default: Any = _MISSING, omit_default: bool = False) -> Any:
+    """``omit_default``: the encoder leaves the field out while it holds its default, so a peer older
+    than the field (which answers an unknown field with ``extra_field``) never meets it unless it is
+    actually used; a sender uses it only towards peers that said they know it (``register.features``)."""
     meta = dict(kind=kind, nullable=nullable, ge=ge, gt=gt, le=le,
                 choices=frozenset(choices) if choices is not None else None,
-                pattern=pattern, max_len=max_len)
+                pattern=pattern, max_len=max_len, omit_default=omit_default)
     return field(default=default, metadata=meta)
 
 
@@ -118,6 +121,13 @@ PLACEMENTS = ("requested", "fit", "fallback", "wait")
 FEATURE_PAUSE = "pause"  # register.features: the agent answers pause / resume
 # register.features: the agent runs under the elastic launcher (local rank 0 only) and answers width
 FEATURE_WIDTH = "width"
+# register.features: the agent publishes its GPU phases into an idle-slot page (guaranteed) or launches
+# into the idle slots a page shows (opportunistic); registered/limits then carry slot_page and slot_role.
+FEATURE_SLOTS = "slots"
+SLOT_ROLES = ("publish", "fill")
+MAX_SLOT_PAGE_PATH = 255
+# Absolute, no control characters (a NUL or a newline has no business in a path root made).
+SLOT_PAGE_RE = re.compile(r"^/[^\x00-\x1f\x7f]*\Z")
 MAX_JOB_GPUS = 64  # job_register's gpus bound; an elastic range lies within it
 
 
