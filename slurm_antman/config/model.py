@@ -398,6 +398,14 @@ class Sidecar(_Strict):
         description="An opportunistic job sharing a GPU with a guaranteed job is requeued once, for this long, it "
                     "has run without an agent (its processes on the GPU, NVML only), not acknowledged its limits, or "
                     "held more GPU memory than its limit (10 % and 256 MiB tolerated). Covers a job's start-up.")
+    slot_filling: bool = Field(
+        default=False,
+        description="Idle-slot pages (issue 30, docs/protocol.md \"The idle-slot page\"): on a GPU shared by a "
+                    "guaranteed job and opportunistic ones, the sidecar makes a shared-memory page in which the "
+                    "guaranteed job's agent publishes when its GPU work is in flight and when it drained, readable "
+                    "by that GPU's opportunistic jobs only, so that their agents launch into its idle slots. Needs "
+                    "agents that name the \"slots\" feature and a socket_dir on a file system with POSIX ACLs "
+                    "(else no page is offered). Off by default: not measured yet.")
     metrics_port: int = Field(default=0, ge=0, le=65535,
                               description="Prometheus endpoint port of the sidecar; 0 turns it off. With several "
                                           "slurmd on one host, only one sidecar can bind it.")

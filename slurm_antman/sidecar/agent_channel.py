@@ -118,10 +118,16 @@ class AgentChannel:
         job.agents[identity] = agent
         log.info("job %s: agent pid %d rank %d registered (%s, torch %s)", job.job_id, reg.pid, reg.rank,
                  reg.device, reg.torch_version)
+        # An agent that can publish may make its GPU's page, which its neighbours' agents then hear of;
+        # this one hears of its page in `registered` (whose seq it then holds, whatever the others got).
+        self._sync_slot_files()
+        self._send_slot_changes(time.time(), skip=agent)
+        agent.acked_seq = job.seq
         throttle = "off" if job.job_class == "guaranteed" else self.opt.opportunistic_throttle
         self._send(job.socket, agent, p.Registered(
             job_id=job.job_id, job_class=job.job_class, seq=job.seq, mem_limit_bytes=job.limits.mem_limit_bytes,
-            compute_share=job.limits.compute_share, heartbeat_s=self.opt.heartbeat_s, throttle=throttle), ref=msg.id)
+            compute_share=job.limits.compute_share, heartbeat_s=self.opt.heartbeat_s, throttle=throttle,
+            **self._slot_fields(job, agent)), ref=msg.id)
         if job.preempt is not None:
             self._send_preempt(job, agent)
         elif job.paused and p.FEATURE_PAUSE in reg.features:

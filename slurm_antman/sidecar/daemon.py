@@ -6,7 +6,8 @@ close). What it does lives in one module per idea, each mixed into :class:`Sidec
 - agent_channel.py: each job's agents, over the job's own socket;
 - enforcement.py: telemetry, the local policy on every report and tick, and what enforces it;
 - views.py: the node as node_state (control socket) and node_report (coordinator) show it;
-- coordinator_channel.py: the uplink to the coordinator.
+- coordinator_channel.py: the uplink to the coordinator;
+- slot_pages.py: the idle-slot pages of GPUs shared by a guaranteed job and opportunistic ones.
 
 Single-threaded on purpose: every zmq socket lives in the loop's thread, so no locks are needed;
 ``stop()`` is the only method another thread may call.
@@ -34,6 +35,7 @@ from .loop import SocketLoop, bound_router
 from .options import SidecarOptions
 from .records import AgentConnection, RegisteredJob
 from .registry import JobRegistry
+from .slot_pages import SlotDirError, SlotPageChannel, SlotPages
 from .telemetry import GpuSample, ProcessSample, Telemetry, UtilizationWindow
 from .uplink import Uplink
 from .views import ReportViews
@@ -43,11 +45,12 @@ __all__ = ["AgentConnection", "RegisteredJob", "Sidecar", "SidecarOptions"]
 log = logging.getLogger("antman.sidecar")
 
 
-class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, CoordinatorChannel):
+class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, CoordinatorChannel, SlotPageChannel):
     def __init__(self, options: SidecarOptions, telemetry: Telemetry):
         self.opt = options
         self.telemetry = telemetry
         self.dir = SocketDir(options.socket_dir)
+        self.slot_pages = SlotPages(self.dir.root)
         self.jobs: dict[str, RegisteredJob] = {}
         self.policy_state = PolicyState()
         # Placement memory from the coordinator's preempt_notice: job -> (GPUs to keep it off, until
@@ -107,6 +110,10 @@ class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, C
     def start(self) -> None:
         self.started_unix = time.time()
         self.dir.prepare()
+        try:
+            self.slot_pages.clear_stale()
+        except SlotDirError as e:
+            log.warning("%s", e.strerror)
         self._control = self._ctx.socket(zmq.ROUTER)
         bound_router(self._control)
         self._control.bind(p.ipc(self.dir.control_path))
@@ -162,6 +169,7 @@ class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, C
                 job.socket.close(0)
         if self._uplink is not None:
             self._uplink.close()
+        self.slot_pages.close()
         if self._control is not None:
             self._control.close(0)
         self._ctx.term()

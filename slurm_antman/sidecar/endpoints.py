@@ -9,6 +9,9 @@
     SOCKET_DIR/jobs/JOBID/    0711 root   (root's: the job's user must not be able to swap what root
                                            chmods and chowns in it, e.g. agent.sock for a symlink)
         agent.sock            0600 uid    (only the job's user and root can connect)
+    SOCKET_DIR/slots/         0755 root   (sidecar.slot_filling only; slot_pages.py makes and checks it)
+        gpuN.slots            0640+ACL    (owner: GPU N's guaranteed job's uid, rw; its opportunistic
+                                           jobs' uids r; nobody else)
 """
 
 from __future__ import annotations

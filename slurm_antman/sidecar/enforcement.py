@@ -19,7 +19,7 @@ from slurm_antman.policy.node.placement import util_measured
 
 from . import driver_caps, health, peers
 from .agent_channel import AGENT_TIMEOUT_HEARTBEATS, PAUSE_TIMES_KEPT
-from .records import RegisteredJob, agent_memory
+from .records import AgentConnection, RegisteredJob, agent_memory
 from .telemetry import GpuSample, ProcessSample, ReportedLoad, Telemetry, UtilizationWindow
 
 log = logging.getLogger("antman.sidecar")
@@ -159,20 +159,32 @@ class Enforcement:
             job = self.jobs.get(job_id)
             if job is not None:
                 self._resume(job)
+        self._sync_slot_files()  # first, so that new limits carry the pages as they now are
         for job_id, lim in decision.limits.items():
             job = self.jobs.get(job_id)
             if job is None or lim == job.limits:
                 continue
-            job.seq += 1
             job.limits = lim
-            job.limits_sent_unix = now
-            for a in job.agents.values():
-                self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
-                                                   compute_share=lim.compute_share))
+            self._send_limits(job, now)
+        self._send_slot_changes(now)
         if self.opt.enforce:
             self._apply_caps()
             self._check_compliance(now)
             self._check_width_returns(now)
+
+    def _send_limits(self, job: RegisteredJob, now: float, skip: Optional[AgentConnection] = None,
+                     restart_clock: bool = True) -> None:
+        """``job.limits`` under a new seq to each of its agents but ``skip``, each with its own idle-slot page.
+        ``restart_clock`` False (only a page changed): limits still unacknowledged keep their clock, so a
+        neighbour's comings and goings never reset how long a job has ignored its limits."""
+        if restart_clock or all(a.acked_seq >= job.seq for a in job.agents.values()):
+            job.limits_sent_unix = now
+        job.seq += 1
+        lim = job.limits
+        for a in job.agents.values():
+            if a is not skip:
+                self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
+                                                   compute_share=lim.compute_share, **self._slot_fields(job, a)))
 
     def _change_width(self, job: RegisteredJob, change: WidthChange, now: float) -> None:
         """Tell the job's launcher (through its agent with the ``width`` feature) to restart its workers on

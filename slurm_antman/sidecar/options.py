@@ -28,3 +28,4 @@ class SidecarOptions:
     no_room_wait: bool = True  # opportunistic.no_room == "wait"
     hooks_state_dir: Optional[str] = None  # where the Prolog writes this node's env files (state_dir/NODE)
     compliance: compliance.ComplianceParams = compliance.ComplianceParams()
+    slot_filling: bool = False  # sidecar.slot_filling: idle-slot pages (slot_pages.py)

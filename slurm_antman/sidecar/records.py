@@ -23,6 +23,8 @@ class AgentConnection:
     report: Optional[p.Report] = None
     report_unix: Optional[float] = None
     acked_seq: int = 0
+    # The idle-slot page this agent was last told of: (path, role, generation); None: none (slot_pages.py).
+    slot_sent: Optional[tuple[str, str, int]] = None
 
 
 @dataclass
