@@ -4,6 +4,7 @@ permissions as real unprivileged users see them, and the sidecar offering pages 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -375,6 +376,27 @@ def test_no_page_when_slot_filling_is_off_or_the_guaranteed_agent_cannot_publish
         assert "limits" not in ga.drain_types()
         slots = os.path.join(sockdir, "slots")
         assert not os.path.exists(slots) or os.listdir(slots) == []
+    finally:
+        for a in agents:
+            a.close()
+        r.stop()
+
+
+@needs_root
+def test_turning_slot_filling_off_by_a_reload_removes_the_page_and_tells_both_agents(sockdir):
+    r = Running(sockdir, make_config(gpus=1, slot_filling=True))
+    agents = []
+    try:
+        ga, oa, _, oreg, _ = _two_jobs(sockdir, SLOTS, SLOTS)
+        agents += [ga, oa]
+        page = oreg["slot_page"]
+        assert os.path.exists(page)
+        _raw_bodies(ga, "limits", until=lambda b: "slot_page" in b)
+        r.sidecar.reloader = lambda current: dataclasses.replace(current, slot_filling=False)
+        r.sidecar.request_reload()
+        wait_for(lambda: not os.path.exists(page), what="the page removed")
+        for a in (ga, oa):
+            assert "slot_page" not in _raw_bodies(a, "limits")
     finally:
         for a in agents:
             a.close()

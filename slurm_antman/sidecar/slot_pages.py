@@ -24,7 +24,6 @@ import os
 import re
 import stat
 import struct
-import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
