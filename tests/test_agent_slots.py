@@ -139,3 +139,18 @@ def test_hurry_ends_a_wait_for_a_slot_that_never_comes(tmp_path):
     t0 = time.monotonic()
     gate.before_launch()
     assert 0.04 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_page_that_claims_endless_bursts_holds_a_launch_for_at_most_max_wait(tmp_path, monkeypatch):
+    import torch_patch.slots as slots
+
+    monkeypatch.setattr(slots, "MAX_WAIT_S", 0.05)
+    path = _page(tmp_path)
+    with open(path, "r+b") as f:  # a hostile writer: busy since now, bursts of an hour, no idle yet
+        import struct
+
+        f.write(struct.pack("<8Q", sp.MAGIC, 0, sp.BUSY, time.monotonic_ns(), 1, sp.MAX_PERIOD_NS, 1, 1))
+    gate = SlotGate(path)
+    t0 = time.monotonic()
+    gate.before_launch()
+    assert time.monotonic() - t0 < 1.0 and gate.forced == 1

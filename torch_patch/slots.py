@@ -38,6 +38,10 @@ ROLES = ("publish", "fill")
 POLL_S = 0.0002         # between two reads of the page while waiting for a slot
 WORK_EWMA = 0.2         # weight of a new module's measured work in the estimate
 MARGIN = 0.8            # of the mean idle period that new work may fill (slot_page.may_launch)
+# The longest one launch waits for a slot. The page is the guaranteed job's word, and a page that
+# claims long bursts would otherwise hold this job for up to 8 x its claimed mean before it counts as
+# stale; after this the module runs anyway, under the duty throttle and the sidecar's loop.
+MAX_WAIT_S = 1.0
 
 
 class SlotPublisher:
@@ -132,17 +136,22 @@ class SlotGate:
         self.waited_s = 0.0
         self.launches = 0
         self.blind = 0              # launches the page said nothing about (the duty throttle decided)
+        self.forced = 0             # launches after MAX_WAIT_S without a slot
 
     def before_launch(self) -> float:
-        if self._launch_ns is not None:
-            self.boundary()  # at most one module's work in flight: wait for it, measure it
+        self.drain()  # at most one module's work in flight (a no-op if the throttle drained it already)
         t0 = self._clock()
+        give_up = t0 + int(MAX_WAIT_S * 1e9)
         while True:
-            ok = sp.may_launch(self.reader.read(), self._clock(), int(self.work_ns), MARGIN)
+            now = self._clock()
+            ok = sp.may_launch(self.reader.read(), now, int(self.work_ns), MARGIN)
             if ok is None:
                 self.blind += 1
                 break
             if ok or self._hurry.wait(self._poll_s):
+                break
+            if now >= give_up:
+                self.forced += 1
                 break
         now = self._clock()
         self._launch_ns = now
@@ -151,15 +160,18 @@ class SlotGate:
         self.waited_s += waited
         return waited
 
-    def boundary(self) -> None:
-        """Measure the last module's work now, so the host time before the next iteration's first
-        launch (its data loading) is not counted as device work."""
+    def drain(self) -> None:
+        """Wait for the work launched at the last hook and measure it. The throttle calls it before it
+        idles for its share, so that idle time is not measured as work; at a boundary, so that the host
+        time before the next iteration's first launch (its data loading) is not either."""
         if self._launch_ns is not None:
             if self._sync is not None:
                 self._sync()
             took = self._clock() - self._launch_ns
             self.work_ns = took if self.work_ns == 0 else self.work_ns + WORK_EWMA * (took - self.work_ns)
             self._launch_ns = None
+
+    boundary = drain
 
     def close(self) -> None:
         self.reader.close()

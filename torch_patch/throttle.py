@@ -176,7 +176,9 @@ class Throttle:
         if busy > 0:
             self.busy_s += busy
             self._debt += busy * self._ratio
-        threshold = 0.0 if final else self.quantum_s
+        # With a slot gate the idle owed is paid by the waits for slots and at the boundary, never in
+        # the middle of a slot, which the gate found for exactly this work.
+        threshold = 0.0 if final else (float("inf") if self.gate is not None else self.quantum_s)
         # With a reference, idle inside an iteration is capped by its budget (see end_iteration).
         cap = self._idle_cap - self._iter_idle
         if self._debt > cap:
@@ -273,6 +275,8 @@ class Throttle:
             self._ratio = 0.0
 
     def _forward_pre(self, module: Any, args: Any) -> None:
+        if self.gate is not None:
+            self.gate.drain()
         self.tick()
         if self.gate is not None:
             self._wait_for_slot()
@@ -300,6 +304,8 @@ class Throttle:
         return None
 
     def _backward_pre(self, grad_outputs: Any) -> None:
+        if self.gate is not None:
+            self.gate.drain()
         self.tick()
         if self.gate is not None:
             self._wait_for_slot()

@@ -99,7 +99,7 @@ class Enforcement:
         managed: dict[int, int] = {}
         jobs = []
         for job in self.jobs.values():
-            demand, iteration, ms = 0, None, None
+            demand, iteration, ms, busy = 0, None, None, None
             for a in job.agents.values():
                 used = agent_memory(a, proc_mem)
                 if a.gpu is not None:
@@ -108,15 +108,19 @@ class Enforcement:
                     r = a.report
                     demand = max(demand, used, r.mem_peak_bytes)
                     iteration = r.iteration if iteration is None else max(iteration, r.iteration)
-                    ms = r.iteration_ms if ms is None else max(ms, r.iteration_ms)
+                    if ms is None or r.iteration_ms > ms:
+                        ms, busy = r.iteration_ms, r.busy_ms  # the slowest agent's, both
                 else:
                     demand = max(demand, used)
             can_pause = bool(job.agents) and all(p.FEATURE_PAUSE in a.reg.features for a in job.agents.values())
             can_resize = (job.elastic_min is not None and job.preempt is None and not job.paused
                           and any(p.FEATURE_WIDTH in a.reg.features for a in job.agents.values()))
+            # Busy time is the device's own measure (CUDA events) only on a GPU node; an emulated
+            # agent's is its host clock scaled, which the policy must not read as device time.
             jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms,
                                 can_pause=can_pause, elastic_min=job.elastic_min,
-                                elastic_gpus=tuple(job.elastic_gpus), can_resize=can_resize))
+                                elastic_gpus=tuple(job.elastic_gpus), can_resize=can_resize,
+                                busy_ms=busy if self.telemetry.kind == "nvml" else None))
         gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
                              max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
                      for s in self.gpu_samples)

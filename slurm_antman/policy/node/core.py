@@ -71,6 +71,12 @@ class NodePolicyParams:
     # too slow reads interference as a speed-up, so the loop raises the share while the guaranteed job
     # suffers (the H100 proof of 2026-11-26 read 116 ms against 72 ms alone).
     baseline_window: int = 9
+    # The slowdown the loop acts on is the median of the last this-many reports' slowdowns (beside
+    # its neighbours), not the latest one: a report covers about one mini-batch (agents report every
+    # 0.05 s or more), and a job whose input stalls vary by 20 % varies by about 6 % from one
+    # mini-batch to the next, three times the target, so the latest report alone halves the share on
+    # noise a third of the time (antman bench interleave, docs/benchmarks.md).
+    slowdown_window: int = 5
     grace_s: float = 30.0                    # preemption notice to requeue
     # Over target with the budget at min_share this long: preempt the newest opportunistic job on the
     # GPU. None (the default): never, throttle only. Off by default because a requeued job is often
@@ -111,6 +117,9 @@ class JobInfo:
     elastic_min: Optional[int] = None
     elastic_gpus: tuple[int, ...] = ()
     can_resize: bool = False
+    # The device-busy part of ``iteration_ms``, where the device measured it (CUDA events on a GPU
+    # node); None elsewhere. See GuaranteedTrack.
+    busy_ms: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,14 @@ class GuaranteedTrack:
     last_iteration: Optional[int] = None
     demand_bytes: int = 0
     solo_samples: tuple[float, ...] = ()  # the latest solo reports, oldest first (baseline_window)
+    # The latest reports' slowdowns beside neighbours, as ratios to solo (slowdown_window).
+    shared_samples: tuple[float, ...] = ()
+    # The device-busy part of the solo iterations (JobInfo.busy_ms): the lower median of the latest.
+    # Beside neighbours, a report's slowdown is then its extra busy time over the solo iteration
+    # time: a neighbour slows the device phase, and the input stalls around it, whose noise is most
+    # of a job's variation from one mini-batch to the next, drop out.
+    solo_busy_ms: Optional[float] = None
+    solo_busy_samples: tuple[float, ...] = ()
 
     @property
     def baseline_ms(self) -> Optional[float]:
@@ -248,18 +265,30 @@ def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bo
     """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
     fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
     solo, best, slowdown, samples = prev.solo_ms, prev.best_ms, None, prev.solo_samples
+    shared, solo_busy, busy_samples = prev.shared_samples, prev.solo_busy_ms, prev.solo_busy_samples
     if fresh:
         ms = float(job.iteration_ms)
+        busy = float(job.busy_ms) if job.busy_ms is not None and 0 <= job.busy_ms <= ms else None
+        window = max(1, p.baseline_window)
         if alone:
-            samples = (samples + (ms,))[-max(1, p.baseline_window):]
+            samples = (samples + (ms,))[-window:]
             solo = sorted(samples)[(len(samples) - 1) // 2]
+            if busy is not None:
+                busy_samples = (busy_samples + (busy,))[-window:]
+                solo_busy = sorted(busy_samples)[(len(busy_samples) - 1) // 2]
+            shared = ()  # a new episode beside neighbours starts afresh
         base = solo if solo is not None else best
         if not alone and base:
-            slowdown = ms / base - 1.0
+            if busy is not None and solo_busy is not None and solo is not None:
+                ratio = 1.0 + (busy - solo_busy) / solo
+            else:
+                ratio = ms / base
+            shared = (shared + (ratio,))[-max(1, p.slowdown_window):]
+            slowdown = sorted(shared)[len(shared) // 2] - 1.0  # the upper median: cautious
         best = ms if best is None else min(best, ms)
     rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
     track = GuaranteedTrack(solo, best, job.iteration if fresh else prev.last_iteration, job.mem_demand_bytes,
-                            samples)
+                            samples, shared, solo_busy, busy_samples)
     return track, slowdown, rose
 
 
