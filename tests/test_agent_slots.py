@@ -154,3 +154,39 @@ def test_a_page_that_claims_endless_bursts_holds_a_launch_for_at_most_max_wait(t
     t0 = time.monotonic()
     gate.before_launch()
     assert time.monotonic() - t0 < 1.0 and gate.forced == 1
+
+
+def test_the_agent_opens_the_page_the_sidecar_names_and_reopens_a_new_file(tmp_path):
+    from torch_patch.agent import Agent
+
+    path = _page(tmp_path)
+    g = Agent(job_id=None, job_class="guaranteed", use_cuda=False).start()
+    o = Agent(job_id=None, job_class="opportunistic", use_cuda=False).start()
+    lin = torch.nn.Linear(2, 2)
+    try:
+        g.set_slot_page(path, "publish")
+        o.set_slot_page(path, "fill")
+        assert g.slot_publisher is not None and o.throttle.gate is o.slot_gate is not None
+        reader = sp.SlotReader(path)
+        lin(torch.ones(1, 2))
+        assert reader.read().state == sp.BUSY
+        g.step()  # the guaranteed job's boundary: its work is done (no CUDA)
+        assert reader.read().state == sp.IDLE
+        # The same page named again keeps what is open ...
+        gate = o.slot_gate
+        o.set_slot_page(path, "fill")
+        assert o.slot_gate is gate
+        # ... a new file at the same path (the sidecar made it afresh) is opened anew ...
+        os.unlink(path)
+        _page(tmp_path)
+        o.set_slot_page(path, "fill")
+        assert o.slot_gate is not gate and o.throttle.gate is o.slot_gate
+        # ... and no page, or a role it does not know, stops filling.
+        o.set_slot_page(path, "steal")
+        assert o.slot_gate is None and o.throttle.gate is None
+        o.set_slot_page(None, None)
+        assert o.throttle._handles == []  # share 1 and no gate: no hooks at all
+    finally:
+        g.stop()
+        o.stop()
+    assert reader.read().state == sp.NONE  # the publisher left the page saying nobody publishes

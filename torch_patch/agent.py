@@ -29,18 +29,19 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from slurm_antman import __version__
 from .client import LimitsUpdate, PreemptNotice, ProtocolClient, WidthRequest, check_endpoint, default_register
 from .busy import GpuBusy
 from .memory import MemoryController
 from .pause import Pauser
+from .slots import ROLES as SLOT_ROLES, SlotGate, SlotPublisher
 from .steps import StepCounter
 from .throttle import Throttle, check_share
 from .width import hand_over
 from slurm_antman import protocol as P
-from slurm_antman.protocol import JOB_ID_RE
+from slurm_antman.protocol import JOB_ID_RE, slot_page
 
 log = logging.getLogger("torch_patch")
 
@@ -144,6 +145,10 @@ class Agent:
         self._report_gap = report_interval_s
         self._report_cost: Optional[float] = None
         self._peak = 0
+        # Idle-slot filling (torch_patch/slots.py): at most one of the two, per the sidecar's role.
+        self.slot_publisher: Optional[SlotPublisher] = None
+        self.slot_gate: Optional[SlotGate] = None
+        self._slot_key: Optional[tuple] = None  # (path, role, inode) in use
         self.client: Optional[ProtocolClient] = None
         if endpoint is not None and job_id is not None:
             reg = default_register(job_id, job_class, "cuda" if self.cuda else "cpu", __version__, torch.__version__)
@@ -162,6 +167,7 @@ class Agent:
                 on_pause=self._pause_arrived,
                 on_resume=self._resume_arrived,
                 on_width=self._width_arrived if self.launcher_socket is not None else None,
+                slots=slot_page.check_platform() is None,
             )
         self.started = False
 
@@ -176,6 +182,7 @@ class Agent:
         return self
 
     def stop(self, reason: str = "exit") -> None:
+        self.set_slot_page(None, None)
         self.steps.unhook()
         if self._gpu_busy is not None:
             self._gpu_busy.detach()
@@ -225,8 +232,7 @@ class Agent:
             if prev is not None and prev.reset and not upd.reset:
                 # A restarted sidecar's registered must still reset our seq, even if its first
                 # limits overtake it before the next boundary.
-                upd = LimitsUpdate(upd.seq, upd.mem_limit_bytes, upd.compute_share, upd.ref, True,
-                                   prev.throttle, upd.received_iteration, upd.received_t)
+                upd = dataclasses.replace(upd, reset=True, throttle=prev.throttle)
             if upd.reset:
                 self._fallback_due = False
             self._pending = upd
@@ -364,7 +370,56 @@ class Agent:
 
     # --- the boundary (training thread) ---------------------------------------------------------
 
+    def set_slot_page(self, path: Optional[str], role: Optional[str]) -> None:
+        """Publish on, or fill from, the idle-slot page at ``path`` (training thread, at a boundary).
+        The sidecar names the page in every limits: the same path and role keep what is open, unless
+        the file there is a new one (the sidecar made it afresh); None stops."""
+        inode = None
+        if path is not None:
+            try:
+                inode = os.stat(path, follow_symlinks=False).st_ino
+            except OSError:
+                path = None  # gone already: the next limits says what replaced it
+        key = None if path is None or role not in SLOT_ROLES else (path, role, inode)
+        if key == self._slot_key:
+            return
+        if self.slot_publisher is not None:
+            self.slot_publisher.close()
+            self.slot_publisher = None
+        if self.slot_gate is not None:
+            self.throttle.set_gate(None)
+            self.slot_gate.close()
+            self.slot_gate = None
+        self._slot_key = None
+        if key is None:
+            return
+        try:
+            if role == "publish":
+                self.slot_publisher = SlotPublisher(path, cuda_event=self._cuda_event if self.cuda else None)
+            else:
+                sync = None
+                if self.cuda:
+                    import torch
+
+                    sync = torch.cuda.synchronize
+                self.slot_gate = SlotGate(path, synchronize=sync or self.throttle._synchronize,
+                                          hurry=self.throttle.hurry_event)
+                self.throttle.set_gate(self.slot_gate)
+            self._slot_key = key
+        except (OSError, slot_page.SlotPageError) as e:
+            log.warning("slurm-antman: idle-slot page %s (%s) not used: %s", path, role, e)
+
+    @staticmethod
+    def _cuda_event() -> Any:
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
     def _boundary(self, ended: int, seconds: float) -> None:
+        if self.slot_publisher is not None:
+            self.slot_publisher.boundary()
         throttle = self.throttle
         if throttle._ratio:
             throttle.end_iteration()
@@ -464,6 +519,7 @@ class Agent:
                 self.throttle.set_share(upd.compute_share)
             except Exception:
                 log.exception("slurm-antman: could not apply limits seq %d", upd.seq)
+            self.set_slot_page(upd.slot_page, upd.slot_role)
             self.applied_seq = upd.seq
             self._busy_mark = self.throttle.busy_s
             if upd.ref is not None and self.client is not None:

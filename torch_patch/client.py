@@ -98,6 +98,10 @@ class LimitsUpdate:
     # boundary; otherwise the agent sets it when it takes the update over
     received_iteration: Optional[int] = None
     received_t: Optional[float] = None  # time.perf_counter() on arrival (CLOCK_MONOTONIC)
+    # The idle-slot page (docs/protocol.md): None, None when the sidecar offers none (or this agent
+    # did not name the "slots" feature).
+    slot_page: Optional[str] = None
+    slot_role: Optional[str] = None
 
 
 @dataclass
@@ -139,6 +143,7 @@ class ProtocolClient(threading.Thread):
         on_pause: Optional[Callable[[int, str, float], None]] = None,
         on_resume: Optional[Callable[[int, float], None]] = None,
         on_width: Optional[Callable[[WidthRequest], None]] = None,
+        slots: bool = False,
     ) -> None:
         super().__init__(name="antman-agent", daemon=True)
         self.endpoint = check_endpoint(endpoint)
@@ -155,6 +160,8 @@ class ProtocolClient(threading.Thread):
         # Only the agent the elastic launcher's socket was handed to (local rank 0) names "width".
         if on_width is not None and P.FEATURE_WIDTH not in register.features:
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_WIDTH))
+        if slots and P.FEATURE_SLOTS not in register.features:
+            register = dataclasses.replace(register, features=(*register.features, P.FEATURE_SLOTS))
         self._register_body = register
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
@@ -403,7 +410,8 @@ class ProtocolClient(threading.Thread):
                 return  # limits from a sidecar that has not (re)registered us: wait for registered
             self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
                                          received_iteration=self._arrived_during,
-                                         received_t=time.perf_counter()))
+                                         received_t=time.perf_counter(),
+                                         slot_page=body.slot_page, slot_role=body.slot_role))
         elif isinstance(body, P.Preempt):
             self._on_preempt(PreemptNotice(body.deadline_unix, body.grace_s, body.reason))
         elif isinstance(body, (P.Pause, P.Resume)):
@@ -448,7 +456,8 @@ class ProtocolClient(threading.Thread):
         self.registered.set()
         self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
                                      reset=True, throttle=body.throttle,
-                                     received_iteration=self._arrived_during))
+                                     received_iteration=self._arrived_during,
+                                     slot_page=body.slot_page, slot_role=body.slot_role))
 
     def _go_unmanaged(self, why: str) -> None:
         if not self.unmanaged:

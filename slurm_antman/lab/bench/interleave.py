@@ -254,10 +254,14 @@ def _run(a: argparse.Namespace, root: str, who: Sequence[str], mode: str, run_no
     env["PYTHONPATH"] = os.pathsep.join(x for x in (_package_root(), env.get("PYTHONPATH")) if x)
     env[ENV_AGENT_DISABLE] = "1"  # the workers build their throttle, gate and publisher themselves
     ctl = None
-    if "opportunistic" in who and "guaranteed" in who:
+    fixed = a.duty_share if mode == "duty" else None
+    if fixed is not None:
+        with open(share, "w") as f:
+            f.write(repr(fixed))
+    elif "opportunistic" in who and "guaranteed" in who:
         ctl = Controller(times["guaranteed"], share, solo["iter_ms"], solo["busy_ms"])
     # One seed per job across the modes: the guaranteed job draws the same stalls in each.
-    cmds = [_cmd(a, w, mode, os.path.join(root, "dev"), page, times[w], share if ctl else "",
+    cmds = [_cmd(a, w, mode, os.path.join(root, "dev"), page, times[w], share if ctl or fixed else "",
                  a.window_s, a.seed * 2 + (w == "opportunistic")) for w in who]
     if ctl is not None:
         ctl.start()
@@ -273,6 +277,8 @@ def _run(a: argparse.Namespace, root: str, who: Sequence[str], mode: str, run_no
     if ctl is not None:
         tail = ctl.shares[-max(1, int(len(ctl.shares) * MEASURE_FRACTION)):]
         out["opportunistic"]["mean_share"] = sum(tail) / len(tail)
+    elif fixed is not None:
+        out["opportunistic"]["mean_share"] = fixed
     return out
 
 
@@ -285,7 +291,7 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
         "date_unix": time.time(), "window_s": a.window_s, "switch_ms": a.switch_ms,
         "guaranteed": {"gpu_ms": a.g_gpu_ms, "kernel_ms": a.g_kernel_ms, "stall_mean_ms": a.g_stall_ms},
         "opportunistic": {"gpu_ms": a.o_gpu_ms, "kernel_ms": a.o_kernel_ms, "host_ms": a.o_host_ms},
-        "modes": {}}
+        "duty_share": a.duty_share, "modes": {}}
     try:
         log(f"{PROG}: each job alone ...")
         g_alone = _run(a, root, ("guaranteed",), "alone", 0, None, pids)["guaranteed"]
@@ -370,6 +376,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--o-kernel-ms", type=_positive("--o-kernel-ms"), default=2.0,
                    help="its kernels' (modules') length (default %(default)s)")
     p.add_argument("--o-host-ms", type=float, default=1.0, help="its host time per mini-batch (default %(default)s)")
+    p.add_argument("--duty-share", type=_positive("--duty-share"), default=None,
+                   help="run the duty mode at this fixed share instead of under the AIMD loop (to find the "
+                        "largest share that holds the guaranteed job within 2 %%)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", help="also write the JSON here")
@@ -388,6 +397,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.worker:
         print(json.dumps(worker(a)), flush=True)
         return 0
+    if a.duty_share is not None and a.duty_share > 1.0:
+        print(f"{PROG}: --duty-share must be in (0, 1], got {a.duty_share}", file=sys.stderr)
+        return 2
     if not (0.0 <= a.g_stall_jitter <= 1.0):
         print(f"{PROG}: --g-stall-jitter must be in [0, 1], got {a.g_stall_jitter}", file=sys.stderr)
         return 2
