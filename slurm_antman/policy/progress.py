@@ -12,6 +12,9 @@ has for every GPU (its utilisation and which jobs hold it), not the jobs' models
 - beside a guaranteed job: the compute share the local policy's slowdown target leaves, divided
   among the opportunistic jobs. Each unit of an opportunistic job's duty costs the guaranteed job
   about ``util`` of slowdown (the same overlap argument), so the target allows ``target / util``.
+  Where the opportunistic jobs fill the guaranteed job's idle slots instead (``fill`` > 0: the
+  fraction of the idle device time they fill, torch_patch/slots.py; simulator/slot_fill.py has the
+  measured value), they share ``fill x (1 - util)``, if that is more.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ MIN_UTIL = 0.01
 
 
 def predicted_progress(util: float, guaranteed_jobs: int, opportunistic_jobs: int,
-                       target_slowdown: float) -> float:
+                       target_slowdown: float, fill: float = 0.0) -> float:
     """What one more opportunistic job would progress at on a GPU (module doc)."""
     if guaranteed_jobs == 0 and opportunistic_jobs == 0:
         return 1.0
     u = max(MIN_UTIL, min(1.0, util))
     if guaranteed_jobs == 0:
         return 1.0 / (1.0 + u)
-    return min(1.0, target_slowdown / u) / (opportunistic_jobs + 1)
+    duty = min(1.0, target_slowdown / u)
+    return max(duty, fill * (1.0 - u)) / (opportunistic_jobs + 1)

@@ -13,6 +13,7 @@ from typing import Optional
 from slurm_antman.lab.evaluation import report, traces, utilisation
 from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
 from slurm_antman.lab.evaluation.simulator.config import BACKFILLS, PLACEMENTS
+from slurm_antman.lab.evaluation.simulator.slot_fill import COMPUTE_MODES, SlotFillParams
 from slurm_antman.lab.evaluation.workloads import GiB
 
 
@@ -81,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-wait-s", type=_seconds_or_none, default=SimConfig.switch_wait_s,
                    help="antman: an opportunistic multi-node job waits this long for one switch "
                         "(opportunistic.switch_wait_s); 'none'")
+    p.add_argument("--compute", choices=COMPUTE_MODES, default=SimConfig.compute,
+                   help="antman: opportunistic jobs beside a guaranteed job run under the duty throttle's share "
+                        "(duty) or fill its idle slots (slots: simulator/slot_fill.py; parameters measured on the "
+                        "contending emulated GPU, not on a GPU)")
+    p.add_argument("--fill-efficiency", type=float, default=SlotFillParams.fill_efficiency,
+                   help="--compute slots: fraction of the guaranteed job's idle device time filled (default %(default)s)")
+    p.add_argument("--slot-leak", type=float, default=SlotFillParams.leak,
+                   help="--compute slots: the guaranteed job's slowdown beside slot-filling jobs (default %(default)s)")
     p.add_argument("--elastic-share", type=float, default=SimConfig.elastic_share,
                    help="antman: the share of multi-GPU jobs that are elastic (1 to their GPUs; 0 to 1)")
     p.add_argument("--elastic-change-s", type=float, default=SimConfig.elastic_change_s,
@@ -141,6 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           resume_hold_s=a.resume_hold_s, placement=a.placement, backfill=a.backfill,
                           locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s,
                           elastic_share=a.elastic_share, elastic_change_s=a.elastic_change_s,
+                          compute=a.compute, slot_fill=SlotFillParams(a.fill_efficiency, a.slot_leak),
                           elastic_hold_s=a.elastic_hold_s, elastic_narrow_start=a.elastic_narrow_start,
                           elastic_grow_shared=a.elastic_grow_shared, elastic_multinode=a.elastic_multinode,
                           wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s)
@@ -163,6 +173,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s, "placement": a.placement,
             "backfill": a.backfill, "locality": a.locality, "nodes_per_switch": a.nodes_per_switch,
             "switch_wait_s": a.switch_wait_s, "elastic_share": a.elastic_share,
+            "compute": a.compute, "fill_efficiency": a.fill_efficiency, "slot_leak": a.slot_leak,
             "elastic_change_s": a.elastic_change_s, "elastic_hold_s": a.elastic_hold_s,
             "elastic_narrow_start": a.elastic_narrow_start, "elastic_grow_shared": a.elastic_grow_shared,
             "elastic_multinode": a.elastic_multinode, "load_s": round(load_s, 3)}

@@ -115,6 +115,9 @@ class PolicyParams:
     # A GPU takes opportunistic jobs only where one would progress at least this fraction of its solo
     # rate (policy.progress); a job under it is crawling.
     min_progress: float = 0.25
+    # What opportunistic jobs fill of a guaranteed job's idle slots (policy.progress; 0: slot filling
+    # off, the duty throttle's prediction alone).
+    slot_fill: float = 0.0
     # A job crawling this long is moved to a GPU promising ``move_gain`` times its progress; None: never.
     move_after_s: Optional[float] = 600.0
     move_gain: float = 2.0

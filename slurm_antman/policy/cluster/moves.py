@@ -30,7 +30,7 @@ def _candidates(nodes: Mapping[str, NodeView], params: PolicyParams) -> list[tup
                     or g.mem_total_bytes - g.mem_used_bytes < need_mem):
                 continue
             score = predicted_progress(g.util, len(g.guaranteed_jobs), len(g.opportunistic_jobs),
-                                       params.target_slowdown)
+                                       params.target_slowdown, params.slot_fill)
             if score >= params.min_progress:  # no move goes to a GPU promising less (step's ``want``)
                 out.append((score, n.name, g))
     out.sort(key=lambda c: (-c[0], c[1], c[2].index))

@@ -18,7 +18,7 @@ def gpu_qualifies(g: GpuView, params: PolicyParams) -> bool:
             and g.util < params.util_threshold
             and len(g.guaranteed_jobs) <= 1
             and predicted_progress(g.util, len(g.guaranteed_jobs), len(g.opportunistic_jobs),
-                                   params.target_slowdown) >= params.min_progress)
+                                   params.target_slowdown, params.slot_fill) >= params.min_progress)
 
 
 def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
@@ -48,14 +48,14 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
     need_mem = params.min_opp_mem_bytes + params.headroom_bytes
     threshold = params.util_threshold
     # The hot loop of a cycle (every GPU of the cluster): gpu_qualifies() inlined.
-    target, floor = params.target_slowdown, params.min_progress
+    target, floor, fill = params.target_slowdown, params.min_progress, params.slot_fill
     healthy = not node.unhealthy
     for g in node.gpus:
         n_opp = len(g.opportunistic_jobs)
         reported += n_opp
         if (healthy and g.util < threshold and g.util_measured and g.mem_total_bytes - g.mem_used_bytes >= need_mem
                 and len(g.guaranteed_jobs) <= 1 and g.index not in busy_gpus
-                and predicted_progress(g.util, len(g.guaranteed_jobs), n_opp, target) >= floor):
+                and predicted_progress(g.util, len(g.guaranteed_jobs), n_opp, target, fill) >= floor):
             qualifying += 1
             if n_opp < slots:
                 free += slots - n_opp

@@ -47,12 +47,12 @@ def util_measured(now: float, window_s: float, agent_grace_s: float, since_unix:
     return now - since_unix >= agent_grace_s + window_s
 
 
-def _progress(g: GpuLoad, target_slowdown: float) -> float:
-    return predicted_progress(g.utilization_avg, g.guaranteed_jobs, g.opportunistic_jobs, target_slowdown)
+def _progress(g: GpuLoad, target_slowdown: float, fill: float = 0.0) -> float:
+    return predicted_progress(g.utilization_avg, g.guaranteed_jobs, g.opportunistic_jobs, target_slowdown, fill)
 
 
 def exclusion(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
-              min_progress: float, avoid: Collection[int] = ()) -> tuple[str, str]:
+              min_progress: float, avoid: Collection[int] = (), fill: float = 0.0) -> tuple[str, str]:
     """The first opportunistic rule that keeps ``g`` from a new opportunistic job, as (rule, why):
     rule is one of ``avoid``, ``slots``, ``guaranteed``, ``unmeasured``, ``utilisation``, ``progress``;
     ("", "") when the GPU qualifies."""
@@ -67,21 +67,21 @@ def exclusion(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float,
                               "its utilisation is not measured")
     if g.utilization_avg > threshold:
         return "utilisation", f"GPU {g.index}: utilisation {g.utilization_avg:.2f} > {threshold:.2f} over {window_s:g} s"
-    if min_progress > 0 and _progress(g, target_slowdown) < min_progress:
-        return "progress", (f"GPU {g.index}: predicted progress {_progress(g, target_slowdown):.2f} < {min_progress:.2f} "
+    if min_progress > 0 and _progress(g, target_slowdown, fill) < min_progress:
+        return "progress", (f"GPU {g.index}: predicted progress {_progress(g, target_slowdown, fill):.2f} < {min_progress:.2f} "
                             f"({g.guaranteed_jobs} guaranteed, {g.opportunistic_jobs} opportunistic, utilisation "
                             f"{g.utilization_avg:.2f})")
     return "", ""
 
 
 def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
-             min_progress: float, avoid: Collection[int]) -> str:
-    return exclusion(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid)[1]
+             min_progress: float, avoid: Collection[int], fill: float = 0.0) -> str:
+    return exclusion(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid, fill)[1]
 
 
 def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: float,
                 window_s: float, target_slowdown: float = 0.02, min_progress: float = 0.0,
-                avoid: Collection[int] = (), wait_without_room: bool = False) -> Placement:
+                avoid: Collection[int] = (), wait_without_room: bool = False, fill: float = 0.0) -> Placement:
     """``count`` distinct GPUs; never fewer than ``min(count, len(gpus))``: the job is already
     allocated, so when too few GPUs qualify the least-loaded are taken and the note says why.
     The best first: the most progress predicted (``policy.progress``), then the most spare memory.
@@ -92,12 +92,12 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
     guaranteed job (what the least-loaded fallback gives on a busy cluster; docs/evaluation.md)."""
     if not gpus:
         raise ValueError("this node has no GPUs to place an opportunistic job on")
-    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid)
+    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid, fill)
                for g in gpus}
     # Ties go to the highest index: Slurm hands out the physical gpu GRES lowest index first, so a
     # guaranteed job whose Prolog has not registered yet most likely sits on a low one.
     fit = sorted((g for g in gpus if not reasons[g.index]),
-                 key=lambda g: (-_progress(g, target_slowdown), -g.spare_bytes,
+                 key=lambda g: (-_progress(g, target_slowdown, fill), -g.spare_bytes,
                                 g.guaranteed_jobs + g.opportunistic_jobs, g.utilization_avg, -g.index))
     if len(fit) >= count:
         kept_off = sorted(i for i in avoid if i in reasons)
@@ -108,10 +108,10 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
         # Placement memory is a preference, never a ban: a GPU the job was moved off that otherwise
         # qualifies is taken before the job is made to wait (on a one-GPU node it is the only choice).
         if avoid:
-            plain = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, ())
+            plain = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, (), fill)
                      for g in gpus if g.index in avoid}
             back = sorted((g for g in gpus if g.index in plain and not plain[g.index]),
-                          key=lambda g: (-_progress(g, target_slowdown), -g.spare_bytes, -g.index))
+                          key=lambda g: (-_progress(g, target_slowdown, fill), -g.spare_bytes, -g.index))
             if len(fit) + len(back) >= count:
                 taken = fit + back[: count - len(fit)]
                 return Placement([g.index for g in taken], "fit",

@@ -10,6 +10,7 @@ from slurm_antman.policy.node import core as lp
 
 from .. import utilisation
 from ..trace_run import TraceRunConfig
+from .slot_fill import COMPUTE_MODES, SlotFillParams
 
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
 NO_ROOM = ("fallback", "wait")
@@ -97,6 +98,15 @@ class SimConfig(TraceRunConfig):
     # change stops a job (2.2 s: the devcluster's measured median, tests/test_cluster_elastic.py), and
     # the least time between two changes of one job (elastic.py).
     elastic_share: float = 0.0
+    # How opportunistic jobs beside a guaranteed job use the GPU under antman: "duty" (the throttle's
+    # share from the AIMD loop) or "slots" (the guaranteed job's idle slots, slot_fill.py).
+    compute: str = "duty"
+    slot_fill: SlotFillParams = SlotFillParams()
+
+    @property
+    def fill(self) -> float:
+        """The placement's prediction of slot filling (policy.progress): 0 unless --compute slots."""
+        return self.slot_fill.fill_efficiency if self.compute == "slots" and self.policy == "antman" else 0.0
     elastic_change_s: float = 2.2
     elastic_hold_s: float = 300.0
     # What-ifs not built on the real path (elastic.py): start narrow when there is no room for all of
@@ -154,6 +164,9 @@ class SimConfig(TraceRunConfig):
             raise ValueError(f"bf_window_s must be > 0, got {self.bf_window_s}")
         if self.nodes_per_switch < 0:
             raise ValueError(f"--nodes-per-switch must be >= 0 (0: one switch), got {self.nodes_per_switch}")
+        if self.compute not in COMPUTE_MODES:
+            raise ValueError(f"--compute {self.compute!r} is not allowed; allowed: {', '.join(COMPUTE_MODES)}")
+        self.slot_fill.check()
         if not 0 <= self.elastic_share <= 1:
             raise ValueError(f"--elastic-share must be in [0, 1], got {self.elastic_share}")
         if not self.elastic_change_s >= 0:

@@ -69,7 +69,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             min_opp_mem_bytes=lp.NodePolicyParams().min_opportunistic_bytes,
             headroom_bytes=lp.NodePolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
         self.cp_params = replace(self.cp_params, min_progress=cfg.min_progress, move_after_s=cfg.move_after_s,
-                                 move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running)
+                                 move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running, slot_fill=cfg.fill)
         self.lp_params = lp.NodePolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
                                          min_progress=cfg.min_progress, pause_max_s=cfg.pause_max_s,
                                          resume_hold_s=cfg.resume_hold_s)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..locality_data import profile_speedup
+from .slot_fill import slot_rates
 from .state import FINISH, SimGpu
 
 SPILL_RATE = 0.5  # opportunistic job whose memory limit is under its footprint (estimate, see docs)
@@ -69,11 +70,26 @@ class GpuInterference:
         total = sum(j.profile.sm_util * load[j.job.job_id] for j in here)
         g.rate = {}
         useful = 0.0
+        filled = None
+        if self.cfg.compute == "slots" and self.cfg.policy == "antman" and guar and opp:
+            # Slot filling (slot_fill.py): the opportunistic jobs take the guaranteed job's idle slots
+            # instead of a duty-cycle share; a paused one (share 0) takes none. Idle and need are device
+            # time: a job's utilisation (its duty times its profile's SM busy fraction), not its duty.
+            g_rate, o_rates = slot_rates(max(j.util for j in guar),
+                                         [j.util if shares.get(j.job.job_id, 1.0) > 0 else 0.0 for j in opp],
+                                         self.cfg.slot_fill)
+            filled = {j.job.job_id: g_rate for j in guar}
+            filled.update({j.job.job_id: r for j, r in zip(opp, o_rates)})
+            total = min(1.0, sum(j.profile.sm_util * j.duty for j in guar)
+                        + sum(j.profile.sm_util * j.duty * filled[j.job.job_id] for j in opp))
         for j in here:
             jid = j.job.job_id
-            r = 1.0 / j.profile.slowdown(((o.profile.kind, load[o.job.job_id]) for o in here if o is not j), j.duty)
-            if jid in shares:
-                r *= shares[jid]
+            if filled is not None:
+                r = filled[jid]
+            else:
+                r = 1.0 / j.profile.slowdown(((o.profile.kind, load[o.job.job_id]) for o in here if o is not j), j.duty)
+                if jid in shares:
+                    r *= shares[jid]
             if jid in spill:
                 r *= SPILL_RATE
             g.rate[jid] = r

@@ -414,7 +414,7 @@ class SlurmScheduler:
         avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
         if self.cfg.policy == "antman":
             pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
-                               self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait)
+                               self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait, fill=self.cfg.fill)
             if wait and not pick.gpus and not avoid and not exclude:
                 self.unfit_nodes.add(k)
         else:
@@ -451,7 +451,7 @@ class SlurmScheduler:
                 load = GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp),
                                self.now >= g.measured_at)
                 rule = exclusion(load, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
-                                 self.lp_params.target_slowdown, self.cfg.min_progress)[0] or "qualifies"
+                                 self.lp_params.target_slowdown, self.cfg.min_progress, fill=self.cfg.fill)[0] or "qualifies"
                 if full:  # the coordinator's slot count for the node, from its last cycle, is used up
                     rule = f"node_slots:{rule}"
                 self.wait_study[rule] = self.wait_study.get(rule, 0) + 1
