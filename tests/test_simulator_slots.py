@@ -84,3 +84,22 @@ def test_placement_predicts_slot_filling_only_when_it_is_on():
     assert predicted_progress(0.5, 1, 1, 0.02, fill=0.69) == pytest.approx(0.345 / 2)
     assert predicted_progress(0.5, 0, 1, 0.02, fill=0.69) == pytest.approx(1 / 1.5)  # no guaranteed job: unchanged
     assert SimConfig(compute="slots").fill == P.fill_efficiency and SimConfig().fill == 0.0
+
+
+def test_the_real_paths_placement_counts_slot_filling_when_the_site_turns_it_on():
+    from slurm_antman import config as cfgmod
+    from slurm_antman.policy.cluster.model import PolicyParams
+    from slurm_antman.policy.node.core import GiB
+    from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
+    from slurm_antman.policy.progress import FILL_EFFICIENCY
+
+    # A GPU half busy with a guaranteed job: the duty throttle promises 0.04, under the floor of 0.25,
+    # so the job waits; filling slots promises 0.345, so it is placed there.
+    gpus = [GpuLoad(0, 80 * GiB, 10 * GiB, 0.5, 1, 0)]
+    assert choose_gpus(gpus, 1, 2, 0.8, 10, 0.02, 0.25, wait_without_room=True).placement == "wait"
+    assert choose_gpus(gpus, 1, 2, 0.8, 10, 0.02, 0.25, wait_without_room=True,
+                       fill=FILL_EFFICIENCY).gpus == [0]
+    nodes = [{"name": "n1", "gpus": 2}]
+    assert PolicyParams.from_config(cfgmod.parse({"nodes": nodes})).slot_fill == 0.0
+    on = cfgmod.parse({"nodes": nodes, "sidecar": {"slot_filling": True}})
+    assert PolicyParams.from_config(on).slot_fill == FILL_EFFICIENCY

@@ -19,6 +19,11 @@ has for every GPU (its utilisation and which jobs hold it), not the jobs' models
 
 from __future__ import annotations
 
+# What opportunistic jobs fill of a guaranteed job's idle device time under slot filling, as
+# `antman bench interleave` measured it on the contending emulated GPU (docs/benchmarks.md: 0.345 of
+# the 0.5 left idle); not yet measured on a GPU.
+FILL_EFFICIENCY = 0.69
+
 # Below this the measured utilisation is noise: a GPU is never treated as completely idle while a
 # job holds it.
 MIN_UTIL = 0.01

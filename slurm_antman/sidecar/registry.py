@@ -11,6 +11,7 @@ import zmq
 
 from slurm_antman import protocol as p
 from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
+from slurm_antman.policy.progress import FILL_EFFICIENCY
 
 from .endpoints import SocketDir, SocketDirError
 from .loop import bound_router
@@ -88,7 +89,8 @@ class JobRegistry:
                                  self.opt.utilization_threshold, self.opt.utilization_window_s,
                                  self.opt.params.target_slowdown, self.opt.params.min_progress,
                                  avoid if until > time.time() else (),
-                                 wait_without_room=self.opt.no_room_wait and b.may_wait)
+                                 wait_without_room=self.opt.no_room_wait and b.may_wait,
+                                 fill=FILL_EFFICIENCY if self.opt.slot_filling else 0.0)
             # In physical order: CUDA numbers the devices a job's cgroup allows that way, and the Prolog's
             # CUDA_VISIBLE_DEVICES (0..n-1 under ConstrainDevices) and ANTMAN_GPUS follow this list, so
             # the Nth worker (local rank N) runs on the Nth GPU here too.

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from slurm_antman.policy.progress import FILL_EFFICIENCY
+
 # Slurm states in which a job holds its allocation (and so its tenant's quota).
 HOLDING_STATES = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED"})
 
@@ -140,6 +142,8 @@ class PolicyParams:
             queue_to_opportunistic_s=cfg.opportunistic.queue_to_opportunistic_s,
             target_slowdown=float(cfg.sidecar.target_slowdown),
             min_progress=float(cfg.opportunistic.min_progress),
+            # Typed loosely too: a config from before slot filling has no such key.
+            slot_fill=FILL_EFFICIENCY if getattr(cfg.sidecar, "slot_filling", False) else 0.0,
             move_after_s=cfg.opportunistic.move_after_s,
             move_gain=float(cfg.opportunistic.move_gain),
             keep_off_no_room=bool(cfg.sidecar.enforce) and cfg.opportunistic.no_room == "wait",

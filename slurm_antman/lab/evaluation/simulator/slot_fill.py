@@ -28,12 +28,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from slurm_antman.policy.progress import FILL_EFFICIENCY
+
 COMPUTE_MODES = ("duty", "slots")
 
 
 @dataclass(frozen=True)
 class SlotFillParams:
-    fill_efficiency: float = 0.69
+    fill_efficiency: float = FILL_EFFICIENCY
     leak: float = 0.004
 
     def check(self) -> None:
