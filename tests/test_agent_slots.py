@@ -16,13 +16,9 @@ from torch_patch.throttle import Throttle
 MS = 10**6
 
 
-def _page(tmp_path) -> str:
-    path = str(tmp_path / "gpu0.slots")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        sp.init_page(fd)
-    finally:
-        os.close(fd)
+def _page(tmp_path, name="gpu0.slots") -> str:
+    path = str(tmp_path / name)
+    sp.create(path)
     return path
 
 

@@ -15,11 +15,7 @@ MS = 10**6
 
 def _page(tmp_path, name="gpu0.slots") -> str:
     path = str(tmp_path / name)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        sp.init_page(fd)
-    finally:
-        os.close(fd)
+    sp.create(path)
     return path
 
 

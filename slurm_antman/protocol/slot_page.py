@@ -97,6 +97,16 @@ def init_page(fd: int) -> None:
     os.pwrite(fd, _WORDS.pack(MAGIC, 0, NONE, 0, 0, 0, 0, 0), 0)
 
 
+def create(path: str) -> None:
+    """A new empty page at ``path`` (never over an existing file, never through a link), for a
+    benchmark or a test; the sidecar makes its own through its directory's descriptor."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        init_page(fd)
+    finally:
+        os.close(fd)
+
+
 def _open_map(path: str, writable: bool) -> mmap.mmap:
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:

@@ -27,9 +27,6 @@ import argparse
 import json
 import os
 import random
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -243,11 +240,7 @@ def _run(a: argparse.Namespace, root: str, who: Sequence[str], mode: str, run_no
     d = os.path.join(root, f"run{run_no}")
     os.makedirs(d)
     page = os.path.join(d, "gpu0.slots")
-    fd = os.open(page, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        sp.init_page(fd)
-    finally:
-        os.close(fd)
+    sp.create(page)
     times = {w: os.path.join(d, f"{w}.times") for w in who}
     share = os.path.join(d, "share")
     env = dict(os.environ)
@@ -321,13 +314,9 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
             "slots_progress_ge_5x_duty": bool(ratio is not None and ratio >= 5.0)}
         return doc
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-        shutil.rmtree(root, ignore_errors=True)
+        from slurm_antman.lab.evaluation.contended_gpu import stop_devices
+
+        stop_devices(pids, root)
 
 
 def table(doc: dict) -> str:

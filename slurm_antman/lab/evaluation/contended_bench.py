@@ -39,14 +39,13 @@ import json
 import math
 import os
 import random
-import shutil
-import signal
 import sys
 import tempfile
 import time
 from typing import Any, Optional, Sequence
 
-from .contended_gpu import DEFAULT_INFLIGHT, DEFAULT_SWITCH_S, ContendedDevice, Sleeper, minibatch, split_minibatch
+from .contended_gpu import (DEFAULT_INFLIGHT, DEFAULT_SWITCH_S, ContendedDevice, Sleeper, minibatch, split_minibatch,
+                            stop_devices)
 from .workloads import BY_NAME, slowdown_beside
 from ..worker_pool import run_released
 
@@ -198,13 +197,7 @@ def measure(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> d
         doc["device_pids"] = sorted(pids)
         return doc
     finally:
-        for pid in pids:  # the devices this run started
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-        shutil.rmtree(root, ignore_errors=True)
+        stop_devices(pids, root)  # the devices this run started
 
 
 def pair_entry(a: str, b: str, da: float, db: float, ra: dict, rb: dict, sa: dict, sb: dict,

@@ -70,11 +70,13 @@ import collections
 import math
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from .emulated_gpu import BoardError, _check_name
 
@@ -358,6 +360,18 @@ class ContendedDevice:
 
 
 # --- a mini-batch on the device -----------------------------------------------------------------------
+
+
+def stop_devices(pids: Iterable[int], root: str) -> None:
+    """End the device servers a benchmark started (by the pids they reported) and remove its
+    directory."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    time.sleep(0.1)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def split_minibatch(iter_s: float, sm_util: float) -> tuple[float, float]:
