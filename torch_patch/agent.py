@@ -29,14 +29,14 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from slurm_antman import __version__
 from .client import LimitsUpdate, PreemptNotice, ProtocolClient, WidthRequest, check_endpoint, default_register
 from .busy import GpuBusy
 from .memory import MemoryController
 from .pause import Pauser
-from .slots import ROLES as SLOT_ROLES, SlotGate, SlotPublisher
+from .slots import SlotGate, SlotPublisher, SlotUse
 from .steps import StepCounter
 from .throttle import Throttle, check_share
 from .width import hand_over
@@ -145,10 +145,8 @@ class Agent:
         self._report_gap = report_interval_s
         self._report_cost: Optional[float] = None
         self._peak = 0
-        # Idle-slot filling (torch_patch/slots.py): at most one of the two, per the sidecar's role.
-        self.slot_publisher: Optional[SlotPublisher] = None
-        self.slot_gate: Optional[SlotGate] = None
-        self._slot_key: Optional[tuple] = None  # (path, role, inode) in use
+        # Idle-slot filling (torch_patch/slots.py): publish or fill, per the sidecar's role.
+        self.slots = SlotUse(self.throttle, self.cuda)
         self.client: Optional[ProtocolClient] = None
         if endpoint is not None and job_id is not None:
             reg = default_register(job_id, job_class, "cuda" if self.cuda else "cpu", __version__, torch.__version__)
@@ -182,7 +180,7 @@ class Agent:
         return self
 
     def stop(self, reason: str = "exit") -> None:
-        self.set_slot_page(None, None)
+        self.slots.close()
         self.steps.unhook()
         if self._gpu_busy is not None:
             self._gpu_busy.detach()
@@ -371,55 +369,19 @@ class Agent:
     # --- the boundary (training thread) ---------------------------------------------------------
 
     def set_slot_page(self, path: Optional[str], role: Optional[str]) -> None:
-        """Publish on, or fill from, the idle-slot page at ``path`` (training thread, at a boundary).
-        The sidecar names the page in every limits: the same path and role keep what is open, unless
-        the file there is a new one (the sidecar made it afresh); None stops."""
-        inode = None
-        if path is not None:
-            try:
-                inode = os.stat(path, follow_symlinks=False).st_ino
-            except OSError:
-                path = None  # gone already: the next limits says what replaced it
-        key = None if path is None or role not in SLOT_ROLES else (path, role, inode)
-        if key == self._slot_key:
-            return
-        if self.slot_publisher is not None:
-            self.slot_publisher.close()
-            self.slot_publisher = None
-        if self.slot_gate is not None:
-            self.throttle.set_gate(None)
-            self.slot_gate.close()
-            self.slot_gate = None
-        self._slot_key = None
-        if key is None:
-            return
-        try:
-            if role == "publish":
-                self.slot_publisher = SlotPublisher(path, cuda_event=self._cuda_event if self.cuda else None)
-            else:
-                sync = None
-                if self.cuda:
-                    import torch
+        """Publish on, or fill from, the idle-slot page at ``path`` (slots.SlotUse.set)."""
+        self.slots.set(path, role)
 
-                    sync = torch.cuda.synchronize
-                self.slot_gate = SlotGate(path, synchronize=sync or self.throttle._synchronize,
-                                          hurry=self.throttle.hurry_event)
-                self.throttle.set_gate(self.slot_gate)
-            self._slot_key = key
-        except (OSError, slot_page.SlotPageError) as e:
-            log.warning("slurm-antman: idle-slot page %s (%s) not used: %s", path, role, e)
+    @property
+    def slot_publisher(self) -> Optional[SlotPublisher]:
+        return self.slots.publisher
 
-    @staticmethod
-    def _cuda_event() -> Any:
-        import torch
-
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
+    @property
+    def slot_gate(self) -> Optional[SlotGate]:
+        return self.slots.gate
 
     def _boundary(self, ended: int, seconds: float) -> None:
-        if self.slot_publisher is not None:
-            self.slot_publisher.boundary()
+        self.slots.boundary()
         throttle = self.throttle
         if throttle._ratio:
             throttle.end_iteration()

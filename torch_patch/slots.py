@@ -25,6 +25,7 @@ A pause's ``hurry`` ends a wait at once.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -175,3 +176,67 @@ class SlotGate:
 
     def close(self) -> None:
         self.reader.close()
+
+
+class SlotUse:
+    """What an agent does with the page the sidecar names (docs/protocol.md, "The idle-slot page"):
+    publish on it, fill from it through the throttle's gate, or neither. ``set`` from the training
+    thread at a boundary, with every limits: the same path and role keep what is open, unless the
+    file there is a new one (the sidecar made it afresh); no page, or a role it does not know, stops."""
+
+    def __init__(self, throttle: Any, cuda: bool) -> None:
+        self.throttle = throttle
+        self.cuda = cuda
+        self.publisher: Optional[SlotPublisher] = None
+        self.gate: Optional[SlotGate] = None
+        self._key: Optional[tuple] = None  # (path, role, inode) in use
+
+    def set(self, path: Optional[str], role: Optional[str]) -> None:
+        inode = None
+        if path is not None:
+            try:
+                inode = os.stat(path, follow_symlinks=False).st_ino
+            except OSError:
+                path = None  # gone already: the next limits says what replaced it
+        key = None if path is None or role not in ROLES else (path, role, inode)
+        if key == self._key:
+            return
+        self.close()
+        if key is None:
+            return
+        try:
+            if role == "publish":
+                self.publisher = SlotPublisher(path, cuda_event=_cuda_event if self.cuda else None)
+            else:
+                sync = self.throttle._synchronize
+                if self.cuda:
+                    import torch
+
+                    sync = torch.cuda.synchronize
+                self.gate = SlotGate(path, synchronize=sync, hurry=self.throttle.hurry_event)
+                self.throttle.set_gate(self.gate)
+            self._key = key
+        except (OSError, sp.SlotPageError) as e:
+            log.warning("slurm-antman: idle-slot page %s (%s) not used: %s", path, role, e)
+
+    def boundary(self) -> None:
+        if self.publisher is not None:
+            self.publisher.boundary()
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+        if self.gate is not None:
+            self.throttle.set_gate(None)
+            self.gate.close()
+            self.gate = None
+        self._key = None
+
+
+def _cuda_event() -> Any:
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
