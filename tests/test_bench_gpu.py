@@ -31,9 +31,9 @@ def _no_needs() -> Requirements:
 def test_plan_lists_every_part_in_the_issues_order_with_its_budget():
     text = plan(PARTS, budgets(PARTS, None), _no_needs())
     lines = text.splitlines()
-    assert "7 part(s)" in lines[0] and f"{sum(p.budget_s for p in PARTS):.0f} s in all" in lines[0]
+    assert "8 part(s)" in lines[0] and f"{sum(p.budget_s for p in PARTS):.0f} s in all" in lines[0]
     names = [ln.split()[1] for ln in lines[1:] if ln.strip()[0].isdigit()]
-    assert names == ["memory", "spill", "interference", "telemetry", "overhead", "zoo", "pause"]
+    assert names == ["memory", "spill", "interference", "telemetry", "overhead", "zoo", "pause", "slots"]
     for p in PARTS:
         row = next(ln for ln in lines if ln.split()[1:2] == [p.name])
         assert f"{p.budget_s:.0f} s" in row and p.what[:30] in row
@@ -48,9 +48,9 @@ def test_the_default_budget_fits_the_issues_eight_minutes():
 
 def test_budgets_scale_down_together_and_never_up():
     parts = [BY_NAME["memory"], BY_NAME["spill"]]
-    assert budgets(parts, None) == [40.0, 60.0]
-    assert budgets(parts, 1000) == [40.0, 60.0]
-    assert budgets(parts, 50) == [20.0, 30.0]
+    assert budgets(parts, None) == [25.0, 40.0]
+    assert budgets(parts, 1000) == [25.0, 40.0]
+    assert budgets(parts, 32.5) == [12.5, 20.0]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -93,7 +93,7 @@ def test_on_cpu_every_part_skips_with_its_reason_and_both_reports_are_complete(t
     md = (out / "gpu.md").read_text()
     for p in PARTS:
         assert f"| {p.name} | skipped |" in md and f"## " in md
-    assert "7 skipped" in capsys.readouterr().out
+    assert "8 skipped" in capsys.readouterr().out
 
 
 FAKE_PARTS = '''

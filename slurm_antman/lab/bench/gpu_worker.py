@@ -9,6 +9,9 @@ stdin, one per line, and answers each with one JSON line on stdout:
   random time from [0, 2X] with the GPU idle, the data-loader stall of ``models`` (its
   ``stall_ms`` gives X for a duty); answer the steps, mean mini-batch and busy time, the agent's share
   and memory, and the losses;
+- ``{"cmd": "slots", "path": P, "role": R}``: use the idle-slot page at P as R (publish, fill, or
+  null: none; ``Agent.set_slot_page``); ``{"cmd": "share", "share": S}``: throttle to S; both
+  answer ``{"ok": true}``;
 - ``{"cmd": "quit"}``.
 
 Between commands the process waits on stdin, launching nothing: a job at share 0. The agent's own
@@ -100,9 +103,22 @@ def worker_main(argv: Optional[Sequence[str]] = None) -> int:
             cmd = json.loads(line)
             if cmd.get("cmd") == "quit":
                 break
+            if cmd.get("cmd") == "slots":
+                agent.set_slot_page(cmd.get("path"), cmd.get("role"))
+                _emit({"ok": True, "publisher": agent.slot_publisher is not None, "gate": agent.slot_gate is not None})
+                continue
+            if cmd.get("cmd") == "share":
+                agent.throttle.set_share(float(cmd["share"]))
+                _emit({"ok": True})
+                continue
             if cmd.get("cmd") != "window":
-                raise ValueError(f"unknown command {cmd!r}; allowed: window, quit")
-            _emit(window(loop, agent, float(cmd["seconds"]), float(cmd.get("stall_ms", 0.0)), sync, rng))
+                raise ValueError(f"unknown command {cmd!r}; allowed: window, slots, share, quit")
+            out = window(loop, agent, float(cmd["seconds"]), float(cmd.get("stall_ms", 0.0)), sync, rng)
+            gate = agent.slot_gate
+            if gate is not None:
+                out["gate"] = {"waited_s": gate.waited_s, "launches": gate.launches, "blind": gate.blind,
+                               "forced": gate.forced, "work_ms": gate.work_ns / 1e6}
+            _emit(out)
     finally:
         agent.stop()
     return 0
