@@ -25,6 +25,7 @@ def test_out_of_range_values_are_named(capsys):
     assert "--duty-share must be in (0, 1], got 2.0" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 16 s of three processes on the contending device
 def test_three_modes_run_and_slot_filling_launches_only_through_the_gate(tmp_path):
     out = tmp_path / "il.json"
     args = il._parser().parse_args(["--window-s", "2.5", "--g-gpu-ms", "20", "--g-kernel-ms", "5",

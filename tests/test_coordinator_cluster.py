@@ -267,6 +267,7 @@ while True:
 """
 
 
+@pytest.mark.slurm_neutral  # the sidecar's and the agent's mechanics; 24.11 skips it (Makefile)
 def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once(clean, tmp_path):
     """Issue 15, enforcement without the job's goodwill, end to end: the sidecar finds the job over its
     limit for longer than sidecar.compliance_grace_s and names it; the coordinator requeues it with no
@@ -293,6 +294,7 @@ def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once
     assert "non-compliant" in r.stdout, r.stdout
 
 
+@pytest.mark.slurm_neutral  # the sidecar's and the agent's mechanics; 24.11 skips it (Makefile)
 def test_sidecar_killed_and_restarted_while_jobs_run_requeues_nothing(clean, tmp_path):
     """Issue 15's first fault: the node's sidecar SIGKILLed (as systemd would then restart it) while a
     guaranteed and an opportunistic job run. The restarted sidecar finds its jobs again (its state
@@ -350,6 +352,7 @@ while True:
 """
 
 
+@pytest.mark.slurm_neutral  # the sidecar's and the agent's mechanics; 24.11 skips it (Makefile)
 def test_a_burst_pauses_the_opportunistic_job_in_place_and_it_finishes_as_if_never_paused(clean, tmp_path):
     """Issue 16 end to end: a guaranteed job's memory burst leaves its opportunistic neighbour less than
     its minimum; the job is paused in place (PAUSED in antman squeue, explain says why), not requeued;

@@ -18,6 +18,7 @@ def test_synthetic_cluster_has_the_advertised_size_and_exercises_every_rule():
     assert {"set_opp_slots", "upgrade", "preempt_notice", "set_class"} <= kinds
 
 
+@pytest.mark.slow  # a cycle of 10,000 GPUs: 20-25 s here
 def test_main_json_reports_the_cycle(capsys):
     assert bench_coordinator.main(["--json", "--runs", "1"]) == 0
     res = json.loads(capsys.readouterr().out)

@@ -368,16 +368,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--duty-share", type=_positive("--duty-share"), default=None,
                    help="run the duty mode at this fixed share instead of under the AIMD loop (to find the "
                         "largest share that holds the guaranteed job within 2 %%)")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the stalls the jobs draw (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--out", help="also write the JSON here")
-    # worker side (internal)
-    p.add_argument("--worker", choices=("guaranteed", "opportunistic"), help=argparse.SUPPRESS)
-    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--page", help=argparse.SUPPRESS)
-    p.add_argument("--times", help=argparse.SUPPRESS)
-    p.add_argument("--share-file", default="", help=argparse.SUPPRESS)
+    # worker side
+    p.add_argument("--worker", choices=("guaranteed", "opportunistic"), help="internal: run one job")
+    p.add_argument("--mode", choices=MODES, help="internal (with --worker)")
+    p.add_argument("--root", help="internal (with --worker): the device's board directory")
+    p.add_argument("--page", help="internal (with --worker): the idle-slot page")
+    p.add_argument("--times", help="internal (with --worker): where the job writes each mini-batch's times")
+    p.add_argument("--share-file", default="", help="internal (with --worker): where it reads its share")
     return p
 
 
