@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 import re
 
 import pytest
@@ -192,3 +193,35 @@ def test_replay_config_checks_memory_and_retry():
     from slurm_antman.lab.evaluation.simulator import SimConfig
 
     assert rp.ReplayConfig().oom_retry_s == SimConfig().oom_retry_s == 60.0
+
+
+class _FakeSbatch:
+    """Stands in for the devcluster's command runner in a test of what the replay hands sbatch."""
+
+    def __init__(self) -> None:
+        self.argv: list[list[str]] = []
+
+    def run(self, argv, timeout=60):
+        import subprocess
+
+        self.argv.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="41\n", stderr="")
+
+
+@pytest.mark.parametrize("contend", [False, True])
+def test_the_job_script_runs_on_the_contending_device_only_when_asked(tmp_path, contend):
+    from slurm_antman.lab.evaluation.traces import TraceJob
+
+    cfg = rp.ReplayConfig(policy="antman", nodes=1, gpus_per_node=2, contend=contend)
+    rep = rp.Replay([TraceJob("philly-3", 3.0, 5.0, 1, "aaaa01")], cfg, tmp_path)
+    for d in (rep.state_dir, rep.board_dir, rep.scripts):
+        d.mkdir(parents=True)
+    rep.cluster = _FakeSbatch()
+    rep._wall0 = time.monotonic()  # what run() sets as it starts the clock
+    rep._submit(rep.runs[0])
+    script = (rep.scripts / "philly-3.sh").read_text()
+    assert "slurm_antman.lab.evaluation.emulated_job" in script
+    assert ("--contend" in script) is contend
+    assert rep.runs[0].slurm_id == 41
+    args = bench_trace._parser().parse_args(["--trace", "x", "--contend"])
+    assert args.contend is True

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     # so the replay and its simulator run saturated (a clear error below for anything else).
     p.set_defaults(utilisation="saturated")
     p.add_argument("--iter-scale", type=float, default=1.0, help="emulated mini-batch time = profile's x this")
+    p.add_argument("--contend", action="store_true",
+                   help="the emulated jobs run on contending emulated GPUs (emulated_job --contend): "
+                        "interference emerges from their timing instead of the workload formula")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="give up on jobs not done after this long")
     p.add_argument("--oom-retry-s", type=float, default=rp.ReplayConfig.oom_retry_s,
                    help="shared: seconds from a job's CUDA out-of-memory failure to its resubmission "
@@ -61,7 +64,7 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
     for policy in policies:
         cfg = rp.ReplayConfig(policy=policy, nodes=a.nodes, gpus_per_node=a.gpus,
                               gpu_mem_bytes=int(a.gpu_mem_gib * GiB), speedup=a.speedup,
-                              quota_scale=a.quota_scale, seed=a.seed, iter_scale=a.iter_scale,
+                              quota_scale=a.quota_scale, seed=a.seed, iter_scale=a.iter_scale, contend=a.contend,
                               max_wall_s=a.max_wall_s, port_base=a.port_base, oom_retry_s=a.oom_retry_s)
         log(f"antman bench trace: {policy}: {len(jobs)} jobs on {a.nodes} x {a.gpus} emulated GPUs ...")
         t = time.perf_counter()
@@ -76,7 +79,8 @@ def run(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr)) -> dict:
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs),
             "jobs_left_out_too_wide": len(too_wide), "nodes": a.nodes, "gpus_per_node": a.gpus,
             "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup, "quota_scale": a.quota_scale, "seed": a.seed,
-            "iter_scale": a.iter_scale, "oom_retry_s": a.oom_retry_s, "source": "devcluster replay"}
+            "iter_scale": a.iter_scale, "contend": a.contend, "oom_retry_s": a.oom_retry_s,
+            "source": "devcluster replay"}
     doc = report.document(results, meta)
     if sims:
         doc["simulator"] = report.document(sims, {**meta, "source": "simulator", "cycle_s": 1.0})

@@ -61,6 +61,9 @@ class ReplayConfig(TraceRunConfig):
     speedup: float = 60.0
     grace_s: int = 30             # the devcluster's antman.yaml takes whole seconds (grace_time_s)
     iter_scale: float = 1.0       # emulated mini-batch time = profile.iter_ms * iter_scale
+    # The emulated jobs run on contending emulated GPUs (emulated_job --contend: interference emerges
+    # from the jobs' timing) instead of taking it from the workload formula.
+    contend: bool = False
     poll_s: float = 1.0
     max_wall_s: float = 1800.0    # jobs not done by then are reported as not done
     port_base: int = 18900
@@ -234,6 +237,8 @@ class Replay:
         cmd = [sys.executable, "-m", "slurm_antman.lab.evaluation.emulated_job", "--profile", r.profile.name,
                "--work-s", f"{r.work_s:.3f}", "--state-dir", str(self.state_dir),
                "--board-dir", str(self.board_dir), "--iter-scale", str(self.cfg.iter_scale)]
+        if self.cfg.contend:
+            cmd.append("--contend")
         if self.cfg.policy == "shared":
             # Only here can footprints overflow a GPU: antman's memory limits make a job spill
             # instead, and exclusive shares nothing.
