@@ -175,6 +175,11 @@ class SlotWriter:
         self._state, self._since = IDLE, now
         self._publish()
 
+    @property
+    def periods(self) -> int:
+        """Busy periods completed since this writer opened the page."""
+        return self._periods
+
     def close(self, state: int = NONE) -> None:
         """Leave the page saying nobody publishes (the job ends or stops being guaranteed here)."""
         if self._m.closed:

@@ -33,6 +33,11 @@ Progress is counted in solo work seconds (``iter_ms`` per mini-batch, whatever i
 checkpoint by the preemption hook, every ~10 s and on SIGTERM, and resumed by a requeued run. Every
 run appends one record line to ``STATE_DIR/<job_id>.runs.jsonl`` for the replay's report.
 
+With slot filling (``sidecar.slot_filling``, docs/protocol.md "The idle-slot page") the agent publishes
+on, or fills from, the idle-slot page the sidecar names; the record's ``slots`` says what it did
+(:class:`SlotLog`): the role it was given, how many pages it opened, whether one was still open at the
+end, the gates' launches, waits, blind and forced launches, and the busy periods it published.
+
 Exit status: 0 done, 143 terminated (SIGTERM: Slurm's cancel or requeue), 2 bad arguments or
 environment, 1 out of GPU memory (as an uncaught ``RuntimeError`` in PyTorch) or any other failure.
 """
@@ -243,6 +248,44 @@ def _launch_class() -> type:
     return _Launch
 
 
+class SlotLog:
+    """What the agent did with idle-slot pages (torch_patch/slots.py), for the run record. The agent
+    opens and closes its publisher or gate only at a boundary (with the limits it applies there), so
+    looking after every ``torch_patch.step()`` sees each one it had; a page that went away (the
+    guaranteed job ended) takes its gate with it, so the counts are summed over all of them."""
+
+    def __init__(self) -> None:
+        self.publishers: list[Any] = []
+        self.gates: list[Any] = []
+
+    def look(self, agent: Any) -> None:
+        for seen, now in ((self.publishers, getattr(agent, "slot_publisher", None)),
+                          (self.gates, getattr(agent, "slot_gate", None))):
+            if now is not None and all(x is not now for x in seen):
+                seen.append(now)
+
+    def record(self, agent: Any) -> dict:
+        if agent is not None:
+            self.look(agent)
+        open_now = None
+        if agent is not None and getattr(agent, "slot_publisher", None) is not None:
+            open_now = "publish"
+        elif agent is not None and getattr(agent, "slot_gate", None) is not None:
+            open_now = "fill"
+        g = self.gates
+        return {
+            "role": "publish" if self.publishers else "fill" if g else None,
+            "pages": len(self.publishers) + len(g),  # pages opened (a new file is opened afresh)
+            "paths": sorted({x.path for x in (*self.publishers, *g)}),
+            "open_at_end": open_now,                 # the page still in use when the job ended
+            "launches": sum(x.launches for x in g),
+            "waited_s": sum(x.waited_s for x in g),
+            "blind": sum(x.blind for x in g),        # launches the page said nothing about
+            "forced": sum(x.forced for x in g),      # launches after the longest wait for a slot
+            "periods": sum(x.writer.periods for x in self.publishers),  # busy periods published
+        }
+
+
 class EmulatedJob:
     def __init__(self, profile: Profile, work_s: float, state_dir: str, board: Board, ident: Identity,
                  spill_rate: float = DEFAULT_SPILL_RATE, iter_scale: float = 1.0,
@@ -268,6 +311,8 @@ class EmulatedJob:
         self._iterations = 0
         self._ckpt_lock = threading.Lock()  # the preemption hook may run on the agent's thread
         self.guard = _TermGuard()
+        self.agent: Any = None
+        self.slots = SlotLog()
 
     # --- state --------------------------------------------------------------------------------
 
@@ -308,6 +353,7 @@ class EmulatedJob:
             "class": os.environ.get(ENV_CLASS),
             "contend": self.contend,  # mean_slowdown measured on the contending device, not the formula
             "rank": int(os.environ.get("SLURM_PROCID", "0") or 0),
+            "slots": self.slots.record(self.agent),  # before uninstall, which closes the page
         }
         # One write() of one line with O_APPEND: lines of concurrent writers (there are none per job
         # id, but a stray duplicate run must not corrupt the file) do not interleave.
@@ -333,7 +379,7 @@ class EmulatedJob:
             loaded = True
             import torch_patch
 
-            agent = torch_patch.install()
+            agent = self.agent = torch_patch.install()
             agent.emulate_device(self.profile.mem_bytes, self.profile.sm_util)
             torch_patch.on_preempt(lambda notice: self.save_checkpoint())
             self._arrive()
@@ -437,6 +483,7 @@ class EmulatedJob:
                 slowdown = took * rate / self.iter_s
             with self.guard.held():
                 torch_patch.step()  # the boundary: limits applied, throttle idle paid, report sent
+                self.slots.look(agent)
                 self.work_done_s += self.iter_s
                 self._slowdown_sum += slowdown
                 self._iterations += 1
