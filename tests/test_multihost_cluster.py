@@ -107,6 +107,7 @@ def _doctor(c, node: str) -> dict:
     return {x["name"]: x for x in json.loads(r.stdout)}
 
 
+@pytest.mark.slurm_neutral  # the ZeroMQ link between hosts, not Slurm; 24.11 skips it (Makefile)
 def test_doctor_on_a_node_checks_the_link_to_the_coordinator_and_names_the_port_to_open(hosts):
     c = hosts
     h = c.c.hosts
