@@ -20,12 +20,13 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]  # four minutes of devclust
 
 # Two tenants on one node of two emulated GPUs: the first job of each tenant fits its quota
 # (guaranteed), the later ones do not (opportunistic, sharing under antman, queueing under exclusive).
+# Jobs of 30 and 20 s (40 and 30 until 2026-11-26: CI's time), still several times the jobs' start-up.
 TRACE = """timestamp,duration,num_gpus,gpu_time,cluster
-2017-10-09 07:00:00,40,1,40,aaaa01
-2017-10-09 07:00:01,30,1,30,bbbb02
-2017-10-09 07:00:02,40,1,40,aaaa01
-2017-10-09 07:00:03,30,1,30,bbbb02
-2017-10-09 07:00:04,40,1,40,aaaa01
+2017-10-09 07:00:00,30,1,30,aaaa01
+2017-10-09 07:00:01,20,1,20,bbbb02
+2017-10-09 07:00:02,30,1,30,aaaa01
+2017-10-09 07:00:03,20,1,20,bbbb02
+2017-10-09 07:00:04,30,1,30,aaaa01
 """
 
 
