@@ -34,6 +34,7 @@ import pytest
 
 from slurm_antman.clients import sidecar_control as client
 from slurm_antman.lab.devcluster.files import sidecar_socket_dir
+from slurm_antman.lab.devcluster.jobs import JobsError, wait_for
 from slurm_antman.protocol import slot_page
 from slurm_antman.sidecar import slot_pages as sp
 from conftest import TEST_PORT_BASE, ClusterHandle, managed_cluster
@@ -73,13 +74,11 @@ def slots_cluster(tmp_path_factory):
 
 
 def _wait(pred, timeout: float, what: str, why=lambda: "", step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{why()}")
+    """The devcluster's wait_for, and what the cluster said when it ran out (``why``)."""
+    try:
+        return wait_for(pred, timeout, what, step)
+    except JobsError as e:
+        raise AssertionError(f"{e}\n{why()}") from None
 
 
 def _probe(uid: int, gid: int, path: Path) -> str:
