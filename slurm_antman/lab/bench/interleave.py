@@ -52,19 +52,6 @@ class BenchError(RuntimeError):
 # --- workers ------------------------------------------------------------------------------------------
 
 
-def _launcher(dev: Any) -> Any:
-    import torch
-
-    class _Launch(torch.nn.Module):
-        """A kernel launch as a module call, so the agent's hooks (throttle, gate, publisher) see it."""
-
-        def forward(self, seconds: float) -> None:
-            dev.launch(seconds)
-            return None
-
-    return _Launch()
-
-
 def _read_share(path: str, last: float) -> float:
     try:
         with open(path) as f:
@@ -75,6 +62,7 @@ def _read_share(path: str, last: float) -> float:
 
 def worker(a: argparse.Namespace) -> dict:
     from slurm_antman.lab.evaluation.contended_gpu import ContendedDevice, Sleeper
+    from slurm_antman.lab.evaluation.emulated_job import _launch_class
     from torch_patch.slots import SlotGate, SlotPublisher
     from torch_patch.throttle import Throttle
 
@@ -83,7 +71,7 @@ def worker(a: argparse.Namespace) -> dict:
     guaranteed = a.worker == "guaranteed"
     with ContendedDevice(a.root, NODE, [0], a.worker, switch_s=a.switch_ms / 1e3, inflight=4,
                          idle_s=30.0) as dev:
-        launch = _launcher(dev)
+        launch = _launch_class()(dev)  # a kernel launch as a module call: the hooks see it
         pub = gate = throttle = None
         if guaranteed and a.mode == "slots":
             pub = SlotPublisher(a.page)
