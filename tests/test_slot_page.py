@@ -134,3 +134,31 @@ def test_seqlock_never_hands_a_reader_a_mixed_snapshot(tmp_path):
             seen += 1
     proc.join()
     assert proc.exitcode == 0 and seen > 0
+
+
+def test_a_reader_never_sees_the_counter_go_back(tmp_path):
+    """The seqlock holds only if ``seq`` is stored whole. struct.pack_into zeroes a field and then
+    writes it byte by byte: a reader then saw seq read 0 (even) at both ends of one write and kept a
+    half-written body (CI, session 20). Watched raw, the counter must never decrease."""
+    import mmap
+
+    path = _page(tmp_path)
+    proc = mp.get_context("fork").Process(target=_hammer, args=(path, 200_000))
+    proc.start()
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, sp.PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
+    os.close(fd)
+    words = memoryview(m).cast("Q")
+    last, back, reads = 0, 0, 0
+    while proc.is_alive():
+        seq = words[1]
+        reads += 1
+        back += seq < last
+        last = max(last, seq)
+    proc.join()
+    last = max(last, words[1])
+    words.release()
+    m.close()
+    assert proc.exitcode == 0 and reads > 100
+    assert back == 0, f"seq went back {back} times in {reads} reads"
+    assert last == 2 * (200_000 + 1)  # the opening publish and one per iteration, two steps each

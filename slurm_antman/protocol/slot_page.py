@@ -32,6 +32,11 @@ and even; else it retries, a bounded number of times. On x86-64 aligned 8-byte s
 single instructions and stores are seen in program order (TSO), which is all the seqlock needs; a
 weakly ordered CPU would need fences, which Python cannot issue (not supported there: ``check_platform``).
 
+Every word is stored and loaded whole, through a ``memoryview`` cast to native ``Q`` (one 8-byte
+``memcpy``: one ``mov``). Never through ``struct.pack_into``: it zeroes its whole field first and
+then writes byte by byte, so a reader could see ``seq`` as 0 (even) at the start and at the end of
+one write and keep a half-written body (CI found this: a snapshot with words 2-4 new and 5-7 zero).
+
 **Trust.** The page is written by a job, so a reader treats every word as a claim: a state it does not
 know, a time in the future or a mean past ``MAX_PERIOD_NS`` makes the snapshot invalid, and a reader
 that sees only invalid or torn snapshots falls back to its duty throttle. Root never reads it (the
@@ -52,9 +57,8 @@ PAGE_BYTES = 4096
 MAGIC = int.from_bytes(b"ANTSLOT1", "little")
 NONE, IDLE, BUSY = 0, 1, 2
 STATE_NAMES = {NONE: "none", IDLE: "idle", BUSY: "busy"}
-_WORDS = struct.Struct("<8Q")
-_WORD = struct.Struct("<Q")
-_BODY = struct.Struct("<6Q")  # words 2-7
+_WORDS = struct.Struct("<8Q")  # only to write a page nobody has mapped yet (init_page)
+_SEQ, _BODY = 1, slice(2, 8)
 # A period longer than this (an hour) is a lie or a hang, not a phase.
 MAX_PERIOD_NS = 3600 * 10**9
 # Weight of a new period in the means: a few iterations' worth of memory, so a phase change of the
@@ -107,7 +111,8 @@ def create(path: str) -> None:
         os.close(fd)
 
 
-def _open_map(path: str, writable: bool) -> mmap.mmap:
+def _open_map(path: str, writable: bool) -> tuple[mmap.mmap, memoryview]:
+    """The page mapped, and its eight words as a view whose items are loaded and stored whole."""
     flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags)
@@ -121,10 +126,12 @@ def _open_map(path: str, writable: bool) -> mmap.mmap:
         m = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, prot)
     finally:
         os.close(fd)
-    if _WORD.unpack_from(m, 0)[0] != MAGIC:
+    words = memoryview(m).cast("Q")
+    if words[0] != MAGIC:
+        words.release()
         m.close()
         raise SlotPageError(f"idle-slot page {path}: not a page of this version (bad magic)")
-    return m
+    return m, words
 
 
 class SlotWriter:
@@ -132,7 +139,7 @@ class SlotWriter:
     ``idle()`` when all of it has drained. Cheap (a few struct writes), never blocks."""
 
     def __init__(self, path: str, clock=time.monotonic_ns) -> None:
-        self._m = _open_map(path, writable=True)
+        self._m, self._w = _open_map(path, writable=True)
         self._clock = clock
         self._state = NONE
         self._since = 0
@@ -140,16 +147,21 @@ class SlotWriter:
         self._busy_mean = 0
         self._periods = 0
         self._pid = os.getpid()
-        self._seq = _WORD.unpack_from(self._m, 8)[0] & ~1
+        self._seq = self._w[_SEQ] & ~1
         self._publish()
 
     def _publish(self) -> None:
-        m = self._m
+        w = self._w
         self._seq += 1
-        _WORD.pack_into(m, 8, self._seq)
-        _BODY.pack_into(m, 16, self._state, self._since, self._idle_mean, self._busy_mean, self._periods, self._pid)
+        w[_SEQ] = self._seq
+        w[2] = self._state
+        w[3] = self._since
+        w[4] = self._idle_mean
+        w[5] = self._busy_mean
+        w[6] = self._periods
+        w[7] = self._pid
         self._seq += 1
-        _WORD.pack_into(m, 8, self._seq)
+        w[_SEQ] = self._seq
 
     @staticmethod
     def _mean(old: int, new: int) -> int:
@@ -186,6 +198,7 @@ class SlotWriter:
             return
         self._state, self._since = state, self._clock()
         self._publish()
+        self._w.release()
         self._m.close()
 
 
@@ -194,19 +207,19 @@ class SlotReader:
     nothing it can trust (torn every time, or implausible)."""
 
     def __init__(self, path: str, clock=time.monotonic_ns) -> None:
-        self._m = _open_map(path, writable=False)
+        self._m, self._w = _open_map(path, writable=False)
         self._clock = clock
         self.torn = 0
         self.invalid = 0
 
     def read(self) -> Optional[Snapshot]:
-        m = self._m
+        w = self._w
         for _ in range(READ_TRIES):
-            s1 = _WORD.unpack_from(m, 8)[0]
+            s1 = w[_SEQ]
             if s1 & 1:
                 continue
-            body = _BODY.unpack_from(m, 16)
-            if _WORD.unpack_from(m, 8)[0] == s1:
+            body = w[_BODY].tolist()
+            if w[_SEQ] == s1:
                 snap = Snapshot(*body)
                 if not self._plausible(snap):
                     self.invalid += 1
@@ -220,7 +233,9 @@ class SlotReader:
                 and s.idle_mean_ns <= MAX_PERIOD_NS and s.busy_mean_ns <= MAX_PERIOD_NS)
 
     def close(self) -> None:
-        self._m.close()
+        if not self._m.closed:
+            self._w.release()
+            self._m.close()
 
 
 def may_launch(snap: Optional[Snapshot], now_ns: int, work_ns: int, margin: float = 0.8) -> Optional[bool]:
