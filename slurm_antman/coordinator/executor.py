@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
@@ -311,6 +312,10 @@ class Executor:
         if job.state != "PENDING":
             # Try again next cycle, or the job would sit out Slurm's whole BeginTime wait.
             return skipped(f"job is {job.state}", job.restarts, retry=_requeue_in_flight(job))
-        # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME).
-        self.backend.update(job.slurm_id, StartTime=REQUEUED_START_TIME)
-        return ok(f"StartTime={REQUEUED_START_TIME}", job.restarts)
+        # A requeued job waits ~121 s (Reason=BeginTime); this lifts that (models.REQUEUED_START_TIME), or
+        # sets the hold of a task an elastic array shed. slurmctld reads a bare date in its own local time.
+        at = REQUEUED_START_TIME
+        if d.start_unix is not None and d.start_unix > time.time() + 2:
+            at = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(d.start_unix))
+        self.backend.update(job.slurm_id, StartTime=at)
+        return ok(f"StartTime={at}", job.restarts)

@@ -3,6 +3,8 @@ truth about jobs) and the latest report of each node's sidecar (the truth about 
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from typing import Any, Iterable, Mapping, Optional
 
 from slurm_antman.config import AntmanConfig
@@ -30,7 +32,35 @@ def job_view(job: Job, cfg: AntmanConfig, checkpoints: Mapping[str, float]) -> J
         restarts=job.restarts, last_checkpoint_unix=checkpoints.get(job_id), held_for_quota=held,
         excluded_nodes=tuple(job.excluded_nodes), begin_wait=job.state == "PENDING" and job.reason == "BeginTime",
         # Slurm gives every node of a job its per-node GRES (TresPerNode): the slots are on each of them.
-        gpus_by_node=tuple((n, per_node) for n in job.nodes) if len(job.nodes) > 1 else ())
+        gpus_by_node=tuple((n, per_node) for n in job.nodes) if len(job.nodes) > 1 else (),
+        elastic_group=str(job.array_job_id) if _elastic_across_nodes(job, per_node) else "")
+
+
+def _elastic_across_nodes(job: Job, per_node: int) -> bool:
+    """A task of an elastic job array whose range is wider than one task's GPUs (job_submit.lua let
+    it through only as one training across the array's tasks, docs/elastic.md)."""
+    tag = job.tag
+    return (tag is not None and tag.elastic is not None and bool(job.array_job_id) and job.array_task is not None
+            and per_node > 0 and tag.elastic[1] > per_node)
+
+
+def _first_index(array_task: Optional[str]) -> Optional[int]:
+    """The lowest index an array record stands for: "3" is task 3, "2-5%2" the pending rest from 2."""
+    m = re.match(r"\d+", array_task or "")
+    return int(m.group()) if m else None
+
+
+def _mark_hosts(jobs: Iterable[Job], views: tuple[JobView, ...]) -> tuple[JobView, ...]:
+    """Each elastic array's rendezvous host: its task of the lowest index still in Slurm (the launcher's
+    task 0 is SLURM_ARRAY_TASK_MIN; a task that ended no longer holds anything)."""
+    lowest: dict[str, int] = {}
+    index: dict[str, Optional[int]] = {}
+    for job, v in zip(jobs, views):
+        i = index[v.job_id] = _first_index(job.array_task)
+        if v.elastic_group and i is not None:
+            lowest[v.elastic_group] = min(i, lowest.get(v.elastic_group, i))
+    return tuple(replace(v, elastic_host=True) if v.elastic_group and index[v.job_id] == lowest.get(v.elastic_group)
+                 else v for v in views)
 
 
 def node_views(cfg: AntmanConfig, nodes: Iterable[Node], reports: Mapping[str, Any], slurm_class: Mapping[str, str],
@@ -72,7 +102,7 @@ def build(cfg: AntmanConfig, jobs: Iterable[Job], nodes: Iterable[Node], reports
             if j.last_checkpoint_unix is not None:
                 checkpoints[j.job_id] = max(checkpoints.get(j.job_id, 0.0), j.last_checkpoint_unix)
     active = [j for j in jobs if not j.finished]
-    views = tuple(job_view(j, cfg, checkpoints) for j in active)
+    views = _mark_hosts(active, tuple(job_view(j, cfg, checkpoints) for j in active))
     slurm_class = {v.job_id: v.job_class for v in views}
     needs = tuple(_needs(fresh, slurm_class))
     return Snapshot(now=now, jobs=views, nodes=node_views(cfg, nodes, reports, slurm_class, now),

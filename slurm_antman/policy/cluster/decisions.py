@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 _CAMEL = re.compile(r"(?<!^)(?=[A-Z])")
 
@@ -124,11 +124,13 @@ class Requeue(_Kind):
 
 @dataclass(frozen=True, slots=True)
 class MakeEligible(_Kind):
-    """A job we requeued: clear Slurm's ~121 s BeginTime wait (``scontrol update StartTime=now``)."""
+    """A job we requeued: clear Slurm's ~121 s BeginTime wait (``scontrol update StartTime=now``), or,
+    with ``start_unix``, set it to that time instead (a shed task of an elastic array waits its hold)."""
 
     job_id: str
     reason: str = field(default="", compare=False)
     inputs: Mapping[str, object] = field(default_factory=_inputs, compare=False)
+    start_unix: Optional[float] = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,11 @@ class JobView:
     # GRES Slurm allocated the job on each of its nodes, (node, count), for a job holding an allocation:
     # a multi-node job holds slots on every node, not only on ``node`` (its first). Empty: all ``gpus`` on ``node``.
     gpus_by_node: tuple[tuple[str, int], ...] = ()
+    # A task of an elastic-across-nodes job array (docs/elastic.md, "Across nodes"): the array's id, and
+    # whether this task hosts the training's rendezvous (the array's lowest index). Losing any other task
+    # is a shrink: the rest train on. Losing the host ends the rendezvous, so the whole array goes.
+    elastic_group: str = ""
+    elastic_host: bool = False
 
     def allocation(self) -> tuple[tuple[str, int], ...]:
         """(node, GRES count) of every node the job holds; nothing for a job without a node."""
@@ -128,6 +133,9 @@ class PolicyParams:
     keep_off_no_room: bool = False
     # opportunistic.upgrade_running: running opportunistic jobs become guaranteed when quota frees.
     upgrade_running: bool = True
+    # sidecar.elastic_hold_s: a task an elastic array shed may start again (grow the job back) this long
+    # after its requeue, not at once: the hold is the hysteresis a width change must pay for.
+    elastic_hold_s: float = 300.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PolicyParams":
@@ -148,6 +156,7 @@ class PolicyParams:
             move_gain=float(cfg.opportunistic.move_gain),
             keep_off_no_room=bool(cfg.sidecar.enforce) and cfg.opportunistic.no_room == "wait",
             upgrade_running=bool(cfg.opportunistic.upgrade_running),
+            elastic_hold_s=float(getattr(cfg.sidecar, "elastic_hold_s", 300.0)),
         )
 
 

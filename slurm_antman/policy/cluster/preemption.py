@@ -1,5 +1,11 @@
 """Preemption: pick a victim for each new need, requeue it when its grace time is over, and make the
-requeued job eligible again at once. The state makes every step happen once per job and restart."""
+requeued job eligible again at once. The state makes every step happen once per job and restart.
+
+A task of an elastic-across-nodes array (``JobView.elastic_group``; docs/elastic.md, "Across nodes")
+is a victim like any job, and its requeue is the job's shrink: the other tasks re-rendezvous and train
+on. It is made eligible again only after ``PolicyParams.elastic_hold_s`` (the grow back waits the hold).
+The task that hosts the rendezvous is different: the training cannot outlive it, so choosing it
+preempts every running task of its array, and those are made eligible at once (a whole-job requeue)."""
 
 from __future__ import annotations
 
@@ -34,10 +40,19 @@ def lost_gpu_seconds(job: JobView, now: float) -> float:
     return job.gpus * max(0.0, now - since)
 
 
-def _victim_key(job: JobView, now: float) -> tuple:
+def _group(job: JobView, jobs: Mapping[str, JobView]) -> list[JobView]:
+    """What requeueing ``job`` takes down: itself, or for an elastic array's rendezvous host every
+    running task of the array."""
+    if not (job.elastic_group and job.elastic_host):
+        return [job]
+    return [job] + sorted((j for j in jobs.values() if j.elastic_group == job.elastic_group and j is not job
+                           and j.state == "RUNNING" and j.job_class == "opportunistic"), key=lambda j: j.job_id)
+
+
+def _victim_key(job: JobView, jobs: Mapping[str, JobView], now: float) -> tuple:
     # Fewest lost GPU-seconds, then the youngest (latest start), then the id for a stable choice.
     start = job.start_unix if job.start_unix is not None else now
-    return (lost_gpu_seconds(job, now), -start, len(job.job_id), job.job_id)
+    return (sum(lost_gpu_seconds(j, now) for j in _group(job, jobs)), -start, len(job.job_id), job.job_id)
 
 
 def _find_gpu(node: Optional[NodeView], index: int) -> Optional[GpuView]:
@@ -53,7 +68,7 @@ def step(now: float, needs: tuple[PreemptNeed, ...], state: CoordinatorState, pa
          jobs: Mapping[str, JobView], nodes: Mapping[str, NodeView]) -> PreemptionOutcome:
     out = PreemptionOutcome([], {}, {}, set())
     _advance_preempting(now, state, jobs, out)
-    _advance_requeued(state, jobs, out)
+    _advance_requeued(state, params, jobs, out)
     _answer_needs(now, needs, params, jobs, nodes, out)
     return out
 
@@ -80,7 +95,14 @@ def _advance_preempting(now: float, state: CoordinatorState, jobs: Mapping[str, 
         out.requeued[p.job_id] = Requeued(p.job_id, p.node, p.gpu, p.for_job_id, now, p.restarts_at_decision)
 
 
-def _advance_requeued(state: CoordinatorState, jobs: Mapping[str, JobView], out: PreemptionOutcome) -> None:
+def _training_on(job: JobView, jobs: Mapping[str, JobView]) -> bool:
+    """A shed task of an elastic array whose host still runs: the job trains on without it."""
+    return bool(job.elastic_group) and not job.elastic_host and any(
+        j.elastic_group == job.elastic_group and j.elastic_host and j.state == "RUNNING" for j in jobs.values())
+
+
+def _advance_requeued(state: CoordinatorState, params: PolicyParams, jobs: Mapping[str, JobView],
+                      out: PreemptionOutcome) -> None:
     for r in state.requeued.values():
         job = jobs.get(r.job_id)
         if job is None or job.state in TERMINAL_STATES:
@@ -90,11 +112,17 @@ def _advance_requeued(state: CoordinatorState, jobs: Mapping[str, JobView], out:
             continue
         if job.state == "PENDING":
             if not r.made_eligible:
-                out.decisions.append(MakeEligible(
-                    r.job_id,
-                    reason="requeued by the coordinator: start it without Slurm's BeginTime wait",
-                    inputs={"restarts": job.restarts, "requeued_unix": r.requeued_unix, "for_job": r.for_job_id},
-                ))
+                inputs = {"restarts": job.restarts, "requeued_unix": r.requeued_unix, "for_job": r.for_job_id}
+                if _training_on(job, jobs):
+                    at = r.requeued_unix + params.elastic_hold_s
+                    out.decisions.append(MakeEligible(
+                        r.job_id, start_unix=at, inputs={**inputs, "elastic_group": job.elastic_group},
+                        reason=f"a task that elastic array {job.elastic_group} shed: it may start again (the job "
+                               f"grows back) {params.elastic_hold_s:g} s after its requeue, the hold"))
+                else:
+                    out.decisions.append(MakeEligible(
+                        r.job_id, inputs=inputs,
+                        reason="requeued by the coordinator: start it without Slurm's BeginTime wait"))
                 out.touched.add(r.job_id)
                 r = replace(r, made_eligible=True)
             out.requeued[r.job_id] = r
@@ -140,20 +168,29 @@ def _answer_needs(now: float, needs: tuple[PreemptNeed, ...], params: PolicyPara
             grace = 0.0
         if not candidates:
             continue
-        victim = min(candidates, key=lambda j: _victim_key(j, now))
-        lost = lost_gpu_seconds(victim, now)
+        victim = min(candidates, key=lambda j: _victim_key(j, jobs, now))
+        lost = sum(lost_gpu_seconds(j, now) for j in _group(victim, jobs))
         why = (f"non-compliant beside guaranteed job {need.job_id} on {need.node} GPU {need.gpu}: {need.reason}; "
                "requeued at once" if need.victim else
                f"guaranteed job {need.job_id} on {need.node} GPU {need.gpu} needs room that shrinking "
                f"cannot free ({need.reason}); this job loses the fewest GPU-seconds ({lost:.0f})")
-        out.decisions.append(PreemptNotice(
-            victim.job_id, need.node, grace,
-            reason=why,
-            inputs={"node": need.node, "gpu": need.gpu, "for_job": need.job_id, "need_reason": need.reason,
-                    "need_since_unix": need.since_unix, "lost_gpu_seconds": lost,
-                    "candidates": {j.job_id: round(lost_gpu_seconds(j, now), 3) for j in candidates}},
-        ))
-        out.touched.add(victim.job_id)
-        out.preempting[victim.job_id] = Preemption(
-            victim.job_id, need.node, now, now + grace, victim.restarts, need.reason, need.gpu, need.job_id)
+        if victim.elastic_group:
+            why += (f"; it hosts elastic array {victim.elastic_group}'s rendezvous, so every running task of the "
+                    "array goes with it" if victim.elastic_host else
+                    f"; a task of elastic array {victim.elastic_group}: the other tasks train on without it")
+        for j in _group(victim, jobs):
+            if j.job_id in out.preempting or j.job_id in out.requeued or j.job_id in out.touched:
+                continue
+            node, gpu = (need.node, need.gpu) if j is victim else (j.node or need.node, -1)
+            out.decisions.append(PreemptNotice(
+                j.job_id, node, grace,
+                reason=why if j is victim else f"task of elastic array {j.elastic_group}, whose rendezvous host "
+                                               f"{victim.job_id} is preempted: {why}",
+                inputs={"node": need.node, "gpu": need.gpu, "for_job": need.job_id, "need_reason": need.reason,
+                        "need_since_unix": need.since_unix, "lost_gpu_seconds": lost,
+                        "candidates": {c.job_id: round(lost_gpu_seconds(c, now), 3) for c in candidates}},
+            ))
+            out.touched.add(j.job_id)
+            out.preempting[j.job_id] = Preemption(j.job_id, node, now, now + grace, j.restarts, need.reason, gpu,
+                                                  need.job_id)
         served.add(key)
