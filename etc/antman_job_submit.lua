@@ -656,8 +656,84 @@ local function elastic_node_gpus(job_desc, s, value)
   return total, table.concat(asked, " ")
 end
 
+-- The tasks of a job array (job_desc.array_inx, the --array value as sbatch sends it, throttle
+-- included: "0-3", "0,2,4", "0-7:2", "0-3%2"): how many distinct indices it names (counted up to
+-- ELASTIC_MAX_GPUS + 1: more can never fit an elastic range) and the throttle text ("%2", nil without
+-- one); or nil and why it cannot be read. The grammar is sbatch's: INDEX, A-B or A-B:STEP, comma
+-- separated, then an optional %N.
+local function array_tasks(inx)
+  local list, throttle = inx:match("^([^%%]*)(%%%d+)$")
+  if list == nil then
+    if inx:find("%", 1, true) then return nil, "the throttle after % is not a whole number" end
+    list = inx
+  end
+  local seen, n = {}, 0
+  for item in (list .. ","):gmatch("([^,]*),") do
+    local a, b, step = item:match("^(%d+)%-(%d+):(%d+)$")
+    if a == nil then
+      a, b = item:match("^(%d+)%-(%d+)$")
+      a, step = a or item:match("^(%d+)$"), "1"
+      b = b or a
+    end
+    if a == nil then return nil, string.format("%q is not N, A-B or A-B:STEP", item) end
+    a, b, step = tonumber(a), tonumber(b), tonumber(step)
+    if b < a or step < 1 then return nil, string.format("%q names no task", item) end
+    for i = a, b, step do
+      if not seen[i] then seen[i], n = true, n + 1 end
+      if n > ELASTIC_MAX_GPUS then return n, throttle end
+    end
+  end
+  return n, throttle
+end
+
+-- The elastic range of a job array's task: {MIN, MAX} and the GPUs each task asks for, `gpus` (G).
+-- MAX == G: each task is an elastic job of its own, on its node. MAX == K x G for the array's K > 1
+-- tasks: one training across the tasks' nodes, whose width changes a node (G GPUs) at a time (a shed
+-- is the requeue of one task, a grow Slurm starting a pending one), so MIN is a multiple of G and the
+-- coordinator owns ArrayTaskThrottle; returns K. Anything else is refused, naming both readings.
+local function elastic_array(job_desc, value, range, gpus, asked)
+  local inx = job_desc.array_inx
+  local k, throttle = array_tasks(inx)
+  if k == nil then
+    reject("%s=%s: cannot read the task count of --array=%s (%s), so MAX cannot be checked against it; " ..
+      "give the tasks as N, A-B or A-B:STEP, comma separated", ELASTIC_OPTION, value, inx, throttle)
+  end
+  if may_span_nodes(job_desc) then
+    reject("%s=%s with --array=%s: each task of an elastic job array runs on one node; drop -N, -w with " ..
+      "several nodes, --spread-job or the task count that needs several nodes", ELASTIC_OPTION, value, inx)
+  end
+  local lo, hi = range[1], range[2]
+  if hi == gpus then return nil end -- a sweep: each task its own one-node elastic job
+  local many = k > ELASTIC_MAX_GPUS
+  local tasks = string.format("%s with --array=%s (%s%d task%s) and %s per task", value, inx,
+    many and "over " or "", many and ELASTIC_MAX_GPUS or k, k == 1 and "" or "s", asked)
+  if k > 1 and hi == k * gpus then
+    if lo % gpus ~= 0 then
+      reject("%s=%s: one job across the %d tasks' nodes changes its width a node (%d GPU%s) at a time, so " ..
+        "MIN must be a multiple of %d (%s=%d:%d, for one)", ELASTIC_OPTION, tasks, k, gpus, gpus == 1 and "" or "s",
+        gpus, ELASTIC_OPTION, math.max(gpus, lo - lo % gpus), hi)
+    end
+    if throttle ~= nil then
+      reject("%s=%s: drop the throttle %s; for one job across the tasks' nodes slurm-antman sets the " ..
+        "array's task throttle itself (it is the job's width in nodes)", ELASTIC_OPTION, tasks, throttle)
+    end
+    return k
+  end
+  local own = string.format("MAX must be %d (each task its own elastic job)", gpus)
+  if k == 1 then
+    reject("%s=%s: %s; one job across nodes needs an array of several tasks", ELASTIC_OPTION, tasks, own)
+  elseif many or k * gpus > ELASTIC_MAX_GPUS then
+    reject("%s=%s: %s; one job across the tasks' nodes would need MAX = %s x %d, over the limit of %d",
+      ELASTIC_OPTION, tasks, own, many and "tasks" or tostring(k), gpus, ELASTIC_MAX_GPUS)
+  end
+  reject("%s=%s: %s or %d (one job across the %d tasks' nodes, MIN a multiple of %d)", ELASTIC_OPTION, tasks,
+    own, k * gpus, k, gpus)
+end
+
 -- The elastic range the job asked for, checked against the rest of the request; nil when it asked
--- for none. `requested` is the class the user named (nil: no --antman).
+-- for none. `requested` is the class the user named (nil: no --antman). Also returns the GPUs per node
+-- (per task) the job asks for, and for one job across the nodes of an array the number of its tasks
+-- (nil otherwise).
 local function elastic_request(job_desc, s, requested)
   local value = spank_env_value(job_desc.spank_job_env, ELASTIC_ENV)
   if value == nil then return nil end
@@ -675,21 +751,25 @@ local function elastic_request(job_desc, s, requested)
       "MAX being the GPUs per node the job asks for (--gres=%s:MAX)", ELASTIC_OPTION, value, why,
       ELASTIC_MAX_GPUS, s.gpu_gres)
   end
-  if may_span_nodes(job_desc) then
-    reject("%s=%s: an elastic job runs on one node (elastic width across nodes is not built yet); drop -N, " ..
-      "-w with several nodes, --spread-job or the task count that needs several nodes", ELASTIC_OPTION, value)
+  local array = job_desc.array_inx ~= nil and job_desc.array_inx ~= ""
+  if not array and may_span_nodes(job_desc) then
+    reject("%s=%s: an elastic job runs on one node; for one job across K nodes, submit it as a job array " ..
+      "of one-node tasks: --array=0-(K-1) with --gres=%s:G per task and %s=MIN:MAX, MAX = K x G, MIN a " ..
+      "multiple of G (docs/elastic.md, \"Across nodes: a job array\")", ELASTIC_OPTION, value, s.gpu_gres,
+      ELASTIC_OPTION)
   end
   local gpus, asked = elastic_node_gpus(job_desc, s, value)
   if gpus == 0 then
     reject("%s=%s: the job asks for no GPU; ask for MAX of them with --gres=%s:%d", ELASTIC_OPTION, value,
       s.gpu_gres, range[2])
   end
+  if array then return range, gpus, elastic_array(job_desc, value, range, gpus, asked) end
   if gpus ~= range[2] then
     reject("%s=%s: MAX must equal the GPUs per node the job asks for, %d (%s); use --gres=%s:%d with it, " ..
       "or %s=%d:%d", ELASTIC_OPTION, value, gpus, asked, s.gpu_gres, range[2], ELASTIC_OPTION,
       math.min(range[1], gpus), gpus)
   end
-  return range
+  return range, gpus
 end
 
 ---------------------------------------------------------------------------------------------
@@ -704,7 +784,7 @@ local function classify(job_desc, s)
     reject("unknown class %q in ANTMAN_CLASS; allowed: guaranteed, opportunistic, auto", class)
   end
   -- before auto is resolved, so that the same request is accepted or refused whatever the quota says
-  local elastic = elastic_request(job_desc, s, requested)
+  local elastic, elastic_gpus, elastic_tasks = elastic_request(job_desc, s, requested)
   if class == "none" then
     forbid_opp_gres(job_desc, s, "none")
     return
@@ -728,11 +808,16 @@ local function classify(job_desc, s)
     local gpus = make_opportunistic(job_desc, s)
     if elastic ~= nil then
       -- elastic_request counted the same request; a difference is a bug here, not the user's
-      if gpus ~= elastic[2] then
-        error(string.format("elastic MAX %d but %d GPUs per node after the rewrite", elastic[2], gpus))
+      if gpus ~= elastic_gpus then
+        error(string.format("elastic range counted %d GPUs per node but %d after the rewrite", elastic_gpus, gpus))
       end
       job_desc.max_nodes = 1
-      info("%s: elastic width %d to %d GPUs", job_label(job_desc), elastic[1], elastic[2])
+      if elastic_tasks ~= nil then
+        info("%s: elastic width %d to %d GPUs across the nodes of the %d tasks of --array=%s (%d GPU%s each)",
+          job_label(job_desc), elastic[1], elastic[2], elastic_tasks, job_desc.array_inx, gpus, gpus == 1 and "" or "s")
+      else
+        info("%s: elastic width %d to %d GPUs", job_label(job_desc), elastic[1], elastic[2])
+      end
     end
   end
   -- the coordinator resolves auto by tenant quota; it must know the user left the choice open

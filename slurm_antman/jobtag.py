@@ -7,8 +7,9 @@ coordinator turned opportunistic); without it the request was the class itself. 
 a job the coordinator holds because its tenant is over quota, so a restarted coordinator (or anyone
 reading squeue) can tell that hold from a user's or admin's own. ``elastic=MIN:MAX`` is an elastic
 job's width range (``--antman-elastic``, docs/elastic.md), recorded by job_submit.lua; it is kept
-whatever the class becomes (the sidecar uses it only for an opportunistic job). Unknown fields are
-kept verbatim.
+whatever the class becomes (the sidecar uses it only for an opportunistic job); with the job's GPUs on a
+node it tells a one-node elastic job from a task of an elastic job array across nodes (``elastic_kind``).
+Unknown fields are kept verbatim.
 
 AdminComment is the place because only admins (slurmctld's job_submit plugin, the root Prolog) may
 write it: a user cannot forge a class, and every Slurm tool can show it.
@@ -118,6 +119,28 @@ def parse_elastic(value: str) -> tuple[int, int]:
     if not 1 <= lo <= hi <= ELASTIC_MAX:
         raise TagError(f"elastic={value!r}: want 1 <= MIN <= MAX <= {ELASTIC_MAX}")
     return lo, hi
+
+
+# What an elastic range means for one job on one node (elastic_kind).
+ONE_NODE = "one_node"          # its width changes GPU by GPU on this node (MAX == its GPUs here)
+ACROSS_NODES = "across_nodes"  # a task of a job array: one node's share of one job across the array's nodes
+
+
+def elastic_kind(elastic: tuple[int, int] | None, node_gpus: int) -> str | None:
+    """What the tag's range ``elastic`` (MIN, MAX) makes of a job holding ``node_gpus`` GPU slots on this
+    node (docs/elastic.md): ``ONE_NODE`` when MAX is those GPUs; ``ACROSS_NODES`` when MAX is a larger
+    multiple of them and MIN a multiple too (a task of a job array whose tasks run one training, which
+    grows and shrinks a task, so a node's GPUs, at a time: job_submit.lua accepts only such a range for
+    an array); None when the job is not elastic: no range, no GPUs, or a range that fits neither (an
+    admin's edit; job_submit.lua refuses such a job)."""
+    if elastic is None or node_gpus < 1:
+        return None
+    lo, hi = elastic
+    if hi == node_gpus:
+        return ONE_NODE
+    if hi > node_gpus and hi % node_gpus == 0 and lo % node_gpus == 0:
+        return ACROSS_NODES
+    return None
 
 
 def parse_tag(admin_comment: str | None) -> JobTag | None:

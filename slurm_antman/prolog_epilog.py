@@ -5,9 +5,12 @@ of an opportunistic job (Slurm only counted slots of a count-only GRES), and wri
 env file the SPANK plugin applies to every task (docs/architecture.md). It also records the GPUs
 in the job's AdminComment so anyone can see them with Slurm's own tools.
 
-An opportunistic job whose tag carries ``elastic=MIN:MAX`` (``--antman-elastic``, docs/elastic.md) is
-registered with ``elastic_min=MIN`` and gets ``ANTMAN_ELASTIC=MIN:MAX`` in its env file, when MAX is
-the GPU slots it holds on this node; otherwise the range is ignored (logged) and the job is not elastic.
+An opportunistic job whose tag carries ``elastic=MIN:MAX`` (``--antman-elastic``, docs/elastic.md) gets
+``ANTMAN_ELASTIC=MIN:MAX`` in its env file (``jobtag.elastic_kind``): when MAX is the GPU slots it holds on
+this node it is registered with ``elastic_min=MIN`` (the sidecar changes its width GPU by GPU); when it
+is a task of an elastic job array across nodes (MAX and MIN multiples of its slots here, MAX above them)
+it is registered without ``elastic_min``, since its width changes a task at a time, by the requeue that
+takes any opportunistic job off a node. A range that fits neither is ignored (logged): not elastic.
 
 A Prolog that exits non-zero drains the node and requeues the job, so every policy-level problem
 is logged and the hook still exits 0. An opportunistic job is never run unmanaged (fail closed):
@@ -31,7 +34,7 @@ from pathlib import Path
 from . import config as config_mod
 from . import envfile
 from . import protocol as p
-from .jobtag import JobTag
+from .jobtag import ONE_NODE, JobTag, elastic_kind
 from .slurm import SlurmBackend, SlurmError
 from .slurm.cli_backend import CliBackend
 
@@ -186,9 +189,7 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     values = {p.ENV_JOB_ID: job.job_id, p.ENV_CLASS: tag.job_class, p.ENV_NODE: job.node}
     if tag.job_class == "opportunistic":
         try:
-            elastic_min = _elastic_min(job, tag, count)
-            if elastic_min is not None:
-                values[p.ENV_ELASTIC] = f"{elastic_min}:{count}"
+            elastic_min = _elastic(job, tag, count, values)
             return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values, elastic_min)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the job must not run unmanaged
             log.exception("job %s: Prolog failed for an opportunistic job", job.job_id)
@@ -196,18 +197,22 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
 
 
-def _elastic_min(job: JobContext, tag: JobTag, count: int) -> int | None:
-    """MIN of an opportunistic job's elastic range (the tag's elastic=MIN:MAX), or None: not elastic.
-    A range whose MAX is not the job's GPU slots on this node (job_submit.lua refuses such a job; an
+def _elastic(job: JobContext, tag: JobTag, count: int, values: dict[str, str]) -> int | None:
+    """An opportunistic job's elastic range (the tag's elastic=MIN:MAX): sets ``ANTMAN_ELASTIC`` in
+    ``values`` for an elastic job and returns the ``elastic_min`` to register, None for a task of an
+    array across nodes (its node never changes its width) and for a job that is not elastic. A range
+    that fits neither kind for the job's GPU slots on this node (job_submit.lua refuses such a job; an
     admin may have edited the tag since) is ignored: the job runs at its full width, not elastic."""
     if tag.elastic is None:
         return None
     lo, hi = tag.elastic
-    if hi != count:
+    kind = elastic_kind(tag.elastic, count)
+    if kind is None:
         log.warning("job %s on %s: its tag says elastic=%d:%d but it holds %d GPU slot(s) here; "
                     "not elastic", job.job_id, job.node, lo, hi, count)
         return None
-    return lo
+    values[p.ENV_ELASTIC] = f"{lo}:{hi}"
+    return lo if kind == ONE_NODE else None
 
 
 def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: list[int]) -> dict[str, str]:
@@ -253,8 +258,9 @@ def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: Jo
             if endpoint:
                 _retire_quietly(cfg, job)
             raise
+    elastic = values.get(p.ENV_ELASTIC)
     log.info("job %s on %s: class %s, GPUs %s%s", job.job_id, job.node, tag.job_class, values[p.ENV_GPUS] or "-",
-             f", elastic {elastic_min}:{count}" if elastic_min is not None else "")
+             "" if elastic is None else f", elastic {elastic}" + (" across nodes" if elastic_min is None else ""))
     _record_gpus_in_slurm(slurm, job, tag.with_gpus(job.node, gpus))
     return 0
 

@@ -6,7 +6,8 @@
  *
  * --antman-elastic is checked here only as a value (two numbers, 1 <= MIN <= MAX <= 64). The rules
  * that depend on the rest of the job (only with --antman=opportunistic or auto, MAX equal to the GPUs
- * per node, one node) are job_submit.lua's, which sees the whole request and never trusts the client.
+ * per node on one node, or to the tasks times the GPUs per task of a job array across nodes) are
+ * job_submit.lua's, which sees the whole request and never trusts the client.
  */
 #include <ctype.h>
 #include <stdio.h>
@@ -42,7 +43,8 @@ static struct spank_option antman_options[] = {
 		"antman-elastic",
 		"MIN:MAX",
 		"slurm-antman elastic width of an opportunistic job: it runs on MIN to MAX GPUs of one node "
-		"(MAX as in --gres=gpu:MAX); with --antman=opportunistic or auto",
+		"(MAX as in --gres=gpu:MAX), or of a job array's nodes (MAX = tasks x GPUs per task); "
+		"with --antman=opportunistic or auto",
 		1,
 		0,
 		antman_opt_elastic,

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from slurm_antman.jobtag import parse_tag
+from slurm_antman.jobtag import ACROSS_NODES, elastic_kind, parse_tag
+from slurm_antman.lab.devcluster.jobs import wait_for
+from slurm_antman.slurm.parsing import parse_scontrol_line
 
 pytestmark = pytest.mark.cluster
 
@@ -60,5 +62,64 @@ def test_an_elastic_opportunistic_job_is_accepted_tagged_and_sees_its_range(clea
         # the env file's (the Prolog's, from the tag) and the job control env's (the plugin's)
         assert seen["ELASTIC"] == "1:2" and seen["SPANK"] == "1:2"
         assert len(seen["GPUS"].split(",")) == 2
+    finally:
+        c.run(["scancel", str(jid)])
+
+
+# ---- across nodes: a job array of one-node tasks (docs/elastic.md, "Across nodes: a job array") ----
+# job_submit.lua reads the task count and the throttle from job_desc.array_inx. What these check of it on
+# the real 22.05 slurmctld: the string is the --array value as typed, the throttle ("%1") and the step
+# (":2") included, and a refused array leaves no task behind.
+
+def test_a_throttle_on_an_array_across_nodes_is_refused(cluster):
+    err = _refused(cluster, "--antman=opportunistic", "--antman-elastic=2:4", "--gres=gpu:2", "--array=0-1%1")
+    assert "--antman-elastic=2:4 with --array=0-1%1 (2 tasks) and --gres=gpu:2 per task: drop the throttle %1" in err, err
+
+
+def test_a_max_that_fits_neither_reading_is_refused_naming_both(cluster):
+    err = _refused(cluster, "--antman=opportunistic", "--antman-elastic=2:6", "--gres=gpu:2", "--array=0-3:2")
+    assert ("--antman-elastic=2:6 with --array=0-3:2 (2 tasks) and --gres=gpu:2 per task: MAX must be 2 "
+            "(each task its own elastic job) or 4 (one job across the 2 tasks' nodes, MIN a multiple of 2)") in err, err
+
+
+def test_a_job_over_several_nodes_is_told_to_be_an_array(cluster):
+    err = _refused(cluster, "--antman=opportunistic", "--antman-elastic=2:4", "--gres=gpu:2", "-N", "2")
+    assert "--antman-elastic=2:4: an elastic job runs on one node; for one job across K nodes" in err, err
+    assert "--array=0-(K-1)" in err
+
+
+ARRAY_SCRIPT = """#!/bin/bash
+echo "TASK=${SLURM_ARRAY_TASK_ID:-} ELASTIC=${ANTMAN_ELASTIC:-} SPANK=${SLURM_SPANK_ANTMAN_ELASTIC:-} GPUS=${ANTMAN_GPUS:-}"
+sleep 30
+"""
+
+
+def test_an_array_across_nodes_is_accepted_and_each_task_sees_the_whole_range(clean_cluster):
+    c = clean_cluster
+    jid = c.sbatch("--antman=opportunistic", "--antman-elastic=2:4", "--gres=gpu:2", "--array=0-1",
+                   "-o", str(c.workdir / "%A_%a.out"), script=ARRAY_SCRIPT)
+    try:
+        seen = {}
+        for task in (0, 1):
+            path = c.workdir / f"{jid}_{task}.out"
+            line = wait_for(lambda: next((l for l in (path.read_text() if path.exists() else "").splitlines()
+                                          if l.startswith("TASK=")), None), 60, f"task {task}'s output")
+            seen[task] = dict(kv.split("=", 1) for kv in line.split())
+        for task, env in seen.items():
+            assert env["TASK"] == str(task)
+            # the env file's range (the Prolog's, from the tag) is the whole job's, not this task's 2 GPUs
+            assert env["ELASTIC"] == "2:4" and env["SPANK"] == "2:4", env
+            assert len(env["GPUS"].split(",")) == 2, env
+        lines = c.run(["scontrol", "show", "job", "-o", str(jid)]).stdout.splitlines()
+        assert len(lines) == 2, lines
+        for line in lines:
+            info = dict(parse_scontrol_line(line))
+            tag = parse_tag(info["AdminComment"])
+            assert tag is not None and tag.job_class == "opportunistic" and tag.elastic == (2, 4), info["AdminComment"]
+            assert info["NumNodes"] == "1" and info["ArrayJobId"] == str(jid)
+            assert elastic_kind(tag.elastic, 2) == ACROSS_NODES
+        # what slurmctld's job_submit/lua saw in job_desc.array_inx: the --array value as given
+        log = (c.c.dir / "log" / "slurmctld.log").read_text(errors="replace")
+        assert "elastic width 2 to 4 GPUs across the nodes of the 2 tasks of --array=0-1 (2 GPUs each)" in log
     finally:
         c.run(["scancel", str(jid)])

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from slurm_antman.jobtag import ELASTIC_MAX, JobTag, TagError, parse_elastic, parse_tag
+from slurm_antman.jobtag import (ACROSS_NODES, ELASTIC_MAX, ONE_NODE, JobTag, TagError, elastic_kind, parse_elastic,
+                                  parse_tag)
 from slurm_antman.slurm.tag import read_admin_comment
 
 
@@ -63,3 +64,30 @@ def test_parse_elastic_bounds() -> None:
     assert parse_elastic(f"{ELASTIC_MAX}:{ELASTIC_MAX}") == (ELASTIC_MAX, ELASTIC_MAX)
     with pytest.raises(TagError, match="MIN <= MAX"):
         parse_elastic("5:4")
+
+
+# ---- what a range means on a node: elastic_kind ---------------------------------------------------
+
+@pytest.mark.parametrize("elastic, gpus, kind", [
+    ((1, 2), 2, ONE_NODE),         # --gres=gpu:2 --antman-elastic=1:2
+    ((2, 2), 2, ONE_NODE),         # MIN == MAX: elastic in name, one width
+    ((1, 1), 1, ONE_NODE),
+    ((2, 8), 2, ACROSS_NODES),     # --array=0-3 --gres=gpu:2 --antman-elastic=2:8
+    ((8, 8), 2, ACROSS_NODES),     # MIN == MAX across nodes: every task needed
+    ((1, 4), 1, ACROSS_NODES),     # one GPU per task: any MIN
+    ((4, 12), 3, None),            # MIN not a multiple of the task's GPUs
+    ((3, 8), 2, None),
+    ((1, 4), 2, None),             # an admin's edit job_submit.lua would refuse: not elastic
+    ((2, 6), 4, None),             # MAX not a multiple of the node's GPUs
+    ((1, 2), 4, None),             # MAX below the GPUs held
+    ((1, 2), 0, None),             # no GPU here
+    (None, 2, None),               # no range
+])
+def test_elastic_kind(elastic, gpus: int, kind) -> None:
+    assert elastic_kind(elastic, gpus) == kind
+
+
+def test_elastic_kind_reads_a_parsed_tag() -> None:
+    tag = parse_tag("antman:class=opportunistic;elastic=4:8;gpus=n1:0+1")
+    assert elastic_kind(tag.elastic, 2) == ACROSS_NODES and elastic_kind(tag.elastic, 8) == ONE_NODE
+    assert ONE_NODE != ACROSS_NODES

@@ -1,7 +1,8 @@
 """The Prolog and an elastic job (issue 29 part 3, docs/elastic.md): ``antman node prolog`` against a
 real sidecar (served in a thread over its IPC control socket), with Slurm stood in for by a small fake
 that holds the job's record. An opportunistic job tagged ``elastic=MIN:MAX`` is registered with
-``elastic_min=MIN`` and its env file says ``ANTMAN_ELASTIC=MIN:MAX``; any other job registers as before."""
+``elastic_min=MIN`` and its env file says ``ANTMAN_ELASTIC=MIN:MAX``; a task of an elastic job array across
+nodes gets the same env but registers without ``elastic_min``; any other job registers as before."""
 
 from __future__ import annotations
 
@@ -125,3 +126,38 @@ def test_a_guaranteed_job_with_a_range_in_its_tag_is_not_elastic(node, monkeypat
     job = sidecar.sidecar.jobs["504"]
     assert job.job_class == "guaranteed" and job.elastic_min is None
     assert p.ENV_ELASTIC not in values and values[p.ENV_CLASS] == "guaranteed"
+
+
+def test_a_task_of_an_array_across_nodes_gets_the_range_but_registers_without_it(node, monkeypatch, caplog) -> None:
+    """--array=0-3 --gres=gpu:2 --antman-elastic=4:8: each task holds 2 slots here and is one node's share
+    of one job. The launcher needs the whole range; the node never changes the task's width GPU by GPU
+    (its shed is the requeue of the task), so the sidecar gets no elastic_min."""
+    cfg, sidecar = node
+    with caplog.at_level(logging.INFO, logger="antman.node"):
+        rc, slurm, values = run_prolog(cfg, monkeypatch, "506", "antman:class=opportunistic;elastic=4:8",
+                                       "gres:antman_opp:2")
+    assert rc == 0 and not slurm.requeued
+    job = sidecar.sidecar.jobs["506"]
+    assert job.elastic_min is None and sorted(job.gpus) == [0, 1]
+    assert values[p.ENV_ELASTIC] == "4:8" and p.ENV_REFUSED not in values
+    assert sorted(values[p.ENV_GPUS].split(",")) == ["0", "1"]
+    assert slurm.record.admin_comment == "antman:class=opportunistic;elastic=4:8;gpus=n1:0+1"
+    assert "elastic 4:8 across nodes" in caplog.text and "not elastic" not in caplog.text
+
+
+def test_a_one_gpu_task_of_an_array_across_nodes(node, monkeypatch) -> None:
+    cfg, sidecar = node
+    rc, _, values = run_prolog(cfg, monkeypatch, "507", "antman:class=opportunistic;elastic=1:3", "gres:antman_opp:1")
+    assert rc == 0
+    assert sidecar.sidecar.jobs["507"].elastic_min is None and values[p.ENV_ELASTIC] == "1:3"
+
+
+def test_an_array_range_whose_min_is_not_whole_nodes_is_ignored(node, monkeypatch, caplog) -> None:
+    """elastic=3:8 on a task of 2 slots fits neither kind (job_submit.lua refuses it): not elastic."""
+    cfg, sidecar = node
+    with caplog.at_level(logging.WARNING, logger="antman.node"):
+        rc, slurm, values = run_prolog(cfg, monkeypatch, "508", "antman:class=opportunistic;elastic=3:8",
+                                       "gres:antman_opp:2")
+    assert rc == 0 and not slurm.requeued
+    assert sidecar.sidecar.jobs["508"].elastic_min is None and p.ENV_ELASTIC not in values
+    assert "job 508 on n1: its tag says elastic=3:8 but it holds 2 GPU slot(s) here; not elastic" in caplog.text

@@ -34,6 +34,7 @@ def test_help_lists_the_option(slurm_conf) -> None:
         flat = " ".join(res.stdout.split())
         assert "--antman-elastic=MIN:MAX" in flat, f"{cmd} --help does not list --antman-elastic"
         assert "slurm-antman elastic width of an opportunistic job" in flat
+        assert "or of a job array's nodes (MAX = tasks x GPUs per task)" in flat
 
 
 # Every command for one value; the values' rule itself is test_contracts.py's (the C harness).
