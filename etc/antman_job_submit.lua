@@ -58,10 +58,11 @@ The policy:
   * Elastic width (docs/elastic.md): --antman-elastic=MIN:MAX reaches this script as
     "ANTMAN_ELASTIC=MIN:MAX" in job_desc.spank_job_env and is checked again here (a client may set
     the env without the plugin): only with --antman=opportunistic or auto; two numbers, 1 <= MIN <=
-    MAX <= 64, no sign or leading zero; MAX equal to the GPUs per node the job asks for; one node (an
-    elastic job across nodes is not built yet). It is recorded in the tag as elastic=MIN:MAX
-    (antman:class=opportunistic[;req=auto];elastic=MIN:MAX) and the job is kept on one node
-    (max_nodes=1). An auto job that resolves to guaranteed drops it: a guaranteed job's width is its
+    MAX <= 64, no sign or leading zero; MAX equal to the GPUs per node the job asks for; one node. A
+    job array (job_desc.array_inx) of one-node tasks of G GPUs each may instead be one job across its
+    K >= 2 tasks' nodes: MAX = K x G, MIN a multiple of G, no %N throttle (the coordinator sets it). It is
+    recorded in the tag as elastic=MIN:MAX (antman:class=opportunistic[;req=auto];elastic=MIN:MAX) and
+    the job (each task) is kept on one node (max_nodes=1). An auto job that resolves to guaranteed drops it: a guaranteed job's width is its
     own.
   * Heterogeneous jobs (--het-group, ':') of any slurm-antman class are refused.
   * Only slurm-antman hands out settings.opp_gres: other classes asking for it are rejected.
