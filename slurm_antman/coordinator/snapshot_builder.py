@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Mapping, Optional
 
 from slurm_antman.config import AntmanConfig
+from slurm_antman.jobtag import ACROSS_NODES, elastic_kind
 from slurm_antman.policy.cluster import GpuView, JobView, NodeView, PreemptNeed, Snapshot, quotas_from_config
 from slurm_antman.slurm.models import HELD_BY_ADMIN, Job, Node
 from slurm_antman.slurm.parsing import gres_count
@@ -37,11 +38,11 @@ def job_view(job: Job, cfg: AntmanConfig, checkpoints: Mapping[str, float]) -> J
 
 
 def _elastic_across_nodes(job: Job, per_node: int) -> bool:
-    """A task of an elastic job array whose range is wider than one task's GPUs (job_submit.lua let
-    it through only as one training across the array's tasks, docs/elastic.md)."""
+    """A task of an elastic job array whose range spans several tasks' GPUs (job_submit.lua let it through
+    only as one training across the array's tasks, docs/elastic.md): what the Prolog reads too."""
     tag = job.tag
-    return (tag is not None and tag.elastic is not None and bool(job.array_job_id) and job.array_task is not None
-            and per_node > 0 and tag.elastic[1] > per_node)
+    return (tag is not None and bool(job.array_job_id) and job.array_task is not None
+            and elastic_kind(tag.elastic, per_node) == ACROSS_NODES)
 
 
 def _first_index(array_task: Optional[str]) -> Optional[int]:
