@@ -82,7 +82,7 @@ def test_the_hosts_loss_counts_every_task_in_the_victim_choice():
     assert [d.job_id for d in ds if d.kind == "preempt_notice"] == ["t0"]
 
 
-def _slurm_job(job_id: int, task: str, state: str, per_node: int, elastic=(1, 4), array: int = 500) -> Job:
+def _slurm_job(job_id: int, task: str, state: str, per_node: int, elastic=(2, 4), array: int = 500) -> Job:
     tag = JobTag("opportunistic", requested="opportunistic", elastic=elastic).render()
     nodes = ["n1"] if state == "RUNNING" else []
     return Job(job_id, "train", "u", "a", "p", state, "None", ",".join(nodes), nodes, 0, tag, "", "opportunistic",
