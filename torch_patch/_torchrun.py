@@ -1,6 +1,8 @@
 """torchrun as ``torch_patch.elastic_launch`` runs it: ``python -m torch_patch._torchrun --antman-width=W
 [torchrun options] SCRIPT [ARGS]``, or ``--antman-standby`` instead of the width: torch imported, the
-width and GPU list read from stdin when the launcher needs it. Not for direct use.
+width and GPU list read from stdin when the launcher needs it; or ``--antman-nodes=N`` followed by N
+torchrun options of ``torch_patch.elastic_nodes`` (one node of a training across an array's tasks),
+which then stand instead of the one-node settings below. Not for direct use.
 
 It is ``python -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=W --max-restarts=0
 [torchrun options] SCRIPT [ARGS]``, with three differences:
@@ -36,6 +38,9 @@ OWNED = (
     ("rdzv_id", "--rdzv-id", "standalone's"),
     ("max_restarts", "--max-restarts", "0: a failed worker ends the job; see docs/elastic.md"),
 )
+# Across nodes (--antman-nodes) the launcher sets these too; its own --max-restarts sets the restarts.
+NODES_OWNED = tuple((a, o, "across nodes: see docs/elastic.md") for a, o, _ in OWNED) + (
+    ("rdzv_conf", "--rdzv-conf", "across nodes"), ("local_addr", "--local-addr", "across nodes: its --node-addr"))
 
 
 def child_pids(pid: int) -> list[int]:
@@ -72,12 +77,14 @@ def _pass_on(signum: int, frame: object) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or not (argv[0].startswith("--antman-width=") or argv[0] == "--antman-standby"):
+    if not argv or not argv[0].startswith(("--antman-width=", "--antman-standby", "--antman-nodes=")):
         sys.stderr.write(f"{PROG}: torch_patch._torchrun is started by torch_patch.elastic_launch\n")
         return 2
     first = argv.pop(0)
     standby = first == "--antman-standby"
+    nodes = first.startswith("--antman-nodes=")
     width = 0 if standby else int(first.split("=", 1)[1])
+    owned, argv = (argv[:width], argv[width:]) if nodes else ([], argv)
     from . import activation
 
     activation.remove_hook()  # before torch is imported: no agent in torchrun itself
@@ -87,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = trun.get_args_parser()
     args = parser.parse_args(argv)
-    for attr, opt, what in OWNED:
+    for attr, opt, what in NODES_OWNED if nodes else OWNED:
         got = getattr(args, attr, None)
         if got != parser.get_default(attr):
             sys.stderr.write(f"{PROG}: do not pass {opt} (got {got!r}): the launcher sets it ({what})\n")
@@ -105,10 +112,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-    args.standalone = True
-    args.nnodes = "1"
-    args.nproc_per_node = str(width)
-    args.max_restarts = 0
+    if nodes:
+        args = parser.parse_args(owned + argv)
+    else:
+        args.standalone = True
+        args.nnodes = "1"
+        args.nproc_per_node = str(width)
+        args.max_restarts = 0
     signal.signal(signal.SIGUSR1, _pass_on)
     try:
         record(trun.run)(args)

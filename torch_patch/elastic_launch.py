@@ -191,8 +191,7 @@ def initial_gpus(env: dict, width: Optional[int]) -> tuple[Optional[list[str]], 
         say(f"{name}={raw!r} is not a GPU list; ignored")
     if width is not None:
         return None, width
-    raw = (env.get(P.ENV_ELASTIC) or "").strip()
-    m = re.fullmatch(r"([0-9]{1,2}):([0-9]{1,2})", raw)
+    m = re.fullmatch(r"([0-9]{1,2}):([0-9]{1,2})", (env.get(P.ENV_ELASTIC) or "").strip())
     if m and 1 <= int(m.group(1)) <= int(m.group(2)) <= P.MAX_JOB_GPUS:
         return None, int(m.group(2))
     raise UsageError(f"no GPU list ({P.ENV_CUDA_VISIBLE_DEVICES}, {P.ENV_GPUS}) and no --width "
@@ -582,13 +581,15 @@ class Launcher:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from .elastic_nodes import across_nodes  # an array's task may be one node of a training across nodes
+    if (code := across_nodes(argv := sys.argv[1:] if argv is None else argv, parse_args, initial_gpus)) is not None:
+        return code
     try:
-        width, stop_timeout, standby, rest = parse_args(sys.argv[1:] if argv is None else argv)
+        width, stop_timeout, standby, rest = parse_args(argv)
         gpus, width = initial_gpus(dict(os.environ), width)
     except UsageError as e:
         if str(e):
-            say(str(e))
-            sys.stderr.write(USAGE)
+            sys.stderr.write(f"{PROG}: {e}\n{USAGE}")
             return 2
         sys.stdout.write(USAGE)
         return 0
