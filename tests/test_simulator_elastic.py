@@ -1,6 +1,7 @@
 """The simulator's elastic width (issue 29, simulator/elastic.py): by default the real path's rules
 (slurm_antman.policy.node.core, can_shed and _width_changes), each tested here; the what-ifs that are
-not built on the real path (narrow start, growing beside other jobs, multi-node) only when asked for."""
+not built on the real path (narrow start, growing beside other jobs) only when asked for. Elastic jobs
+across nodes (a job array, simulator/elastic_array.py): tests/test_simulator_elastic_array.py."""
 
 from __future__ import annotations
 
@@ -62,14 +63,15 @@ def run(tmp_path: Path, rows, **kw):
 
 # -- which jobs are elastic ---------------------------------------------------------------------------
 
-def test_only_jobs_that_fit_one_node_are_elastic_unless_the_multinode_what_if(tmp_path):
-    # job_submit.lua refuses an elastic job that may span nodes: a job wider than a node stays rigid.
+def test_only_jobs_that_fit_one_node_are_elastic_unless_elastic_arrays(tmp_path):
+    # job_submit.lua refuses an elastic job that may span nodes unless it is a job array: without
+    # elastic_arrays a job wider than a node stays rigid.
     jobs = trace(tmp_path, [(at(0), 100.0, 1, "a"), (at(1), 100.0, 4, "a"), (at(2), 100.0, 8, "a")])
     one, four, eight = (j.job_id for j in jobs)
     base = dict(policy="antman", nodes=2, gpus_per_node=4, elastic_share=1.0)
     faithful = Simulator(jobs, SimConfig(**base)).jobs
     assert (faithful[one].elastic, faithful[four].elastic, faithful[eight].elastic) == (False, True, False)
-    wide = Simulator(jobs, SimConfig(**base, elastic_multinode=True)).jobs
+    wide = Simulator(jobs, SimConfig(**base, elastic_arrays=True)).jobs
     assert (wide[one].elastic, wide[four].elastic, wide[eight].elastic) == (False, True, True)
 
 
@@ -314,9 +316,9 @@ def test_elastic_flags_are_checked_named_and_off_by_default():
         with pytest.raises(ValueError, match=flag):
             SimConfig(policy="antman", **kw)
     cfg = SimConfig(policy="antman")
-    assert not (cfg.elastic_narrow_start or cfg.elastic_grow_shared or cfg.elastic_multinode)
+    assert not (cfg.elastic_narrow_start or cfg.elastic_grow_shared or cfg.elastic_arrays)
     a = bench_simulate._parser().parse_args(["--trace", "x"])
-    assert a.elastic_change_s == 2.2 and not (a.elastic_narrow_start or a.elastic_grow_shared or a.elastic_multinode)
+    assert a.elastic_change_s == 2.2 and not (a.elastic_narrow_start or a.elastic_grow_shared or a.elastic_arrays)
     a = bench_simulate._parser().parse_args(["--trace", "x", "--elastic-narrow-start", "--elastic-grow-shared",
-                                             "--elastic-multinode"])
-    assert a.elastic_narrow_start and a.elastic_grow_shared and a.elastic_multinode
+                                             "--elastic-arrays"])
+    assert a.elastic_narrow_start and a.elastic_grow_shared and a.elastic_arrays

@@ -214,7 +214,9 @@ class AntmanAdapter:
                 ckpt = j.start + math.floor((self.now - j.start) / self.cfg.checkpoint_s) * self.cfg.checkpoint_s
             j.view = cp.JobView(j.job.job_id, j.job.tenant, "u", j.state, j.requested, j.klass, j.job.gpus, node,
                                 j.submit, j.start if j.state == "RUNNING" else None, j.restarts,
-                                ckpt if ckpt and ckpt > (j.start or 0) else None, j.held)
+                                ckpt if ckpt and ckpt > (j.start or 0) else None, j.held,
+                                # a task of an elastic array: its array, and whether it hosts the rendezvous
+                                elastic_group=j.array or "", elastic_host=j.array is not None and j.task == 0)
         return j.view
 
     def _views(self, keep: Collection[str]) -> tuple[cp.JobView, ...]:
@@ -309,7 +311,7 @@ class AntmanAdapter:
             j.held = True
         elif kind == "release_hold":
             j.held = False
-        elif kind == "upgrade" and j.state == "RUNNING":
+        elif kind == "upgrade" and j.state == "RUNNING" and j.array is None:
             self.counts["upgrades"] += 1
             j.klass = j.ran_as = "guaranteed"
             self.usage[j.job.tenant] = self.usage.get(j.job.tenant, 0) + len(j.gpus)
@@ -329,5 +331,7 @@ class AntmanAdapter:
             j.notice_at = self.now
             if d.inputs.get("move"):
                 self.counts["moves"] += 1
-        # make_eligible: the simulated Slurm has no BeginTime wait to clear.
+        elif kind == "make_eligible" and j.array is not None:
+            self._task_eligible(j, d.start_unix)  # a task's hold (elastic_array.py)
+        # make_eligible of any other job: the simulated Slurm has no BeginTime wait to clear.
 

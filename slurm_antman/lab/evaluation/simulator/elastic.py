@@ -6,8 +6,9 @@ module doc, "Elastic width"; ``can_shed`` and ``_width_changes``; docs/elastic.m
 
 - **Which jobs.** An elastic job asks for ``MIN:MAX`` GPUs, here 1 to the trace's count. It is one of
   ``elastic_share`` of the multi-GPU jobs, chosen by a hash of the job id so every policy and run picks
-  the same ones. Only a job that fits one node can be elastic: job_submit.lua refuses an elastic job
-  that may span nodes and keeps it on one (``max_nodes=1``). A wider job stays rigid. Under
+  the same ones. These rules are for a job that fits one node: job_submit.lua refuses an elastic job
+  that may span nodes unless it is a job array, and keeps it on one (``max_nodes=1``). A wider job
+  stays rigid, or with ``elastic_arrays`` is an array of one-node tasks (below, "Across nodes"). Under
   ``placement="nodes"`` a job that fits a node already runs on one. Under ``"spread"``, the model
   before issue 29, an elastic job still takes one node.
 - **Start.** It starts at full width ``MAX``, on the GPUs the node policy places it on: its device set.
@@ -55,8 +56,11 @@ this one):
   node's other GPUs once the hold from its start is over (with a free slot, where it has no shed one).
 - ``elastic_grow_shared``: a job grows onto any GPU of a node it runs on where the node policy's
   rules (``choose_gpus``) would place an opportunistic job, not only onto an idle GPU of its set.
-- ``elastic_multinode``: jobs wider than a node may be elastic too (across nodes Pollux's locality
-  efficiency applies, as to any job).
+
+**Across nodes** (``elastic_arrays``, ``--elastic-arrays``): built on the real path now, as a Slurm job
+array of one-node tasks whose width changes by whole tasks, and modelled so in ``elastic_array.py``. It
+is still off by default until it is measured. It replaced the what-if ``elastic_multinode``, under which
+jobs wider than a node shed GPU by GPU like one-node ones, which the real path does not do.
 
 Not modelled: with ``pause_max_s`` set, the simulated local policy pauses a victim before the shed is
 looked at, so an elastic job is paused rather than shed. In the real path the shed comes first.
@@ -75,7 +79,7 @@ ELASTIC_MIN = 1
 
 def is_elastic(job_id: str, gpus: int, share: float, seed: int, max_gpus: Optional[int] = None) -> bool:
     """Whether this trace job is one of the ``share`` of multi-GPU jobs that are elastic. ``max_gpus``:
-    the most GPUs an elastic job may have (a node's; None: any width)."""
+    the most GPUs an elastic job may have (a node's; None: any width, with ``elastic_arrays``)."""
     if gpus < 2 or share <= 0 or (max_gpus is not None and gpus > max_gpus):
         return False
     h = hashlib.blake2b(f"elastic:{seed}:{job_id}".encode(), digest_size=8).digest()

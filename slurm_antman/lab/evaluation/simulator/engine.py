@@ -28,12 +28,13 @@ from ..workloads import assign
 from .antman import AntmanAdapter
 from .config import WHOLE_GPU, SimConfig
 from .elastic import ElasticWidth, is_elastic
+from .elastic_array import ElasticArrays
 from .interference import GpuInterference
 from .scheduler import SlurmScheduler
 from .state import CYCLE, FINISH, MEASURED, PAUSE_CHECK, REQUEUE, SUBMIT, WAKE, SimGpu, SimJob, SimResult
 
 
-class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
+class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, ElasticArrays):
     """One run: the state every part works on, the event loop, and each job's life. The scheduler, the
     GPU model and the antman adapter are mixins, not objects of their own: they read and change the
     same jobs, GPUs and counters at every event, so the split follows the ideas and the state stays here."""
@@ -69,7 +70,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             min_opp_mem_bytes=lp.NodePolicyParams().min_opportunistic_bytes,
             headroom_bytes=lp.NodePolicyParams().headroom_bytes, queue_to_opportunistic_s=None)
         self.cp_params = replace(self.cp_params, min_progress=cfg.min_progress, move_after_s=cfg.move_after_s,
-                                 move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running, slot_fill=cfg.fill)
+                                 move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running, slot_fill=cfg.fill,
+                                 elastic_hold_s=cfg.elastic_hold_s)
         self.lp_params = lp.NodePolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
                                          min_progress=cfg.min_progress, pause_max_s=cfg.pause_max_s,
                                          resume_hold_s=cfg.resume_hold_s)
@@ -106,7 +108,10 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         self.wait_woken: set[str] = set()  # no_room_wait_max_s: jobs whose end-of-wait pass is queued
         self.counts = {"oom_failures": 0, "preemptions": 0, "upgrades": 0, "cycles": 0,
                        "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0, "pauses": 0, "resumes": 0,
-                       "width_changes": 0, "shrinks": 0, "grows": 0}
+                       "width_changes": 0, "shrinks": 0, "grows": 0, "arrays": 0, "array_shrinks": 0,
+                       "array_grows": 0, "array_requeues": 0, "array_stalls": 0, "array_shared_gpu_starts": 0,
+                       "array_task_requeues": 0}
+        self.array_idle_gpu_s = 0.0  # held by tasks of elastic arrays whose training did not run
         self.paused_s = 0.0      # job-seconds spent paused in place (ended pauses)
         self.pause_cost_s = 0.0  # progress lost moving state out and back
         # Jobs that are PENDING or RUNNING, in submission order: what a cycle looks at (not all jobs).
@@ -144,7 +149,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         sj = SimJob(j, prof, requested, klass, submit, dur, work_left=dur, submitted_as=klass,
                   util=duty * prof.sm_util, duty=duty,
                   elastic=is_elastic(j.job_id, j.gpus, self.cfg.elastic_share, self.cfg.seed,
-                                     None if self.cfg.elastic_multinode else self.cfg.gpus_per_node))
+                                     None if self.cfg.elastic_arrays else self.cfg.gpus_per_node))
         self.jobs[j.job_id] = sj
         self._push(submit, SUBMIT, j.job_id, 0)
 
@@ -220,12 +225,14 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
         this job's fit its quota, opportunistic otherwise (no quota entry: the site's auto_class,
         guaranteed). The file can be a cycle old, as on the real cluster."""
         jid = j.job.job_id
-        self.active[jid] = j
-        self.n_pending += 1
         if j.requested == "auto":
             q = self.quotas.get(j.job.tenant)
             within = fits_quota(q, self.quota_file.get(j.job.tenant, 0), j.job.gpus)
             j.klass = j.submitted_as = "guaranteed" if within else "opportunistic"
+        if self._array_submit(j):  # elastic across nodes: its tasks are queued, not it (elastic_array.py)
+            return
+        self.active[jid] = j
+        self.n_pending += 1
         self._enqueue(j)  # into its partition's queue: the class decides which
         self._count_guaranteed(j, +1)
     def _count_guaranteed(self, j: SimJob, sign: int) -> None:
@@ -286,6 +293,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             self._stop(j, "oom")
             return
         self._refresh(gpus)
+        if j.array is not None:
+            self._task_started(j)
 
     def _hold(self, j: SimJob, n: int) -> None:
         t = j.job.tenant
@@ -303,6 +312,9 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             j.t_last = self.now
 
     def _finish(self, j: SimJob) -> None:
+        if j.tasks:
+            self._array_finish(j)
+            return
         self._advance(j)
         j.state, j.end = "DONE", self.now
         j.finishes += 1
@@ -313,6 +325,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
     def _stop(self, j: SimJob, why: str) -> None:
         """OOM (shared) or requeue after preemption (antman): back to PENDING, work since the last
         checkpoint lost."""
+        if j.array is not None:
+            self._task_leaving(j)
         self._advance(j)
         if why == "oom":
             j.ooms += 1
@@ -372,8 +386,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             "class": j.ran_as or j.klass, "submitted_as": j.submitted_as, "submit_s": j.submit, "first_start_s": j.first_start, "end_s": j.end,
             "duration_s": j.duration, "restarts": j.restarts, "preemptions": j.preemptions, "ooms": j.ooms,
             "lost_gpu_s": j.lost_gpu_s, "util": round(j.util, 4), "elastic": j.elastic,
-            "width_changes": j.width_changes,
-        } for j in self.jobs.values()]
+            "width_changes": j.width_changes, "array_tasks": len(j.tasks),
+        } for j in self.jobs.values() if j.array is None]
         n = len(self.gpus)
         span = max(self.t_end_measure - self.t0, 0.0)
         # Up to the last completion, not the last event: a stale finish event can come later.
@@ -396,6 +410,11 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth):
             pauses=self.counts["pauses"], resumes=self.counts["resumes"], paused_s=self.paused_s,
             pause_cost_s=self.pause_cost_s, width_changes=self.counts["width_changes"],
             shrinks=self.counts["shrinks"], grows=self.counts["grows"], elastic_share=self.cfg.elastic_share,
+            elastic_arrays=self.counts["arrays"], array_shrinks=self.counts["array_shrinks"],
+            array_grows=self.counts["array_grows"], array_requeues=self.counts["array_requeues"],
+            array_stalls=self.counts["array_stalls"], array_idle_gpu_s=self.array_idle_gpu_s,
+            array_shared_gpu_starts=self.counts["array_shared_gpu_starts"],
+            array_task_requeues=self.counts["array_task_requeues"],
             utilisation=self.cfg.utilisation, util_scale=self.cfg.util_scale,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],

@@ -37,9 +37,13 @@ class GpuInterference:
             self._model_gpu(self.gpus[i])
             self.dirty_nodes.add(self.gpus[i].node)
             self.unfit_nodes.discard(self.gpus[i].node)
+        arrays: set[str] = set()
         for jid in touched:
             j = self.jobs[jid]
             if j.state != "RUNNING":
+                continue
+            if j.array is not None:  # a task of an elastic array: the pace is its training's (elastic_array.py)
+                arrays.add(j.array)
                 continue
             # The slowest of its GPUs sets the pace of a synchronous job, and crossing nodes costs
             # what Pollux measured for its kind of model (locality_data.py).
@@ -52,6 +56,8 @@ class GpuInterference:
             j.rate, j.version, j.view = rate, j.version + 1, None
             if rate > 0:  # 0: paused in place; its resume sets a rate again
                 self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, FINISH, jid, j.version)
+        for pid in sorted(arrays):
+            self._array_rate(self.jobs[pid])
 
     def _model_gpu(self, g: SimGpu) -> None:
         jobs = self.jobs

@@ -314,9 +314,10 @@ class SlurmScheduler:
         return max(j.work_left, 0.0) + self.cfg.start_overhead_s
 
     def _place(self, j: SimJob, resv: Optional[Reservation] = None) -> Optional[list[int]]:
-        # job_submit.lua keeps an elastic job on one node (elastic.py), whatever the placement model.
-        one_node = j.elastic and j.klass == "opportunistic" and self.cfg.policy == "antman"
-        if self.cfg.placement == "spread" and not (one_node and not self.cfg.elastic_multinode):
+        # job_submit.lua keeps an elastic job, and each task of an elastic array, on one node (elastic.py,
+        # elastic_array.py), whatever the placement model.
+        one_node = (j.elastic and j.klass == "opportunistic" and self.cfg.policy == "antman") or j.array is not None
+        if self.cfg.placement == "spread" and not one_node:
             return self._place_spread(j)
         want = j.job.gpus
         counts = split(want, self._nodes_for(want))

@@ -55,6 +55,15 @@ class SimJob:
     width_changed_at: float = 0.0
     width_changes: int = 0
     off: list[int] = field(default_factory=list)  # elastic: GPUs it shed, whose Slurm slots it keeps
+    # Elastic across nodes, a job array (elastic_array.py). On a task: its trace job's id and its index.
+    # On the trace job: its tasks, those its training runs on, when its training last (re)started from a
+    # checkpoint, and since when its idle tasks' GPU-seconds are counted.
+    array: Optional[str] = None
+    task: int = -1
+    tasks: list[str] = field(default_factory=list)
+    train: list[str] = field(default_factory=list)
+    ckpt_from: float = 0.0
+    idle_from: float = 0.0
 
 
 @dataclass(slots=True)
