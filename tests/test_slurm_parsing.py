@@ -341,3 +341,15 @@ def test_setting_a_typed_nodes_slots_keeps_the_type():
         out = Executor(b, cfg).execute(SetOppSlots("n1", 3), None)
         assert out.outcome == "ok", out
         assert b.calls == [("n1", {"Gres": want})]
+
+
+def test_a_missing_slurm_conf_is_named_at_once_not_retried_for_a_minute(tmp_path):
+    """scontrol retries a missing slurm.conf once a second for 60 s; the backend says so without
+    running it (the message is the backend's own, not scontrol's)."""
+    from slurm_antman.slurm import SlurmUnavailable
+    from slurm_antman.slurm.cli_backend import CliBackend
+
+    missing = tmp_path / "no-such-slurm.conf"
+    b = CliBackend(env={"SLURM_CONF": str(missing), "PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}, timeout=90)
+    with pytest.raises(SlurmUnavailable, match=f"SLURM_CONF names {missing}, which does not exist"):
+        b.job("7")

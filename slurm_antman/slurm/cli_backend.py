@@ -119,6 +119,11 @@ class CliBackend(SlurmBackend):
         exe = shutil.which(argv[0], path=run_env.get("PATH"))
         if exe is None:
             raise SlurmUnavailable(f"{argv[0]} not found on PATH: are the Slurm client commands installed?", argv)
+        conf = run_env.get("SLURM_CONF")
+        if conf and not os.path.exists(conf):
+            # Slurm's commands retry a missing slurm.conf once a second for 60 s before they give up
+            # (22.05: "retrying in 1sec up to 60sec"): a hook or daemon would stall on every call.
+            raise SlurmUnavailable(f"SLURM_CONF names {conf}, which does not exist", argv)
         try:
             r = subprocess.run([exe, *argv[1:]], env=run_env, input=input, capture_output=True, text=True,
                                timeout=self.timeout, stdin=None if input is not None else subprocess.DEVNULL)
