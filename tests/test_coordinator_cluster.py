@@ -196,16 +196,13 @@ def _preemption(c: ClusterHandle, tmp_path: Path, kill_coordinator: bool, torn_a
     assert sum(r["kind"] == "preempt_notice" and r["outcome"] == "ok" for r in _audit(c, opp)) == 1
 
 
-def test_guaranteed_need_requeues_opportunistic_job_which_resumes(clean, tmp_path):
-    _preemption(clean, tmp_path, kill_coordinator=False)
-
-
-@pytest.mark.slow  # half a minute: `make test-slow`
 def test_coordinator_killed_mid_preemption_with_a_torn_audit_line_loses_and_doubles_nothing(clean, tmp_path):
-    """Issue 15's fault: the coordinator killed between the notice and the requeue, and restarted with a
-    torn last line in its audit log (it keeps its state there; a crash in the middle of a write): the
-    torn record is skipped, the state is replayed, and the preemption completes exactly once. (One run
-    for both: a kill without the torn line was a second run of the same path, CI's time.)"""
+    """A guaranteed job's need requeues an opportunistic job, which resumes from its checkpoint, and
+    issue 15's fault on the way: the coordinator killed between the notice and the requeue, and
+    restarted with a torn last line in its audit log (it keeps its state there; a crash in the middle
+    of a write): the torn record is skipped, the state is replayed, and the preemption completes exactly
+    once. (One run for all three: the plain preemption and a kill without the torn line were two more
+    runs of the same path, CI's time.)"""
     _preemption(clean, tmp_path, kill_coordinator=True, torn_audit=True)
     starts = [r for r in _audit(clean) if r["kind"] == "coordinator" and r.get("event") == "start"]
     assert starts[-1]["preempting"] or starts[-1]["requeued"] or starts[-1]["replayed"], starts[-1]

@@ -21,6 +21,7 @@ It is ``python -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -65,6 +66,36 @@ def child_pids(pid: int) -> list[int]:
         if ppid == pid:
             out.append(int(name))
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid``: the workers a launcher must see gone before it starts new ones."""
+    out, todo = [], [pid]
+    while todo:
+        kids = child_pids(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, arg: int) -> None:
+    """Linux prctl(2), best effort: elsewhere the launchers only lose the guarantees it adds."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+    except Exception:
+        pass
+
+
+def die_with_parent(parent: int) -> None:
+    """In a launcher's child, before exec: SIGTERM when the launcher dies (torchrun then stops its
+    workers), and exit at once if it died before this took hold."""
+    prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _pass_on(signum: int, frame: object) -> None:

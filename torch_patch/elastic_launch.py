@@ -51,7 +51,6 @@ when it was ended by one. The directory is removed at exit.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -68,7 +67,7 @@ from typing import Optional
 
 from slurm_antman import protocol as P
 
-from ._torchrun import PROG, child_pids
+from ._torchrun import PROG, PR_SET_CHILD_SUBREAPER, child_pids, descendants, die_with_parent, prctl
 
 MAX_DATAGRAM = 4096
 MAX_GPU_INDEX = 1023
@@ -280,30 +279,9 @@ def receive(sock: socket.socket) -> list[tuple[int, list[int]]]:
 # --- processes -------------------------------------------------------------------------------------
 
 
-def _prctl(option: int, arg: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
-    except Exception:
-        pass
 
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 
-
-def _in_child(parent: int) -> None:
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))  # the launcher killed: torchrun stops its workers
-    if os.getppid() != parent:
-        os._exit(1)  # it died before the line above
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 class Launcher:
@@ -397,7 +375,7 @@ class Launcher:
         cmd = [sys.executable, "-m", "torch_patch._torchrun", first, *self.args]
         parent = os.getpid()
         return subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE if first == "--antman-standby" else subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=lambda: _in_child(parent))
+                                start_new_session=True, preexec_fn=lambda: die_with_parent(parent))
 
     def _start(self) -> bool:
         """Starts torchrun over self.gpus; True when the standby took it."""
@@ -526,7 +504,7 @@ class Launcher:
     def run(self) -> int:
         self._install_signals()
         if sys.platform.startswith("linux"):
-            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.dir, self.sock = make_socket()
         try:
             say(f"socket {os.path.join(self.dir, SOCKET_NAME)}; width {self.width}"

@@ -47,7 +47,6 @@ does the rest. It runs (through ``torch_patch._torchrun``, as the one-node launc
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
@@ -61,7 +60,7 @@ from typing import Callable, Optional
 
 from slurm_antman import protocol as P
 
-from ._torchrun import child_pids
+from ._torchrun import PR_SET_CHILD_SUBREAPER, child_pids, descendants, die_with_parent, prctl
 from .elastic_rdzv import Refused, answers, endpoint, free_port, parse_rdzv, rdzv_path, read_rdzv, valid_addr, write_rdzv
 
 PROG = "antman-elastic-nodes"
@@ -78,8 +77,6 @@ _MINE = ("--node-addr", "--rdzv-dir", "--max-restarts", "--join-timeout")
 _LAUNCHERS = ("--width", "--stop-timeout", "--standby-after")
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _ENDING = (signal.SIGTERM, signal.SIGINT)
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 
 USAGE = f"""usage: python -m torch_patch.elastic_launch [--node-addr ADDR] [--rdzv-dir DIR] [--max-restarts R]
                                              [--join-timeout S] [--width N] [--stop-timeout S]
@@ -213,26 +210,7 @@ def slurm_node_addr(env: dict) -> str:
 # --- processes (as elastic_launch's) ------------------------------------------------------------------
 
 
-def _prctl(option: int, arg: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
-    except Exception:
-        pass
 
-
-def _in_child(parent: int) -> None:
-    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))  # the launcher killed: torchrun stops its workers
-    if os.getppid() != parent:
-        os._exit(1)  # it died before the line above
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = child_pids(todo.pop())
-        out += kids
-        todo += kids
-    return out
 
 
 # --- one task -----------------------------------------------------------------------------------------
@@ -366,7 +344,7 @@ class NodeTask:
         cmd = [sys.executable, "-m", "torch_patch._torchrun", f"--antman-nodes={len(owned)}", *owned, *self.opts.rest]
         parent = os.getpid()
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=lambda: _in_child(parent))
+                                preexec_fn=lambda: die_with_parent(parent))
 
     def _wait_proc(self) -> int:
         assert self.proc is not None
@@ -435,7 +413,7 @@ class NodeTask:
         for s in (*_FORWARDED, signal.SIGCHLD):
             signal.signal(s, self._on_signal)
         if sys.platform.startswith("linux"):
-            _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
         try:
             return self._run()
         except Ending:
