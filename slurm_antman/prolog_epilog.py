@@ -10,7 +10,8 @@ An opportunistic job whose tag carries ``elastic=MIN:MAX`` (``--antman-elastic``
 this node it is registered with ``elastic_min=MIN`` (the sidecar changes its width GPU by GPU); when it
 is a task of an elastic job array across nodes (MAX and MIN multiples of its slots here, MAX above them)
 it is registered without ``elastic_min``, since its width changes a task at a time, by the requeue that
-takes any opportunistic job off a node. A range that fits neither is ignored (logged): not elastic.
+takes any opportunistic job off a node, and with ``elastic_group`` (its array's job id), so the sidecar
+never places two tasks of one training on one GPU. A range that fits neither is ignored (logged): not elastic.
 
 A Prolog that exits non-zero drains the node and requeues the job, so every policy-level problem
 is logged and the hook still exits 0. An opportunistic job is never run unmanaged (fail closed):
@@ -35,7 +36,7 @@ from . import config as config_mod
 from . import envfile
 from . import protocol as p
 from .jobtag import ONE_NODE, JobTag, elastic_kind
-from .slurm import SlurmBackend, SlurmError
+from .slurm import Job, SlurmBackend, SlurmError
 from .slurm.cli_backend import CliBackend
 
 log = logging.getLogger("antman.node")
@@ -189,30 +190,43 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     values = {p.ENV_JOB_ID: job.job_id, p.ENV_CLASS: tag.job_class, p.ENV_NODE: job.node}
     if tag.job_class == "opportunistic":
         try:
-            elastic_min = _elastic(job, tag, count, values)
-            return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values, elastic_min)
+            elastic_min, elastic_group = _elastic(job, tag, count, values, record)
+            return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values, elastic_min, elastic_group)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the job must not run unmanaged
             log.exception("job %s: Prolog failed for an opportunistic job", job.job_id)
             return refuse(cfg, job, values, f"the Prolog failed ({type(e).__name__}: {e})", slurm)
     return _place_and_record(cfg, slurm, job, tag, count, group.gpus, values)
 
 
-def _elastic(job: JobContext, tag: JobTag, count: int, values: dict[str, str]) -> int | None:
+def _elastic(job: JobContext, tag: JobTag, count: int, values: dict[str, str],
+             record: Job) -> tuple[int | None, str | None]:
     """An opportunistic job's elastic range (the tag's elastic=MIN:MAX): sets ``ANTMAN_ELASTIC`` in
-    ``values`` for an elastic job and returns the ``elastic_min`` to register, None for a task of an
-    array across nodes (its node never changes its width) and for a job that is not elastic. A range
+    ``values`` for an elastic job and returns the ``elastic_min`` and ``elastic_group`` to register.
+    A one-node elastic job has the first, a task of an array across nodes the second (its node never
+    changes its width; its array's other tasks must not share its GPUs), any other job neither. A range
     that fits neither kind for the job's GPU slots on this node (job_submit.lua refuses such a job; an
     admin may have edited the tag since) is ignored: the job runs at its full width, not elastic."""
     if tag.elastic is None:
-        return None
+        return None, None
     lo, hi = tag.elastic
     kind = elastic_kind(tag.elastic, count)
     if kind is None:
         log.warning("job %s on %s: its tag says elastic=%d:%d but it holds %d GPU slot(s) here; "
                     "not elastic", job.job_id, job.node, lo, hi, count)
-        return None
+        return None, None
     values[p.ENV_ELASTIC] = f"{lo}:{hi}"
-    return lo if kind == ONE_NODE else None
+    if kind == ONE_NODE:
+        return lo, None
+    # slurmctld's record, not the environment: slurmd 22.05 gives the Prolog no SLURM_ARRAY_JOB_ID (seen
+    # on the devcluster), and where the SPANK plugin runs the Prolog the environment is the user's.
+    aid = str(record.array_job_id) if record.array_job_id and record.array_task is not None else ""
+    if not p.JOB_ID_RE.match(aid):
+        # Placed as any job: nothing then keeps a sibling task off its GPU, but it runs.
+        log.warning("job %s on %s: a task of an elastic array across nodes whose record names no array "
+                    "(ArrayJobId %r); the sidecar cannot keep its array's other tasks off its GPUs",
+                    job.job_id, job.node, record.array_job_id)
+        return None, None
+    return None, aid
 
 
 def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: list[int]) -> dict[str, str]:
@@ -236,13 +250,14 @@ def _opportunistic_gpu_env(cfg: config_mod.AntmanConfig, job: JobContext, gpus: 
 
 
 def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: JobContext, tag: JobTag, count: int,
-                      n_gpus: int, values: dict[str, str], elastic_min: int | None = None) -> int:
+                      n_gpus: int, values: dict[str, str], elastic_min: int | None = None,
+                      elastic_group: str | None = None) -> int:
     lock_path = Path(cfg.state_dir) / job.node / ".prolog.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two Prologs must not both see a GPU as free
         try:
-            gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus, elastic_min)
+            gpus, endpoint = _place(cfg, job, tag.job_class, count, n_gpus, elastic_min, elastic_group)
         except NoRoom as e:
             return refuse(cfg, job, values, str(e), slurm)
         values[p.ENV_GPUS] = ",".join(map(str, gpus))
@@ -306,10 +321,11 @@ def refuse(cfg: config_mod.AntmanConfig, job: JobContext, values: dict[str, str]
 
 
 def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count: int,
-           n_gpus: int, elastic_min: int | None = None) -> tuple[list[int], str | None]:
+           n_gpus: int, elastic_min: int | None = None,
+           elastic_group: str | None = None) -> tuple[list[int], str | None]:
     """The job's GPUs and agent endpoint, from the sidecar. Raises ``NoRoom`` for an opportunistic job
     that must not start (no GPU met the rules, or no sidecar to enforce its limits). ``elastic_min``
-    goes to the sidecar only for an elastic job (None otherwise)."""
+    and ``elastic_group`` go to the sidecar only for an elastic job (None otherwise)."""
     from .clients import sidecar_control as client
 
     physical = job.slurm_gpus if job_class != "opportunistic" else None
@@ -317,7 +333,7 @@ def _place(cfg: config_mod.AntmanConfig, job: JobContext, job_class: str, count:
         reply = client.register_job(cfg.node_socket_dir(job.node), job.job_id, uid=job.uid, gid=job.gid,
                                     user=job.user, job_class=job_class, gpus=count, physical_gpus=physical,
                                     timeout_s=5.0, account=job.account, may_wait=physical is None,
-                                    elastic_min=elastic_min)
+                                    elastic_min=elastic_min, elastic_group=elastic_group)
     except (client.SidecarUnreachable, client.SidecarError) as e:
         if physical is None:
             raise NoRoom(f"no sidecar to place and limit it: {e}") from None

@@ -24,9 +24,11 @@ from test_sidecar_daemon import Running
 
 
 class FakeJob:
-    def __init__(self, job_id: str, admin_comment: str, tres_per_node: str, node: str) -> None:
+    def __init__(self, job_id: str, admin_comment: str, tres_per_node: str, node: str,
+                 array_job_id: int | None = None, array_task: str | None = None) -> None:
         self.job_id, self.slurm_id = int(job_id), job_id
         self.admin_comment, self.tres_per_node, self.nodelist = admin_comment, tres_per_node, node
+        self.array_job_id, self.array_task = array_job_id, array_task
 
     def checked_tag(self):
         return parse_tag(self.admin_comment)

@@ -69,13 +69,16 @@ def _expect(reply: p.Body, cls: type) -> p.Body:
 def register_job(socket_dir: str, job_id: str, uid: int, user: str, job_class: str, gpus: int,
                  physical_gpus: Optional[Sequence[int]] = None, gid: Optional[int] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, account: Optional[str] = None,
-                 may_wait: bool = False, elastic_min: Optional[int] = None) -> p.JobRegisterReply:
+                 may_wait: bool = False, elastic_min: Optional[int] = None,
+                 elastic_group: Optional[str] = None) -> p.JobRegisterReply:
     """``may_wait``: the caller requeues the job when the answer is placement ``wait`` (no GPU met
     the opportunistic rules); without it the sidecar never answers ``wait``. ``elastic_min``: an
-    elastic job's narrowest width (docs/elastic.md); None for any other job."""
+    elastic job's narrowest width (docs/elastic.md); None for any other job. ``elastic_group``: the
+    array's job id for a task of an elastic array across nodes; None for any other job."""
     body = p.JobRegister(job_id=str(job_id), uid=uid, gid=gid, user=user, job_class=job_class, gpus=gpus,
                          physical_gpus=list(physical_gpus) if physical_gpus is not None else None,
-                         account=account or None, may_wait=may_wait, elastic_min=elastic_min)
+                         account=account or None, may_wait=may_wait, elastic_min=elastic_min,
+                         elastic_group=elastic_group)
     return _expect(request(socket_dir, body, timeout_s), p.JobRegisterReply)
 
 

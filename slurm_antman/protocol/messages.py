@@ -205,6 +205,10 @@ class JobRegister(Body):
     # An elastic job's narrowest width (--antman-elastic=MIN:MAX; MAX is ``gpus``): the sidecar may
     # shed GPUs down to it instead of a requeue. Null: not elastic. Optional, as ``account``.
     elastic_min: Optional[int] = _f(int, ge=1, le=MAX_JOB_GPUS, nullable=True, default=None)
+    # A task of an elastic job array across nodes: its array's job id (slurmctld's ArrayJobId). A GPU
+    # where another task of that array runs is no room for it. Null: none. Left off the wire while
+    # null, so a sidecar older than the field meets it only from such a task.
+    elastic_group: Optional[str] = _job_id(nullable=True, default=None, omit_default=True)
 
 
 @_dc

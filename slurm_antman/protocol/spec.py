@@ -48,9 +48,10 @@ ENV_SPANK_ELASTIC = "SPANK_ANTMAN_ELASTIC"
 ENV_JOB_SPANK_ELASTIC = "SLURM_SPANK_ANTMAN_ELASTIC"
 ENV_LAUNCHER_SOCKET = "ANTMAN_LAUNCHER_SOCKET"
 
-JOB_ID_RE = re.compile(r"^[0-9]{1,10}$")
+# \Z, not $: $ also matches before a final newline, which would let "7\n" through as a job id.
+JOB_ID_RE = re.compile(r"^[0-9]{1,10}\Z")
 # Slurm node names; they also become key file names on the coordinator.
-NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+NODE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
 ENVELOPE_KEYS = frozenset(("v", "type", "id", "ts", "ref", "body"))
 MAX_ID_LEN = 128
 

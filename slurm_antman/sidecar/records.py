@@ -60,12 +60,16 @@ class RegisteredJob:
     width_seq: int = 0
     width_sent_mono: Optional[float] = None
     shed: dict[int, tuple[float, float]] = field(default_factory=dict)
+    # A task of an elastic array across nodes: the array's job id (None: none). Kept in the record, or a
+    # restarted sidecar would place the array's next task on this one's GPU.
+    elastic_group: Optional[str] = None
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,
                 "user": self.user, "gpus": self.gpus, "placement": self.placement, "note": self.note,
                 "registered_unix": self.registered_unix, "account": self.account,
-                "elastic_min": self.elastic_min, "elastic_gpus": self.elastic_gpus, "width_seq": self.width_seq}
+                "elastic_min": self.elastic_min, "elastic_gpus": self.elastic_gpus, "width_seq": self.width_seq,
+                "elastic_group": self.elastic_group}
 
 
 def agent_memory(a: AgentConnection, proc_mem: dict[int, int]) -> int:

@@ -67,6 +67,9 @@ class JobRegistry:
             if b.elastic_min is not None:
                 raise p.ProtocolError(p.ErrorCode.bad_value, "job_register.elastic_min must be null for guaranteed "
                                       "jobs: a guaranteed job's width is its own (docs/elastic.md)")
+            if b.elastic_group is not None:
+                raise p.ProtocolError(p.ErrorCode.bad_value, "job_register.elastic_group must be null for "
+                                      "guaranteed jobs: Slurm bound their GPUs, the sidecar cannot keep them apart")
             gpus, placement, note = list(b.physical_gpus), "requested", ""
         else:
             if b.physical_gpus is not None:
@@ -90,7 +93,8 @@ class JobRegistry:
                                  self.opt.params.target_slowdown, self.opt.params.min_progress,
                                  avoid if until > time.time() else (),
                                  wait_without_room=self.opt.no_room_wait and b.may_wait,
-                                 fill=FILL_EFFICIENCY if self.opt.slot_filling else 0.0)
+                                 fill=FILL_EFFICIENCY if self.opt.slot_filling else 0.0,
+                                 apart=self._siblings_gpus(b.job_id, b.elastic_group))
             # In physical order: CUDA numbers the devices a job's cgroup allows that way, and the Prolog's
             # CUDA_VISIBLE_DEVICES (0..n-1 under ConstrainDevices) and ANTMAN_GPUS follow this list, so
             # the Nth worker (local rank N) runs on the Nth GPU here too.
@@ -107,7 +111,8 @@ class JobRegistry:
         if old is not None and b.job_id in self.jobs:
             self._retire_job(old.job_id)
         job = RegisteredJob(b.job_id, b.job_class, b.uid, b.gid, b.user, gpus, placement, note, time.time(),
-                  account=b.account or "", elastic_min=b.elastic_min, elastic_gpus=sorted(gpus))
+                  account=b.account or "", elastic_min=b.elastic_min, elastic_gpus=sorted(gpus),
+                  elastic_group=b.elastic_group)
         self._open_job(job)
         self._save(job)
         log.info("job %s (%s, uid %d) registered on GPU(s) %s [%s]", job.job_id, job.job_class, job.uid, gpus, placement)
@@ -124,6 +129,13 @@ class JobRegistry:
                                  sum(j.job_class == "opportunistic" for j in on),
                                  self._util_measured(on, now)))
         return loads
+
+    def _siblings_gpus(self, job_id: str, group: str | None) -> frozenset[int]:
+        """The GPUs the other tasks of ``group``'s elastic array are placed on here."""
+        if group is None:
+            return frozenset()
+        return frozenset(g for j in self.jobs.values() if j.elastic_group == group and j.job_id != job_id
+                         for g in (*j.gpus, *j.elastic_gpus))
 
     def _save(self, job: RegisteredJob) -> None:
         """Record the job for a restarted sidecar. A full or read-only state directory costs only
@@ -161,6 +173,11 @@ class JobRegistry:
                   account=str(rec.get("account") or ""))
         if job.job_class not in p.JOB_CLASSES:
             raise ValueError(f"bad class {job.job_class!r}")
+        group = rec.get("elastic_group")  # a record from before the field has none
+        if group is not None:
+            if not isinstance(group, str) or not p.JOB_ID_RE.match(group):
+                raise ValueError(f"bad elastic group {group!r}")
+            job.elastic_group = group
         if rec.get("elastic_min") is not None:  # a record from before elastic width has none
             job.elastic_min = int(rec["elastic_min"])
             job.elastic_gpus = [int(g) for g in rec.get("elastic_gpus") or job.gpus]

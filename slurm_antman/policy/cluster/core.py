@@ -48,7 +48,8 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     kept_off = dict(state.kept_off)
     first: list[Decision] = []
     if params.keep_off_no_room:
-        kept, kept_off = keep_off.step(jobs.values(), no_room, state.kept_off, skip)
+        apart = placement.no_room_apart(snap.nodes, jobs.values(), params, need_gpus)
+        kept, kept_off = keep_off.step(jobs.values(), no_room, state.kept_off, skip, apart)
         first = [d for d in kept if d.kind == "keep_off"]
         derived.extend(d for d in kept if d.kind != "keep_off")
 

@@ -8,10 +8,15 @@ job). So the core sets each pending opportunistic job's ``ExcNodeList`` to the n
 excluded plus the nodes with no room, and narrows it again as nodes gain room. Slurm 22.05 accepts
 the update on a pending job; a job excluded from every node stays pending (Reason=BadConstraints)
 and starts once the list is narrowed (checked on the devcluster, 2026-11-24).
+
+A pending task of an elastic array across nodes is also kept off the nodes where its array's other
+tasks leave no GPU with room (``placement.no_room_apart``): the sidecar there would refuse it, as it
+refuses any job it has no room for, and Slurm, which counts only slots, would start it there again.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Collection, Mapping
 
 from .decisions import Decision, KeepOff, MakeEligible
@@ -19,9 +24,11 @@ from .model import JobView, KeptOff
 
 
 def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str, KeptOff],
-         skip: Collection[str]) -> tuple[list[Decision], dict[str, KeptOff]]:
+         skip: Collection[str], apart: Mapping[str, Collection[str]] = MappingProxyType({}),
+         ) -> tuple[list[Decision], dict[str, KeptOff]]:
     """One ``KeepOff`` per pending opportunistic job whose ExcNodeList differs from what it should be
-    (its user's exclusions plus ``no_room``); the records of the jobs still alive.
+    (its user's exclusions plus ``no_room``, plus ``apart[group]`` for a task of elastic array ``group``);
+    the records of the jobs still alive.
 
     Jobs in ``skip`` (a requeue of the coordinator's own in progress) get their ``KeepOff`` too: the
     caller issues it before the ``MakeEligible`` that lets Slurm start them. A job that Slurm holds in
@@ -41,16 +48,18 @@ def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str,
             continue
         current = frozenset(j.excluded_nodes)
         users = current.difference(rec.added if rec is not None else ())
-        want = tuple(sorted(users | room_less))
-        added = tuple(sorted(room_less - users))
+        siblings = frozenset(apart.get(j.elastic_group, ())) - room_less - users if j.elastic_group else frozenset()
+        want = tuple(sorted(users | room_less | siblings))
+        added = tuple(sorted((room_less | siblings) - users))
         if added or rec is not None:
             records[j.job_id] = KeptOff(j.job_id, added)
         if want != tuple(sorted(current)):
-            out.append(KeepOff(j.job_id, want, reason=(
-                f"kept off {len(added)} node(s) where no GPU meets the opportunistic rules "
-                f"({', '.join(added[:8])}{', ...' if len(added) > 8 else ''}); each keeps one slot only so that "
-                "Slurm accepts submissions" if added else "every node it may use has room again"),
-                inputs={"no_room": list(added), "user_excluded": sorted(users), "excluded_before": sorted(current)}))
+            inputs = {"no_room": sorted(room_less - users), "user_excluded": sorted(users),
+                      "excluded_before": sorted(current)}
+            if siblings:
+                inputs["apart"] = sorted(siblings)
+            out.append(KeepOff(j.job_id, want, reason=_why(sorted(room_less - users), sorted(siblings),
+                                                           j.elastic_group), inputs=inputs))
         elif j.begin_wait and j.restarts > 0 and j.job_id not in skip:
             out.append(MakeEligible(j.job_id, reason=(
                 # Slurm's own preemption (a guaranteed job taking the node back) requeues the same way as
@@ -59,3 +68,20 @@ def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str,
                 "without room: Slurm's BeginTime wait after a requeue would only delay it"),
                 inputs={"restarts": j.restarts, "excluded": list(want)}))
     return out, records
+
+
+def _names(nodes: list[str]) -> str:
+    return ", ".join(nodes[:8]) + (", ..." if len(nodes) > 8 else "")
+
+
+def _why(room_less: list[str], siblings: list[str], group: str) -> str:
+    if not room_less and not siblings:
+        return "every node it may use has room again"
+    parts = []
+    if room_less:
+        parts.append(f"kept off {len(room_less)} node(s) where no GPU meets the opportunistic rules "
+                     f"({_names(room_less)}); each keeps one slot only so that Slurm accepts submissions")
+    if siblings:
+        parts.append(f"kept off {len(siblings)} node(s) where every GPU with room already holds a task of elastic "
+                     f"array {group} ({_names(siblings)}): two ranks of one training never share a GPU")
+    return "; ".join(parts)

@@ -92,3 +92,51 @@ def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyP
                 f"{inputs['slurm_in_use']} allocated: count {total}, Slurm has {n.opp_slots_in_slurm}"),
                 inputs=inputs))
     return out, no_room
+
+
+def no_room_apart(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyParams,
+                  need_gpus: Mapping[str, set[int]]) -> dict[str, frozenset[str]]:
+    """For each elastic array across nodes with a pending task: the reporting nodes where fewer GPUs with
+    room than the task's width are free of the array's other tasks. The node's sidecar never places two
+    tasks of one array on one GPU (policy.node.placement, ``apart``), so its Prolog would requeue the
+    task there. A task Slurm shows on a node whose report does not show it yet is taken to hold that
+    many of the node's GPUs with room: better kept off a moment too long than refused."""
+    width: dict[str, int] = {}
+    for j in jobs:
+        if j.elastic_group and j.state == "PENDING" and j.job_class == "opportunistic":
+            width[j.elastic_group] = max(width.get(j.elastic_group, 0), j.gpus)
+    if not width:
+        return {}
+    group_of: dict[str, str] = {}
+    slurm_on: dict[str, dict[str, int]] = {}  # node -> task of an array with a pending task -> its GPUs there
+    for j in jobs:
+        if j.elastic_group in width and j.state in HOLDING_STATES:
+            group_of[j.job_id] = j.elastic_group
+            for name, count in j.allocation():
+                slurm_on.setdefault(name, {})[j.job_id] = count
+    out: dict[str, set[str]] = {}
+    for n in nodes:
+        if n.last_report_unix is None:
+            continue
+        taken: dict[str, set[int]] = {}  # group -> GPUs of this node one of its tasks is on
+        unseen = dict(slurm_on.get(n.name, {}))
+        for g in n.gpus:
+            for job_id in (*g.opportunistic_jobs, *g.guaranteed_jobs):
+                group = group_of.get(job_id)
+                if group is not None:
+                    taken.setdefault(group, set()).add(g.index)
+                    unseen.pop(job_id, None)
+        unseen_gpus: dict[str, int] = {}
+        for job_id, count in unseen.items():
+            unseen_gpus[group_of[job_id]] = unseen_gpus.get(group_of[job_id], 0) + count
+        if not taken and not unseen_gpus:
+            continue
+        busy = need_gpus.get(n.name, ())
+        with_room = [] if n.unhealthy else [
+            g.index for g in n.gpus
+            if g.index not in busy and len(g.opportunistic_jobs) < params.slots_per_gpu and gpu_qualifies(g, params)]
+        for group in set(taken) | set(unseen_gpus):
+            free = sum(1 for i in with_room if i not in taken.get(group, ()))
+            if free - unseen_gpus.get(group, 0) < width[group]:
+                out.setdefault(group, set()).add(n.name)
+    return {group: frozenset(names) for group, names in out.items()}

@@ -52,10 +52,13 @@ def _progress(g: GpuLoad, target_slowdown: float, fill: float = 0.0) -> float:
 
 
 def exclusion(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
-              min_progress: float, avoid: Collection[int] = (), fill: float = 0.0) -> tuple[str, str]:
+              min_progress: float, avoid: Collection[int] = (), fill: float = 0.0,
+              apart: Collection[int] = ()) -> tuple[str, str]:
     """The first opportunistic rule that keeps ``g`` from a new opportunistic job, as (rule, why):
-    rule is one of ``avoid``, ``slots``, ``guaranteed``, ``unmeasured``, ``utilisation``, ``progress``;
-    ("", "") when the GPU qualifies."""
+    rule is one of ``apart``, ``avoid``, ``slots``, ``guaranteed``, ``unmeasured``, ``utilisation``,
+    ``progress``; ("", "") when the GPU qualifies."""
+    if g.index in apart:
+        return "apart", f"GPU {g.index}: another task of the job's elastic array runs there"
     if g.index in avoid:
         return "avoid", f"GPU {g.index}: the job was moved off it for crawling"
     if g.opportunistic_jobs >= slots_per_gpu:
@@ -75,13 +78,14 @@ def exclusion(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float,
 
 
 def _why_not(g: GpuLoad, slots_per_gpu: int, threshold: float, window_s: float, target_slowdown: float,
-             min_progress: float, avoid: Collection[int], fill: float = 0.0) -> str:
-    return exclusion(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid, fill)[1]
+             min_progress: float, avoid: Collection[int], fill: float = 0.0, apart: Collection[int] = ()) -> str:
+    return exclusion(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid, fill, apart)[1]
 
 
 def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: float,
                 window_s: float, target_slowdown: float = 0.02, min_progress: float = 0.0,
-                avoid: Collection[int] = (), wait_without_room: bool = False, fill: float = 0.0) -> Placement:
+                avoid: Collection[int] = (), wait_without_room: bool = False, fill: float = 0.0,
+                apart: Collection[int] = ()) -> Placement:
     """``count`` distinct GPUs; never fewer than ``min(count, len(gpus))``: the job is already
     allocated, so when too few GPUs qualify the least-loaded are taken and the note says why.
     The best first: the most progress predicted (``policy.progress``), then the most spare memory.
@@ -89,11 +93,18 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
 
     ``wait_without_room``: when fewer than ``count`` GPUs qualify, only those are returned, as
     placement ``wait``: the job should wait for room rather than start crawling beside a busy
-    guaranteed job (what the least-loaded fallback gives on a busy cluster; docs/evaluation.md)."""
+    guaranteed job (what the least-loaded fallback gives on a busy cluster; docs/evaluation.md).
+
+    ``apart``: GPUs where another task of the job's elastic array across nodes runs or is placed
+    (docs/elastic.md). Two ranks of one training on one GPU make every step of the whole training wait
+    for the slower pair, so such a GPU is no room for the job, before any other rule, and a task of
+    several GPUs needs every one of them free of its siblings. Too few: ``wait`` as above; without
+    ``wait_without_room`` (no_room: fallback, a client that cannot requeue) the fallback takes GPUs
+    free of siblings first, whatever else keeps them, and a sibling's GPU only when none is left."""
     if not gpus:
         raise ValueError("this node has no GPUs to place an opportunistic job on")
-    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid, fill)
-               for g in gpus}
+    reasons = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, avoid, fill,
+                                 apart) for g in gpus}
     # Ties go to the highest index: Slurm hands out the physical gpu GRES lowest index first, so a
     # guaranteed job whose Prolog has not registered yet most likely sits on a low one.
     fit = sorted((g for g in gpus if not reasons[g.index]),
@@ -108,8 +119,8 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
         # Placement memory is a preference, never a ban: a GPU the job was moved off that otherwise
         # qualifies is taken before the job is made to wait (on a one-GPU node it is the only choice).
         if avoid:
-            plain = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, (), fill)
-                     for g in gpus if g.index in avoid}
+            plain = {g.index: _why_not(g, slots_per_gpu, threshold, window_s, target_slowdown, min_progress, (), fill,
+                                       apart) for g in gpus if g.index in avoid}
             back = sorted((g for g in gpus if g.index in plain and not plain[g.index]),
                           key=lambda g: (-_progress(g, target_slowdown, fill), -g.spare_bytes, -g.index))
             if len(fit) + len(back) >= count:
@@ -122,8 +133,8 @@ def choose_gpus(gpus: list[GpuLoad], count: int, slots_per_gpu: int, threshold: 
                          f"{len(fit)} of {count} GPU(s) met the opportunistic rules; the job waits for room: "
                          + "; ".join(r for r in reasons.values() if r))
     rest = sorted((g for g in gpus if reasons[g.index]),
-                  key=lambda g: (g.index in avoid, g.opportunistic_jobs + g.guaranteed_jobs, g.utilization_avg,
-                                 -g.spare_bytes, g.index))
+                  key=lambda g: (g.index in apart, g.index in avoid, g.opportunistic_jobs + g.guaranteed_jobs,
+                                 g.utilization_avg, -g.spare_bytes, g.index))
     chosen = fit + rest[: count - len(fit)]
     note = (f"{len(fit)} of {count} GPU(s) met the opportunistic rules; chose the least-loaded: "
             + "; ".join(reasons[g.index] for g in rest[: count - len(fit)]))
