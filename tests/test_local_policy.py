@@ -349,6 +349,16 @@ def test_a_memory_burst_pauses_the_newest_pausable_job_instead_of_requeuing_it()
     assert [r.job_id for r in run(jobs).new_preemptions] == ["202"]
 
 
+def test_a_task_of_an_elastic_array_is_asked_to_leave_not_paused():
+    """Pausing one task would stall every rank of its training; its requeue is a shrink (docs/elastic.md)."""
+    import dataclasses
+
+    task = dataclasses.replace(_pausable("202", 3.0), elastic_group="500")
+    d = run([guar(78), _pausable("201", 2.0), task], params=PAUSE)
+    assert not d.new_pauses and "202" not in d.state.paused
+    assert [r.job_id for r in d.new_preemptions] == ["202"]
+
+
 def test_a_paused_job_resumes_after_the_burst_has_passed_for_the_hold_time():
     jobs = [guar(78), _pausable("201", 2.0), _pausable("202", 3.0)]
     d = run(jobs, params=PAUSE, now=1000.0)

@@ -120,7 +120,8 @@ class Enforcement:
             jobs.append(JobInfo(job.job_id, job.job_class, tuple(job.gpus), job.registered_unix, demand, iteration, ms,
                                 can_pause=can_pause, elastic_min=job.elastic_min,
                                 elastic_gpus=tuple(job.elastic_gpus), can_resize=can_resize,
-                                busy_ms=busy if self.telemetry.kind == "nvml" else None))
+                                busy_ms=busy if self.telemetry.kind == "nvml" else None,
+                                elastic_group=job.elastic_group))
         gpus = tuple(GpuInfo(s.index, s.memory_total_bytes,
                              max(0, s.memory_used_bytes - managed.get(s.index, 0)) if self.telemetry.kind == "nvml" else 0)
                      for s in self.gpu_samples)

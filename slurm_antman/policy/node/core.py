@@ -35,7 +35,9 @@ The rules (AntMan's, with TGS-style rate control for compute):
   and ``pause_max_s`` is set, each of the two preemption rules above pauses the job instead (its
   state moves to host memory in milliseconds, its GPU memory is freed). A paused job resumes once
   its GPU would fit it again (its minimum memory beside the others) for ``resume_hold_s``; one
-  paused for ``pause_max_s`` is asked to be preempted after all. Shrink, throttle, pause, requeue:
+  paused for ``pause_max_s`` is asked to be preempted after all. A task of an elastic job array
+  (``JobInfo.elastic_group``) is never paused: its training's other ranks would wait for it, where its
+  requeue lets them train on at a narrower width. Shrink, throttle, pause, requeue:
   one ladder, each step with its reason.
 * Elastic width (issue 29, Amoeba's idea; docs/elastic.md): an elastic job above its narrowest width
   gives up the one GPU that is needed (a ``WidthChange``) instead of pausing or leaving, and a
@@ -120,6 +122,10 @@ class JobInfo:
     # The device-busy part of ``iteration_ms``, where the device measured it (CUDA events on a GPU
     # node); None elsewhere. See GuaranteedTrack.
     busy_ms: Optional[float] = None
+    # A task of an elastic-across-nodes job array (its array's id; docs/elastic.md): never paused in
+    # place, since every rank of its training would wait for it; its requeue is a shrink the others
+    # train on through.
+    elastic_group: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -384,7 +390,7 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             if can_shed(victim, shed):
                 shed.setdefault(victim.job_id, set()).add(g)
                 return
-            if victim.can_pause and p.pause_max_s is not None:
+            if victim.can_pause and p.pause_max_s is not None and victim.elastic_group is None:
                 rec = PauseRecord(victim.job_id, g, reason, now)
                 paused[victim.job_id] = rec
                 new_pauses.append(rec)
