@@ -99,3 +99,31 @@ def test_the_snapshot_builder_finds_elastic_arrays_and_their_hosts():
     views = {v.job_id: v for v in s.jobs}
     assert {k: (v.elastic_group, v.elastic_host) for k, v in views.items()} == {
         "501": ("500", False), "500": ("500", False), "502": ("500", True), "600": ("", False), "700": ("", False)}
+
+
+def test_a_job_requeued_again_after_ours_is_left_to_the_keep_off():
+    """Requeued by the coordinator, started, refused by its Prolog and requeued again between two
+    snapshots: the coordinator's record of its own requeue ends, so it does not shield the job from the
+    keep-off's MakeEligible (Slurm's BeginTime wait would otherwise hold it ~121 s)."""
+    jobs, nodes = _setup()
+    _, st = decide(snap(jobs, nodes, needs=[need("g1", "n2")]), CoordinatorState.empty(), P)
+    _, st = decide(snap(jobs, nodes, needs=[need("g1", "n2")], now=NOW + 30), st, P)
+    assert "t1" in st.requeued
+    again = dataclasses.replace(jobs[2], state="PENDING", node=None, start_unix=None, restarts=2, begin_wait=True)
+    ds, st = decide(snap([jobs[0], jobs[1], again], nodes, now=NOW + 40), st, P)
+    assert "t1" not in st.requeued
+    assert not [d for d in ds if d.kind == "make_eligible" and d.start_unix is not None]
+
+
+def test_the_keep_off_makes_a_job_requeued_again_eligible():
+    jobs, nodes = _setup()
+    p = dataclasses.replace(P, keep_off_no_room=True)
+    _, st = decide(snap(jobs, nodes, needs=[need("g1", "n2")]), CoordinatorState.empty(), p)
+    _, st = decide(snap(jobs, nodes, needs=[need("g1", "n2")], now=NOW + 30), st, p)
+    again = dataclasses.replace(jobs[2], state="PENDING", node=None, start_unix=None, restarts=2, begin_wait=True)
+    ds, st = decide(snap([jobs[0], jobs[1], again], nodes, now=NOW + 40), st, p)
+    keep = [d for d in ds if d.kind == "keep_off"]
+    if keep:  # its list first; the next cycle, with the list in place, lifts the wait
+        again = dataclasses.replace(again, excluded_nodes=keep[0].nodes)
+        ds, st = decide(snap([jobs[0], jobs[1], again], nodes, now=NOW + 41), st, p)
+    assert [d for d in ds if d.kind == "make_eligible"] == [MakeEligible("t1")], ds

@@ -110,6 +110,11 @@ def _advance_requeued(state: CoordinatorState, params: PolicyParams, jobs: Mappi
         if job.restarts <= r.restarts_at_decision:
             out.requeued[r.job_id] = r  # Slurm has not shown the requeue yet
             continue
+        if job.restarts > r.restarts_at_decision + 1:
+            # Requeued again since ours (its Prolog found no room where Slurm started it, between two
+            # snapshots): it ran, so ours is done, and holding on would keep the keep-off's own
+            # MakeEligible from it for Slurm's whole BeginTime wait (seen on the devcluster: 121 s).
+            continue
         if job.state == "PENDING":
             if not r.made_eligible:
                 inputs = {"restarts": job.restarts, "requeued_unix": r.requeued_unix, "for_job": r.for_job_id}
