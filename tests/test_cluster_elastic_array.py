@@ -25,6 +25,7 @@ from slurm_antman.lab.bench.elastic import (
     CKPT_EVERY, GLOBAL_BATCH, GPU_MEMORY_MB, GUARANTEED, TRAIN, events, lost_steps, steps,
 )
 from conftest import TEST_PORT_BASE, ClusterHandle, managed_cluster
+from slurm_antman.lab.devcluster.jobs import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -45,14 +46,8 @@ def array_cluster(tmp_path_factory):
         yield c
 
 
-def _wait(pred, timeout: float, what: str, why=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}\n{why()}")
+def _wait(pred, timeout: float, what: str, why):
+    return wait_for(pred, timeout, what, step=0.5, why=why)
 
 
 def _tasks(c: ClusterHandle, array: int) -> dict[str, dict[str, str]]:

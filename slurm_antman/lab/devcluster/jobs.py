@@ -25,15 +25,17 @@ class JobsError(AntmanError):
     """A Slurm call failed, or a wait ran out; the message says which job and what was last seen."""
 
 
-def wait_for(pred: Callable[[], Optional[T]], timeout: float, what: str, step: float = 0.25) -> T:
-    """Poll ``pred`` until it returns something true; its value, or JobsError after ``timeout`` s."""
+def wait_for(pred: Callable[[], Optional[T]], timeout: float, what: str, step: float = 0.25,
+             why: Optional[Callable[[], str]] = None) -> T:
+    """Poll ``pred`` until it returns something true; its value, or JobsError after ``timeout`` s, with
+    what ``why()`` says about the cluster then (its logs, the jobs' states) when given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()
         if v:
             return v
         time.sleep(step)
-    raise JobsError(f"timed out after {timeout:g} s waiting for {what}")
+    raise JobsError(f"timed out after {timeout:g} s waiting for {what}" + (f"\n{why()}" if why else ""))
 
 
 class ClusterJobs:
