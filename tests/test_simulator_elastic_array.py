@@ -214,8 +214,14 @@ def test_a_change_stops_the_training_and_redoes_the_work_since_its_last_checkpoi
     assert p.t_last == pytest.approx(400.0 + change)
 
     sim.now = 600.0
-    sim._stop(t0, "preempt")  # the host: the training stops (the coordinator would requeue task 1 as well)
+    sim._stop(t0, "preempt")  # the host alone, as a move of it: the training stops, task 1 waits for it
     assert p.state == "PENDING" and p.preemptions == 1 and p.rate == 0.0 and t1.state == "RUNNING"
+    assert sim.counts["array_host_alone"] == 1
+    assert t1.duty == 0.0 and sim.gpus[2].util == sim.gpus[3].util == 0.0  # its workers wait: no load
+    sim.now = 700.0
+    sim._start(t0, [0, 1])  # the training starts again on both, task 1's GPUs idle meanwhile
+    assert p.state == "RUNNING" and sorted(p.gpus) == [0, 1, 2, 3] and sim.array_idle_gpu_s == pytest.approx(100.0 * 2)
+    assert t1.duty == p.duty > 0 and sim.gpus[2].util > 0
 
 
 def test_the_change_cost_is_one_constant_made_of_the_launchers_waits():

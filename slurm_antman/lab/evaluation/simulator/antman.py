@@ -184,7 +184,9 @@ class AntmanAdapter:
 
     def _track_crawl(self, g: SimGpu, guar: list[SimJob], opp: list[SimJob]) -> None:
         """The local policy's crawling rule on the modelled progress (each job's rate on this GPU);
-        a cycle is due when a crawler's ``move_after_s`` is over."""
+        a cycle is due when a crawler's ``move_after_s`` is over. A task of an elastic array that waits
+        for its training (elastic_array.py) reports no progress."""
+        opp = [j for j in opp if j.array is None or self.jobs[j.array].state == "RUNNING"]
         g.progress = {j.job.job_id: g.rate[j.job.job_id] for j in opp}
         order = {0: [j.job.job_id for j in sorted(opp, key=lambda j: (j.start or 0.0, j.job.job_id))]}
         before = g.crawl

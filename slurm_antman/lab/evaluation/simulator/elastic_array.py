@@ -8,7 +8,7 @@ it is measured.
   its whole width, as for any job (see "Not modelled"). A guaranteed one stays a rigid multi-node job.
 - **The array.** ``--antman-elastic=MIN:MAX --array=0-(K-1) --gres=gpu:G``: K tasks of G GPUs, one node's
   share each, MAX = K x G the trace job's GPUs. K is the fewest tasks, at least ceil(MAX / the node's
-  GPUs), that divide MAX (16 on nodes of 8: 2 x 8; 12: 2 x 6; 20: 5 x 4). MIN is
+  GPUs), that divide MAX (16 on nodes of 8: 2 x 8; 12: 2 x 6; 20: 4 x 5). MIN is
   ``elastic_array_min_tasks`` tasks (default 1, so MIN = G, the narrowest a user may ask for, as a
   one-node elastic job's MIN is 1 GPU).
 - **Start and grow.** Each task is an opportunistic job of G GPUs on one node, queued and placed like any
@@ -16,7 +16,9 @@ it is measured.
   allow: the sidecar does not know they are one training; ``array_shared_gpu_starts`` counts them).
   The training starts once task 0 (the array's lowest index, the rendezvous host) and at least MIN / G
   tasks run; every task that starts later is a grow. Tasks that run while the training does not (the
-  host is not running, or fewer than MIN / G run) hold their GPUs and wait.
+  host is not running, or fewer than MIN / G run) hold their GPUs and Slurm slots and wait, their
+  workers not started: no load on their GPUs (duty and utilisation 0) and no progress to report, so
+  they do not crawl.
 - **Shed.** A task goes when the coordinator requeues it: the node policy's need for a guaranteed job on
   one of its GPUs (the victim the production coordinator picks, ``policy.cluster.preemption``) or a move
   of a crawling task (``policy.cluster.moves``). The other tasks train on at the smaller width. The
@@ -27,7 +29,7 @@ it is measured.
 - **Losing the host.** The coordinator's preemption of task 0 preempts every running task of the array
   (``_group``) and makes them all eligible at once: a whole-job requeue. A move of task 0 is a requeue of
   task 0 alone (``moves.step`` does not take the group): the other tasks keep their GPUs and wait for it,
-  as the launcher does (each waits for task 0's next rendezvous file).
+  as the launcher does (each waits for task 0's next rendezvous file); ``array_host_alone`` counts these.
 - **The end.** When the training is done, the running tasks end and the pending ones are cancelled (the
   launcher's ``scancel --state=PENDING``).
 
@@ -52,7 +54,7 @@ training gap plus the rendezvous's own waits. It is the one constant to update w
 
 **Not modelled.** A task that waits for task 0 longer than the launcher's ``--join-timeout`` (600 s)
 fails on the real path; here it waits on (``array_idle_gpu_s`` counts GPU-seconds held by tasks that do
-not train, mostly such waits). A waiting task loads its GPUs as a training one would. job_submit.lua
+not train, mostly such waits). A waiting task's footprint still counts in its GPUs' memory. job_submit.lua
 counts a task's G GPUs against the tenant's quota when it resolves ``auto`` (``quota_gpus`` reads
 ``tres_per_node``), here the whole MAX. torchrun's ``--max-restarts`` (20 shrinks) is not counted.
 ``upgrade_running`` does not upgrade a task.
@@ -137,6 +139,8 @@ class ElasticArrays:
             self._array_change(p, running, "grows")
         elif self._array_can_train(p, running):
             self._array_train(p, running)
+        else:
+            self._array_load(p, [t], False)
 
     def _task_leaving(self, t: SimJob) -> None:
         """Before task ``t`` is requeued (``engine._stop``, its notice and GPUs still its own): a shrink, the
@@ -154,6 +158,8 @@ class ElasticArrays:
         if p.state != "RUNNING":
             return
         if t is host:  # the rendezvous is gone: the training stops (the coordinator takes every task)
+            if any(x.notice_at is None for x in self._array_running(p, but=t)):
+                self.counts["array_host_alone"] += 1  # a move: the others stay, and wait for it
             self._advance(p)
             since = self._since_checkpoint(p)
             if self.cfg.checkpoint_on_notice and t.notice_at is not None:
@@ -162,7 +168,7 @@ class ElasticArrays:
             p.preemptions += 1
             p.restarts += 1
             self.counts["array_requeues"] += 1
-            self._array_stop(p)
+            self._array_stop(p, but=t)
             return
         running = self._array_running(p, but=t)
         if self._array_can_train(p, running):
@@ -171,7 +177,7 @@ class ElasticArrays:
             self._advance(p)
             self._redo(p, self._since_checkpoint(p))
             self.counts["array_stalls"] += 1
-            self._array_stop(p)
+            self._array_stop(p, but=t)
 
     def _task_eligible(self, t: SimJob, start_unix: Optional[float]) -> None:
         """The coordinator's ``MakeEligible`` for a requeued task: at ``start_unix`` (the hold), else now."""
@@ -192,6 +198,8 @@ class ElasticArrays:
     def _array_train(self, p: SimJob, running: list[SimJob]) -> None:
         """The training (re)starts on ``running``, from its checkpoint."""
         p.state, p.start = "RUNNING", self.now
+        p.train = []
+        self._array_load(p, running, True)
         if p.first_start is None:
             p.first_start = self.now
         p.ran_as = "opportunistic"
@@ -224,13 +232,26 @@ class ElasticArrays:
         p.rate = 0.0  # set by _array_rate; nothing is advanced at it
         self._array_rate(p)
 
-    def _array_stop(self, p: SimJob) -> None:
+    def _array_stop(self, p: SimJob, but: SimJob) -> None:
+        """The training stops; its running tasks but ``but`` (which leaves) wait."""
         p.state, p.gpus, p.train, p.rate = "PENDING", [], [], 0.0
         p.version += 1
+        self._array_load(p, self._array_running(p, but), False)
+
+    def _array_load(self, p: SimJob, tasks: list[SimJob], training: bool) -> None:
+        """Tasks that train load their GPUs as their job does; tasks that wait do not."""
+        duty, util = (p.duty, p.util) if training else (0.0, 0.0)
+        gpus = []
+        for t in tasks:
+            if (t.duty, t.util) != (duty, util):
+                t.duty, t.util = duty, util
+                gpus.extend(t.gpus)
+        if gpus:
+            self._refresh(gpus)
 
     def _array_rate(self, p: SimJob) -> None:
         """The training's pace from its tasks' GPUs (module doc), and when it finishes at that pace."""
-        if p.state != "RUNNING":
+        if p.state != "RUNNING" or not p.train:  # (not while its training starts)
             return
         self._advance(p)
         rate = min(self.gpus[i].rate.get(tid, 1.0) for tid in p.train for i in self.jobs[tid].gpus) * p.locality

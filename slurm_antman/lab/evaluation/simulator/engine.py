@@ -110,7 +110,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
                        "set_class_ineffective": 0, "moves": 0, "quota_over_alone": 0, "pauses": 0, "resumes": 0,
                        "width_changes": 0, "shrinks": 0, "grows": 0, "arrays": 0, "array_shrinks": 0,
                        "array_grows": 0, "array_requeues": 0, "array_stalls": 0, "array_shared_gpu_starts": 0,
-                       "array_task_requeues": 0}
+                       "array_task_requeues": 0, "array_host_alone": 0}
         self.array_idle_gpu_s = 0.0  # held by tasks of elastic arrays whose training did not run
         self.paused_s = 0.0      # job-seconds spent paused in place (ended pauses)
         self.pause_cost_s = 0.0  # progress lost moving state out and back
@@ -414,7 +414,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
             array_grows=self.counts["array_grows"], array_requeues=self.counts["array_requeues"],
             array_stalls=self.counts["array_stalls"], array_idle_gpu_s=self.array_idle_gpu_s,
             array_shared_gpu_starts=self.counts["array_shared_gpu_starts"],
-            array_task_requeues=self.counts["array_task_requeues"],
+            array_task_requeues=self.counts["array_task_requeues"], array_host_alone=self.counts["array_host_alone"],
             utilisation=self.cfg.utilisation, util_scale=self.cfg.util_scale,
             oom_failures=self.counts["oom_failures"], upgrades=self.counts["upgrades"],
             set_class_ineffective=self.counts["set_class_ineffective"],
