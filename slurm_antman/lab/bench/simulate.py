@@ -105,12 +105,15 @@ def _parser() -> argparse.ArgumentParser:
                         "node policy would place an opportunistic job (default: an idle GPU it shed)")
     p.add_argument("--elastic-arrays", action="store_true",
                    help="antman: elastic jobs wider than a node run as the real path runs them, a job array of "
-                        "one-node tasks whose width changes by whole tasks (simulator/elastic_array.py; off until "
-                        "measured)")
-    p.add_argument("--elastic-array-change-s", type=float, default=SimConfig.elastic_array_change_s,
-                   help="--elastic-arrays: seconds a width change across nodes stops the training, besides redoing "
-                        "the work since its last periodic checkpoint (default %(default)s: the one-node change plus "
-                        "the rendezvous's waits, not yet measured on the devcluster)")
+                        "one-node tasks whose width changes by whole tasks (simulator/elastic_array.py)")
+    p.add_argument("--elastic-array-shrink-s", type=float, default=SimConfig.elastic_array_shrink_s,
+                   help="--elastic-arrays: seconds a task's loss stops the training across nodes, besides redoing "
+                        "the work since its last periodic checkpoint (default %(default)s: the devcluster's "
+                        "measured gap, docs/benchmarks.md)")
+    p.add_argument("--elastic-array-grow-s", type=float, default=SimConfig.elastic_array_grow_s,
+                   help="--elastic-arrays: seconds a task's start stops the training across nodes, besides redoing "
+                        "the work since its last periodic checkpoint (default %(default)s: the devcluster's "
+                        "measured gap, docs/benchmarks.md)")
     p.add_argument("--elastic-array-min-tasks", type=int, default=SimConfig.elastic_array_min_tasks,
                    help="--elastic-arrays: the fewest tasks the training runs on (MIN = this x G; default %(default)s)")
     p.add_argument("--wait-study-s", type=float, default=None,
@@ -160,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           compute=a.compute, slot_fill=SlotFillParams(a.fill_efficiency, a.slot_leak),
                           elastic_hold_s=a.elastic_hold_s, elastic_narrow_start=a.elastic_narrow_start,
                           elastic_grow_shared=a.elastic_grow_shared, elastic_arrays=a.elastic_arrays,
-                          elastic_array_change_s=a.elastic_array_change_s,
+                          elastic_array_shrink_s=a.elastic_array_shrink_s, elastic_array_grow_s=a.elastic_array_grow_s,
                           elastic_array_min_tasks=a.elastic_array_min_tasks,
                           wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s)
                 for p in policies]
@@ -185,7 +188,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "compute": a.compute, "fill_efficiency": a.fill_efficiency, "slot_leak": a.slot_leak,
             "elastic_change_s": a.elastic_change_s, "elastic_hold_s": a.elastic_hold_s,
             "elastic_narrow_start": a.elastic_narrow_start, "elastic_grow_shared": a.elastic_grow_shared,
-            "elastic_arrays": a.elastic_arrays, "elastic_array_change_s": a.elastic_array_change_s,
+            "elastic_arrays": a.elastic_arrays, "elastic_array_shrink_s": a.elastic_array_shrink_s,
+            "elastic_array_grow_s": a.elastic_array_grow_s,
             "elastic_array_min_tasks": a.elastic_array_min_tasks, "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:

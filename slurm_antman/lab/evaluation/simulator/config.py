@@ -10,7 +10,7 @@ from slurm_antman.policy.node import core as lp
 
 from .. import utilisation
 from ..trace_run import TraceRunConfig
-from .elastic_array import ARRAY_CHANGE_S
+from .elastic_array import ARRAY_GROW_S, ARRAY_SHRINK_S
 from .slot_fill import COMPUTE_MODES, SlotFillParams
 
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
@@ -115,11 +115,12 @@ class SimConfig(TraceRunConfig):
     elastic_narrow_start: bool = False
     elastic_grow_shared: bool = False
     # Elastic jobs wider than a node, as the real path builds them: a job array of one-node tasks
-    # (elastic_array.py). Off until measured. A change across nodes stops the training this long
-    # (ARRAY_CHANGE_S: not yet measured on the devcluster), and the training runs on at least this many
-    # tasks (MIN = this x G).
+    # (elastic_array.py). Off by default. A shrink and a grow across nodes stop the training this long
+    # (ARRAY_SHRINK_S, ARRAY_GROW_S: measured on the devcluster), and the training runs on at least this
+    # many tasks (MIN = this x G).
     elastic_arrays: bool = False
-    elastic_array_change_s: float = ARRAY_CHANGE_S
+    elastic_array_shrink_s: float = ARRAY_SHRINK_S
+    elastic_array_grow_s: float = ARRAY_GROW_S
     elastic_array_min_tasks: int = 1
     # A study, not a policy (issue 29): while a one-GPU opportunistic job waits for room (no_room=wait),
     # at most once per this many simulated seconds, which rule keeps each GPU of the cluster from it
@@ -180,8 +181,10 @@ class SimConfig(TraceRunConfig):
             raise ValueError(f"--elastic-change-s must be >= 0, got {self.elastic_change_s}")
         if not self.elastic_hold_s >= 0:
             raise ValueError(f"--elastic-hold-s must be >= 0, got {self.elastic_hold_s}")
-        if not self.elastic_array_change_s >= 0:
-            raise ValueError(f"--elastic-array-change-s must be >= 0, got {self.elastic_array_change_s}")
+        if not self.elastic_array_shrink_s >= 0:
+            raise ValueError(f"--elastic-array-shrink-s must be >= 0, got {self.elastic_array_shrink_s}")
+        if not self.elastic_array_grow_s >= 0:
+            raise ValueError(f"--elastic-array-grow-s must be >= 0, got {self.elastic_array_grow_s}")
         if self.elastic_array_min_tasks < 1:
             raise ValueError(f"--elastic-array-min-tasks must be >= 1, got {self.elastic_array_min_tasks}")
         if self.switch_wait_s is not None and not self.switch_wait_s >= 0:

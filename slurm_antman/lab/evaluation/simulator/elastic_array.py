@@ -1,7 +1,7 @@
 """Elastic width across nodes, as the real path builds it: a Slurm job array (issue 29; docs/elastic.md,
 "Across nodes: a job array"; ``slurm_antman.policy.cluster.preemption``'s module doc;
-``torch_patch.elastic_nodes``). On with ``elastic_arrays`` (``--elastic-arrays``), off by default until
-it is measured.
+``torch_patch.elastic_nodes``). On with ``elastic_arrays`` (``--elastic-arrays``), off by default
+(docs/evaluation.md, "Elastic across nodes: a job array", says why).
 
 - **Which jobs.** An elastic trace job (``elastic.is_elastic``: ``elastic_share`` of the multi-GPU jobs)
   that is wider than a node and that job_submit.lua makes opportunistic. Its class is resolved once, for
@@ -12,8 +12,9 @@ it is measured.
   ``elastic_array_min_tasks`` tasks (default 1, so MIN = G, the narrowest a user may ask for, as a
   one-node elastic job's MIN is 1 GPU).
 - **Start and grow.** Each task is an opportunistic job of G GPUs on one node, queued and placed like any
-  other (no gang scheduling; two tasks may share a node, or even a GPU where the node policy's rules
-  allow: the sidecar does not know they are one training; ``array_shared_gpu_starts`` counts them).
+  other (no gang scheduling; two tasks may share a node, or here even a GPU where the node policy's
+  rules allow; ``array_shared_gpu_starts`` counts them. Not modelled: the real path keeps two tasks of
+  one array off one GPU since c371626, the sidecar's ``choose_gpus(apart=...)`` and the keep-off).
   The training starts once task 0 (the array's lowest index, the rendezvous host) and at least MIN / G
   tasks run; every task that starts later is a grow. Tasks that run while the training does not (the
   host is not running, or fewer than MIN / G run) hold their GPUs and Slurm slots and wait, their
@@ -27,9 +28,11 @@ it is measured.
   wherever there is room, as any pending opportunistic job, and the job grows back by one task. A task's
   width never changes within its node: the one-node rules (``elastic.py``) do not apply to tasks.
 - **Losing the host.** The coordinator's preemption of task 0 preempts every running task of the array
-  (``_group``) and makes them all eligible at once: a whole-job requeue. A move of task 0 is a requeue of
-  task 0 alone (``moves.step`` does not take the group): the other tasks keep their GPUs and wait for it,
-  as the launcher does (each waits for task 0's next rendezvous file); ``array_host_alone`` counts these.
+  (``_group``) and makes them all eligible at once: a whole-job requeue. The coordinator never moves
+  task 0 (``moves.step`` skips ``JobView.elastic_host``, since 61a1dfb). Should task 0 still be requeued
+  alone (no path of the production coordinator does it now), the other tasks keep their GPUs and wait
+  for it, as the launcher does (each waits for task 0's next rendezvous file); ``array_host_alone``
+  counts these.
 - **The end.** When the training is done, the running tasks end and the pending ones are cancelled (the
   launcher's ``scancel --state=PENDING``).
 
@@ -39,18 +42,21 @@ over the nodes its training tasks are on, ``scheduler._locality``: so it applies
 all its tasks share one node), times S(w) / S(MAX) for its profile (as for a one-node elastic job,
 ``elastic.py``).
 
-**Cost of a change.** Every change of width (a task shed or started while the job trains) stops the
-training for ``elastic_array_change_s`` and **restarts every worker from the job's last periodic
-checkpoint**: no checkpoint hook runs on the survivors (docs/elastic.md), so the work since that
-checkpoint is done again. It is counted as a requeue's lost work is (``engine._stop``): the time since the
-training's last (re)start modulo ``checkpoint_s``, at the rate before the change. The grow pays it too:
-the running agents restart their workers to admit the new node, and every restart loads the checkpoint
-(``torch_patch.elastic_nodes``' module doc). A whole-job requeue is a requeue: what it loses is counted as
+**Cost of a change.** Every change of width stops the training, for ``elastic_array_shrink_s`` when a
+task is shed and ``elastic_array_grow_s`` when one starts while the job trains, and **restarts every
+worker from the job's last periodic checkpoint**: no checkpoint hook runs on the survivors
+(docs/elastic.md), so the work since that checkpoint is done again. It is counted as a requeue's lost
+work is (``engine._stop``): the time since the training's last (re)start modulo ``checkpoint_s``, at the
+rate before the change. The grow redoes it too: the running agents restart their workers to admit the
+new node, and every restart loads the checkpoint (``torch_patch.elastic_nodes``' module doc). A whole-job requeue is a requeue: what it loses is counted as
 for any requeued job (since the last periodic checkpoint, or since the notice when
 ``checkpoint_on_notice``).
 
-``ARRAY_CHANGE_S`` is **not yet measured on the devcluster**: it is the one-node change's measured
-training gap plus the rendezvous's own waits. It is the one constant to update when it is measured.
+``ARRAY_SHRINK_S`` (9.3 s) and ``ARRAY_GROW_S`` (3.4 s) are the training gaps the devcluster measured
+(docs/benchmarks.md, "Across nodes: an elastic job array", 2026-11-26: one run, three hosts, CPU with
+gloo). A shrink waits out the lost node's heartbeat and the last call; a grow has no lost node to wait
+for. The host's loss (10.7 s there to training again) is a requeue, whose restart the simulator does
+not charge for any job (``start_overhead_s`` 0).
 
 **Not modelled.** A task that waits for task 0 longer than the launcher's ``--join-timeout`` (600 s)
 fails on the real path; here it waits on (``array_idle_gpu_s`` counts GPU-seconds held by tasks that do
@@ -68,12 +74,11 @@ from typing import Optional
 from ..locality_data import profile_speedup
 from .state import FINISH, WAKE, SimJob
 
-# One width change across nodes, in seconds. NOT YET MEASURED ON THE DEVCLUSTER: replace ARRAY_CHANGE_S by
-# the measured training gap once it is. Its parts, until then:
-ONE_NODE_CHANGE_S = 2.2  # the one-node change's median training gap (tests/test_cluster_elastic.py, SimConfig.elastic_change_s)
-RDZV_KEEP_ALIVE_S = 5.0  # torchrun's detection of a lost node: KEEP_ALIVE_S 1 x KEEP_ALIVE_MISSES 5 (torch_patch/elastic_nodes.py)
-RDZV_LAST_CALL_S = 1.0   # the rendezvous's last_call_timeout once MIN nodes are in (LAST_CALL_S, torch_patch/elastic_nodes.py)
-ARRAY_CHANGE_S = ONE_NODE_CHANGE_S + RDZV_KEEP_ALIVE_S + RDZV_LAST_CALL_S
+# One width change across nodes: the training gap, in seconds, from the last step before it to the first
+# step after it, as the devcluster measured it (docs/benchmarks.md, "Across nodes: an elastic job array";
+# tests/test_cluster_elastic_array.py, 2026-11-26, one run, three hosts, CPU with gloo).
+ARRAY_SHRINK_S = 9.3  # a task requeued: torchrun waits out its heartbeat (1 s x 5) and the last call (1 s)
+ARRAY_GROW_S = 3.4    # a task started: the agents restart their workers to admit its node
 
 
 def array_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
@@ -217,7 +222,8 @@ class ElasticArrays:
         self.counts[f"array_{kind}"] += 1
         self._advance(p)
         self._redo(p, self._since_checkpoint(p))
-        p.t_last = max(self.now, p.t_last) + self.cfg.elastic_array_change_s
+        cost = self.cfg.elastic_array_shrink_s if kind == "shrinks" else self.cfg.elastic_array_grow_s
+        p.t_last = max(self.now, p.t_last) + cost
         p.width_changed_at = self.now
         p.width_changes += 1
         self.counts["width_changes"] += 1
