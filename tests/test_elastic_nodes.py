@@ -292,6 +292,7 @@ def _check_log(log: Path, steps: int) -> list[int]:
     return worlds
 
 
+@pytest.mark.slow  # ~30 s of torch imports and rendezvous: `make test-slow` (make test's 15 minutes)
 def test_two_tasks_train_shrink_to_one_and_grow_back_losing_nothing(tmp_path) -> None:
     steps = 120  # about 30 are done when the grow is back at world size 2: room for a slow machine
     array = Array(tmp_path, steps, 0.1, agent=True)
@@ -345,6 +346,7 @@ def test_two_tasks_train_shrink_to_one_and_grow_back_losing_nothing(tmp_path) ->
     assert 0 < shrink < 60 and 0 < grow < 60
 
 
+@pytest.mark.slow  # ~30 s of torch imports and rendezvous: `make test-slow` (make test's 15 minutes)
 def test_when_task_0_goes_the_others_wait_for_its_next_store_and_go_on(tmp_path) -> None:
     steps = 60  # about 5 are done when task 0 goes
     array = Array(tmp_path, steps, 0.1)
