@@ -68,6 +68,19 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
+def say_as(prog: str, msg: str) -> None:
+    """One line on stderr under the launcher's name; never raises (stderr may be gone at a job's end)."""
+    try:
+        sys.stderr.write(f"{prog}: {msg}\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
+
+
+class UsageError(ValueError):
+    """A launcher's option it cannot use: said in one line, exit status 2."""
+
+
 def descendants(pid: int) -> list[int]:
     """Every process under ``pid``: the workers a launcher must see gone before it starts new ones."""
     out, todo = [], [pid]

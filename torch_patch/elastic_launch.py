@@ -67,7 +67,8 @@ from typing import Optional
 
 from slurm_antman import protocol as P
 
-from ._torchrun import PROG, PR_SET_CHILD_SUBREAPER, child_pids, descendants, die_with_parent, prctl
+from ._torchrun import (PROG, PR_SET_CHILD_SUBREAPER, UsageError, child_pids, descendants, die_with_parent, prctl,
+                        say_as)
 
 MAX_DATAGRAM = 4096
 MAX_GPU_INDEX = 1023
@@ -99,15 +100,7 @@ torchrun's --standalone, --nnodes, --nproc-per-node, rendezvous and --max-restar
 
 
 def say(msg: str) -> None:
-    try:
-        sys.stderr.write(f"{PROG}: {msg}\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
-
-
-class UsageError(ValueError):
-    pass
+    say_as(PROG, msg)
 
 
 class BadDatagram(ValueError):

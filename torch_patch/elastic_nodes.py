@@ -60,7 +60,8 @@ from typing import Callable, Optional
 
 from slurm_antman import protocol as P
 
-from ._torchrun import PR_SET_CHILD_SUBREAPER, child_pids, descendants, die_with_parent, prctl
+from ._torchrun import (PR_SET_CHILD_SUBREAPER, UsageError, child_pids, descendants, die_with_parent, prctl,
+                        say_as)
 from .elastic_rdzv import Refused, answers, endpoint, free_port, parse_rdzv, rdzv_path, read_rdzv, valid_addr, write_rdzv
 
 PROG = "antman-elastic-nodes"
@@ -99,15 +100,7 @@ torchrun's --nnodes, --nproc-per-node, --standalone, --rdzv-*, --local-addr and 
 
 
 def say(msg: str) -> None:
-    try:
-        sys.stderr.write(f"{PROG}: {msg}\n")
-        sys.stderr.flush()
-    except Exception:
-        pass
-
-
-class UsageError(ValueError):
-    pass
+    say_as(PROG, msg)
 
 
 class Ending(Exception):
