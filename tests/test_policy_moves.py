@@ -65,12 +65,13 @@ def test_crawler_is_moved_to_the_best_gpu_after_move_after_s():
     assert "7" in st2.avoid  # placement memory outlives the requeue
 
 
-def test_the_rendezvous_host_of_an_elastic_array_is_not_moved_its_other_tasks_are():
+def test_the_rendezvous_host_of_an_elastic_array_moves_with_its_array_other_tasks_alone():
     nodes = [node("n1", (crawler(NOW - WAIT - 1), gpu(1, util=0.4, o=("8",)))),
              node("n2", (gpu(0, util=0.3, g=("2",)), gpu(1)))]
     host = [dataclasses.replace(j, elastic_group="7", elastic_host=j.job_id == "7") for j in jobs("7", "8")]
-    ds, _ = decide(snap(host, nodes), EMPTY, PARAMS)
-    assert moves(ds) == []
+    ds, st = decide(snap(host, nodes), EMPTY, PARAMS)
+    assert moves(ds) == [PreemptNotice("7", "n1", PARAMS.grace_s), PreemptNotice("8", "n1", PARAMS.grace_s)]
+    assert "rendezvous host 7 is moved" in moves(ds)[1].reason and set(st.preempting) == {"7", "8"}
     task = [dataclasses.replace(j, elastic_group="6" if j.job_id == "7" else "") for j in jobs("7", "8")]
     ds, _ = decide(snap(task, nodes), EMPTY, PARAMS)
     assert moves(ds) == [PreemptNotice("7", "n1", PARAMS.grace_s)]

@@ -9,11 +9,13 @@ module's path), and a placement memory of the GPU it crawled on, so it is not pu
 alternative, leaving it, is what made sharing a loss before: a job at a 5 % share beside a
 guaranteed job that runs for days, while GPUs elsewhere free up.
 
-The task of an elastic array that hosts its training's rendezvous (``JobView.elastic_host``) is never
-moved: its requeue alone would end the rendezvous under the other tasks, which would hold their GPUs
-without training until it came back (the simulator found 93 of 121 whole-job requeues of such arrays on
-the Philly trace were these moves). Its other tasks move as any job: a shrink, and a grow elsewhere
-after the hold.
+The task of an elastic array that hosts its training's rendezvous (``JobView.elastic_host``) moves
+with its whole array, as its preemption does (``preemption.taken_down``): its requeue alone would end
+the rendezvous under the other tasks, which would hold their GPUs without training until it came back
+(93 of 121 whole-job requeues of arrays on the Philly trace, in the simulator), and never moving it
+leaves the whole training at the pace of a host crawling beside a guaranteed job (whole trace, duty
+throttle: 30,984 s mean JCT against 22,591 s moving the array; docs/evaluation.md). Its other tasks move
+as any job: a shrink, and a grow elsewhere after the hold.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Mapping
 from .decisions import Decision, PreemptNotice
 from .model import Avoid, GpuView, JobView, NodeView, PolicyParams, Preemption
 from slurm_antman.policy.progress import predicted_progress
+
+from .preemption import taken_down
 
 
 def _candidates(nodes: Mapping[str, NodeView], params: PolicyParams) -> list[tuple[float, str, GpuView]]:
@@ -59,7 +63,7 @@ def step(now: float, nodes: Mapping[str, NodeView], jobs: Mapping[str, JobView],
     for since, node, gpu, jid in crawlers:
         job = jobs.get(jid)
         if (job is None or job.state != "RUNNING" or job.job_class != "opportunistic" or jid in busy
-                or jid in preempting or now - since < params.move_after_s or job.elastic_host):
+                or jid in preempting or now - since < params.move_after_s):
             continue
         now_progress = dict(gpu.progress).get(jid, 0.0)
         want = max(params.min_progress, params.move_gain * now_progress)
@@ -81,4 +85,13 @@ def step(now: float, nodes: Mapping[str, NodeView], jobs: Mapping[str, JobView],
         preempting[jid] = Preemption(jid, node, now, now + params.grace_s, job.restarts,
                                      f"move: progress {now_progress:.2f}", gpu.index, "")
         avoid[jid] = Avoid(jid, node, gpu.index, now)
+        for t in taken_down(job, jobs)[1:]:  # the rest of an elastic array whose host moves
+            if t.job_id in busy or t.job_id in preempting:
+                continue
+            decisions.append(PreemptNotice(
+                t.job_id, t.node or node, params.grace_s,
+                reason=f"task of elastic array {job.elastic_group}, whose rendezvous host {jid} is moved",
+                inputs={"node": node, "gpu": gpu.index, "host": jid, "move": True}))
+            preempting[t.job_id] = Preemption(t.job_id, t.node or node, now, now + params.grace_s, t.restarts,
+                                              f"move of its array's host {jid}", -1, "")
     return decisions, preempting, avoid

@@ -40,7 +40,7 @@ def lost_gpu_seconds(job: JobView, now: float) -> float:
     return job.gpus * max(0.0, now - since)
 
 
-def _group(job: JobView, jobs: Mapping[str, JobView]) -> list[JobView]:
+def taken_down(job: JobView, jobs: Mapping[str, JobView]) -> list[JobView]:
     """What requeueing ``job`` takes down: itself, or for an elastic array's rendezvous host every
     running task of the array."""
     if not (job.elastic_group and job.elastic_host):
@@ -52,7 +52,7 @@ def _group(job: JobView, jobs: Mapping[str, JobView]) -> list[JobView]:
 def _victim_key(job: JobView, jobs: Mapping[str, JobView], now: float) -> tuple:
     # Fewest lost GPU-seconds, then the youngest (latest start), then the id for a stable choice.
     start = job.start_unix if job.start_unix is not None else now
-    return (sum(lost_gpu_seconds(j, now) for j in _group(job, jobs)), -start, len(job.job_id), job.job_id)
+    return (sum(lost_gpu_seconds(j, now) for j in taken_down(job, jobs)), -start, len(job.job_id), job.job_id)
 
 
 def _find_gpu(node: Optional[NodeView], index: int) -> Optional[GpuView]:
@@ -174,7 +174,7 @@ def _answer_needs(now: float, needs: tuple[PreemptNeed, ...], params: PolicyPara
         if not candidates:
             continue
         victim = min(candidates, key=lambda j: _victim_key(j, jobs, now))
-        lost = sum(lost_gpu_seconds(j, now) for j in _group(victim, jobs))
+        lost = sum(lost_gpu_seconds(j, now) for j in taken_down(victim, jobs))
         why = (f"non-compliant beside guaranteed job {need.job_id} on {need.node} GPU {need.gpu}: {need.reason}; "
                "requeued at once" if need.victim else
                f"guaranteed job {need.job_id} on {need.node} GPU {need.gpu} needs room that shrinking "
@@ -183,7 +183,7 @@ def _answer_needs(now: float, needs: tuple[PreemptNeed, ...], params: PolicyPara
             why += (f"; it hosts elastic array {victim.elastic_group}'s rendezvous, so every running task of the "
                     "array goes with it" if victim.elastic_host else
                     f"; a task of elastic array {victim.elastic_group}: the other tasks train on without it")
-        for j in _group(victim, jobs):
+        for j in taken_down(victim, jobs):
             if j.job_id in out.preempting or j.job_id in out.requeued or j.job_id in out.touched:
                 continue
             node, gpu = (need.node, need.gpu) if j is victim else (j.node or need.node, -1)
