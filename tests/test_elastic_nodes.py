@@ -103,7 +103,7 @@ def test_a_free_port_answers_only_once_something_listens() -> None:
     import socket
 
     port = ER.free_port()
-    assert 1 <= port <= 65535 and not ER.answers("127.0.0.1", port)
+    assert not ER.answers("127.0.0.1", port)  # nothing listens on the port it hands out
     with socket.create_server(("127.0.0.1", port)):
         assert ER.answers("127.0.0.1", port)
 
