@@ -186,3 +186,145 @@ def test_the_agent_opens_the_page_the_sidecar_names_and_reopens_a_new_file(tmp_p
         g.stop()
         o.stop()
     assert reader.read().state == sp.NONE  # the publisher left the page saying nobody publishes
+
+
+class _Stream:
+    """A device stream as CUDA has one, for the gate's event path: work launched returns at once and
+    runs in order on a thread of its own; an event completes when everything queued before it has."""
+
+    def __init__(self) -> None:
+        self.q: "queue.SimpleQueue" = __import__("queue").SimpleQueue()
+        self.busy_until = 0.0
+        self.th = threading.Thread(target=self._run, daemon=True)
+        self.th.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if isinstance(item, float):
+                time.sleep(item)
+            else:
+                item.t_ms = time.monotonic() * 1e3
+                item.done.set()
+
+    def launch(self, seconds: float) -> None:
+        self.q.put(float(seconds))
+
+    def event(self) -> "_Event":
+        ev = _Event()
+        self.q.put(ev)
+        return ev
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.th.join(2)
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.t_ms = 0.0
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(5), "an event never completed"
+
+    def elapsed_time(self, end: "_Event") -> float:
+        assert self.done.is_set() and end.done.is_set()
+        return end.t_ms - self.t_ms
+
+
+def _idle_page(tmp_path) -> str:
+    """A guaranteed job idle for a long while (slots of 10 s): the gate always finds room."""
+    path = _page(tmp_path)
+    w = sp.SlotWriter(path)
+    t = time.monotonic_ns()
+    w.busy(t - 20 * 10**9)
+    w.idle(t - 10 * 10**9)
+    w.busy(t - 10**6)  # idle for 10 s, then a 1 ms burst
+    w.idle(t)
+    return path
+
+
+def _launch_modules(gate: SlotGate, dev: _Stream, n: int, work_s: float) -> list[int]:
+    in_flight = []
+    for _ in range(n):
+        gate.before_launch()
+        in_flight.append(len(gate._modules))  # this module included
+        dev.launch(work_s)
+    return in_flight
+
+
+def test_on_cuda_the_gate_lets_the_host_run_ahead_by_its_budget_and_no_further(tmp_path):
+    dev = _Stream()
+    gate = SlotGate(_idle_page(tmp_path), event=dev.event, inflight_s=0.0035)
+    try:
+        t0 = time.monotonic()
+        in_flight = _launch_modules(gate, dev, 40, 0.001)
+        gate.drain()
+        took = time.monotonic() - t0
+        assert dev.q.empty() and not gate._modules  # drained: nothing left queued
+        # Each module's device time, from its two events (1 ms of sleep, a little more on a busy host).
+        assert 0.0009e9 <= gate.work_ns <= 0.005e9, gate.work_ns
+        # Ahead of the device, by the budget: 3 modules queued and the one launched, never more.
+        assert max(in_flight) == gate.most_in_flight and 2 <= gate.most_in_flight <= 4, in_flight
+        assert took >= 0.040  # the device's own time: the gate never skipped work
+    finally:
+        dev.close()
+        gate.close()
+
+
+def test_on_cuda_a_budget_of_nothing_keeps_one_module_in_flight(tmp_path):
+    dev = _Stream()
+    gate = SlotGate(_idle_page(tmp_path), event=dev.event, inflight_s=0.0)
+    try:
+        in_flight = _launch_modules(gate, dev, 10, 0.001)
+        assert set(in_flight) == {1} and gate.most_in_flight == 1
+        assert gate.launches == 10 and gate.blind == 0
+    finally:
+        gate.drain()
+        dev.close()
+        gate.close()
+
+
+def test_on_cuda_the_work_in_flight_counts_against_the_guaranteed_jobs_slot(tmp_path, monkeypatch):
+    """Slots of ~40 ms, of which 0.8 may be filled: a 15 ms module launches at once into a fresh slot,
+    but behind 2 x 15 ms of estimated work still queued it does not fit, and the gate waits (the
+    budget, 1 s, has room: it is the slot that is full)."""
+    import torch_patch.slots as slots
+
+    monkeypatch.setattr(slots, "MAX_WAIT_S", 0.1)
+    path = _page(tmp_path)
+    w = sp.SlotWriter(path)
+    for _ in range(3):
+        w.busy()
+        time.sleep(0.02)
+        w.idle()
+        time.sleep(0.04)
+    dev = _Stream()
+    gates = []
+    try:
+        waits = []
+        for queued in (0, 2):
+            gate = SlotGate(path, event=dev.event, inflight_s=1.0)
+            gates.append(gate)
+            gate.work_ns = 0.015e9
+            for _ in range(queued):  # as before_launch leaves them: every module but the last closed
+                if gate._modules:
+                    gate._modules[-1][1] = dev.event()
+                gate._modules.append([dev.event(), None])
+                dev.launch(0.030)
+            w.busy()
+            w.idle()  # a slot begins now
+            gate.before_launch()
+            waits.append(gate.waited_s)
+            gate.drain()
+        assert waits[0] < 0.01 and waits[1] >= 0.05, waits
+    finally:
+        dev.close()
+        for g in gates:
+            g.close()

@@ -380,3 +380,22 @@ def test_gpu_pause_and_resume_free_and_give_back_the_gpu(tmp_path_factory):
     assert pause["bytes_freed"] >= 0.9 * pause["bytes_moved"] > 0
     assert pause["pause_s"] <= 2 * pause["ideal_pause_s"] and pause["resume_s"] <= 2 * pause["ideal_resume_s"]
     assert pause["losses_after"] == pause["twin_losses"]
+
+
+def test_the_slots_part_runs_every_mode_and_hands_each_gate_its_budget(tmp_path):
+    """Part 8's plumbing on CPU (the claims are the GPU's): both gates, the duty shares, and the
+    quantities the simulator takes, from the workers' own records."""
+    from slurm_antman.lab.bench import gpu_slots
+    from torch_patch.slots import INFLIGHT_S
+
+    r = gpu_slots.measure(str(tmp_path), 0.6, device="cpu", batch=2, model="rl_ppo_atari")
+    assert list(r["modes"]) == ["alone"] + [f"duty {s:g}" for s in gpu_slots.SHARES] + ["slots, one module", "slots"]
+    for mode, inflight in (("slots, one module", 0.0), ("slots", INFLIGHT_S)):
+        gate = r["modes"][mode]["opportunistic"]["gate"]
+        assert gate["inflight_ms"] == pytest.approx(inflight * 1e3)
+        # The guaranteed worker published: the gate judged launches by the page, not blind.
+        assert gate["launches"] > 0 and gate["blind"] < gate["launches"]
+    assert 0.0 < r["guaranteed_idle_fraction"] < 1.0
+    for key in ("fill_efficiency", "fill_efficiency_one_module"):
+        assert r[key] == pytest.approx(r["modes"]["slots" if key == "fill_efficiency" else "slots, one module"]
+                                       ["opportunistic_progress"] / r["guaranteed_idle_fraction"])

@@ -165,7 +165,9 @@ class SlotWriter:
 
     @staticmethod
     def _mean(old: int, new: int) -> int:
-        new = min(new, MAX_PERIOD_NS)
+        # Clamped both ways: a clock handed in by a caller that went back must not stop the page (a
+        # negative word cannot be stored, and a write that raised half-way would leave it torn).
+        new = max(0, min(new, MAX_PERIOD_NS))
         return new if old == 0 else int(old + EWMA * (new - old))
 
     def busy(self, now_ns: Optional[int] = None) -> None:

@@ -89,17 +89,17 @@ PARTS: tuple[Part, ...] = (
     Part("overhead", "Agent overhead on a real model alone", 45.0,
          _B + "gpu_overhead:run", ("cuda", "zmq"),
          "resnet50 with the agent attached vs detached, A-B-B-A rounds beside an A/A control"),
-    Part("zoo", "The zoo: antman bench models --device cuda --pairs-with resnet50,lstm_lm", 90.0,
+    Part("zoo", "The zoo: antman bench models --device cuda --pairs-with resnet50,lstm_lm", 60.0,
          _B + "gpu_zoo:run", ("cuda", "nvml"),
          "every zoo model alone and beside resnet50 and lstm_lm (bench.models, in chunks until the budget)"),
     Part("pause", "Pause and resume in place", 25.0, _B + "gpu_pause:run", ("cuda",),
          "an 8 GiB model+Adam state moved to pinned host memory and back: time against the measured "
          "host-device bandwidth, memory freed, losses against an unpaused twin (issue 16)",
          skip_if=_pause_missing),
-    Part("slots", "Slot filling: the guaranteed job's idle slots, on a real GPU", 60.0, _B + "gpu_slots:run",
+    Part("slots", "Slot filling: the guaranteed job's idle slots, on a real GPU", 90.0, _B + "gpu_slots:run",
          ("cuda",),
          "guaranteed resnet50 at about half duty beside an opportunistic one: alone, the duty throttle at "
-         "shares 0.1 and 0.2, and slot filling; the fill efficiency and leak the simulator takes"),
+         "shares 0.05, 0.1 and 0.2, and slot filling; the fill efficiency and leak the simulator takes"),
 )
 BY_NAME = {p.name: p for p in PARTS}
 DEFAULT_BUDGET_S = sum(p.budget_s for p in PARTS)

@@ -19,19 +19,20 @@ MODEL, BATCH = "resnet50", 32
 MAX_OVERHEAD = 0.01
 
 
-def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
+def measure(workdir: str, iters: int = 20, rounds: int = 6, device: str = "cuda") -> dict:
     import torch
 
     from .control import agent_with_peer, measure_overhead
     from slurm_antman.lab.evaluation.model_zoo import build
 
-    with agent_with_peer(os.path.join(workdir, "o", "agent.sock"), use_cuda=True) as (agent, _conn):
+    with agent_with_peer(os.path.join(workdir, "o", "agent.sock"), use_cuda=device == "cuda") as (agent, _conn):
         torch.manual_seed(0)
-        loop = build(MODEL, device="cuda", batch=BATCH)
+        loop = build(MODEL, device=device, batch=BATCH)
 
         def iteration() -> None:
             loop.step()
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
 
         r = measure_overhead(agent, iters=iters, rounds=rounds, iteration=iteration)
         r["report_gap_s"] = agent._report_gap  # as the agent spaced them while it trained
@@ -41,6 +42,19 @@ def measure(workdir: str, iters: int = 20, rounds: int = 6) -> dict:
         agent.report_interval_s = agent._report_gap = base_ivl
         r["ratio_without_reports"], r["control_without_reports"] = quiet["ratio"], quiet["control"]
         r["report_us"] = _report_us(agent)
+        # The same rounds publishing on an idle-slot page (issue 30, item 2): what a guaranteed job
+        # pays for slot filling next to it (one event per boundary, one hook call per iteration).
+        from slurm_antman.protocol import slot_page
+
+        page = os.path.join(workdir, "o", "slots.page")
+        slot_page.create(page)
+        agent.set_slot_page(page, "publish")
+        if agent.slot_publisher is None:
+            raise RuntimeError(f"the agent did not open the idle-slot page {page}")
+        pub = measure_overhead(agent, iters=iters, rounds=rounds, iteration=iteration)
+        agent.set_slot_page(None, None)
+        r["ratio_publishing"], r["control_publishing"] = pub["ratio"], pub["control"]
+        r["boundary_publishing_us"] = pub["boundary_us"]
     return {"model": MODEL, "batch": BATCH, "iters": iters, "rounds": rounds, **r}
 
 
@@ -69,3 +83,10 @@ def run(ctx: PartContext) -> None:
              f"{r['ratio']:.4f}, A/A control {r['control']:.4f}; one boundary {r['boundary_us']:.0f} us; "
              f"one report {r['report_us']:.0f} us, reports {r['report_gap_s'] * 1000:.0f} ms apart; with reports "
              f"off {r['ratio_without_reports']:.4f} (A/A {r['control_without_reports']:.4f})")
+    noise = abs(r["control_publishing"] - 1.0)
+    ctx.check("publishing idle slots within 1% (beyond the A/A noise)",
+              r["ratio_publishing"] - 1.0 <= MAX_OVERHEAD + noise,
+              {"ratio": r["ratio_publishing"], "control": r["control_publishing"]},
+              f"agent publishing on a page / no agent - 1 <= {MAX_OVERHEAD:.0%} + |A/A ratio - 1|")
+    ctx.note(f"publishing on an idle-slot page: with/without agent {r['ratio_publishing']:.4f}, A/A control "
+             f"{r['control_publishing']:.4f}; one boundary {r['boundary_publishing_us']:.0f} us")

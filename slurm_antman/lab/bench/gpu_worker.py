@@ -9,8 +9,8 @@ stdin, one per line, and answers each with one JSON line on stdout:
   random time from [0, 2X] with the GPU idle, the data-loader stall of ``models`` (its
   ``stall_ms`` gives X for a duty); answer the steps, mean mini-batch and busy time, the agent's share
   and memory, and the losses;
-- ``{"cmd": "slots", "path": P, "role": R}``: use the idle-slot page at P as R (publish, fill, or
-  null: none; ``Agent.set_slot_page``); ``{"cmd": "share", "share": S}``: throttle to S; both
+- ``{"cmd": "slots", "path": P, "role": R[, "inflight_s": S]}``: use the idle-slot page at P as R
+  (publish, fill, or null: none; ``Agent.set_slot_page``), a gate with S seconds of work in flight; ``{"cmd": "share", "share": S}``: throttle to S; both
   answer ``{"ok": true}``;
 - ``{"cmd": "quit"}``.
 
@@ -105,6 +105,11 @@ def worker_main(argv: Optional[Sequence[str]] = None) -> int:
                 break
             if cmd.get("cmd") == "slots":
                 agent.set_slot_page(cmd.get("path"), cmd.get("role"))
+                if agent.slot_gate is not None and cmd.get("inflight_s") is not None:
+                    inflight = float(cmd["inflight_s"])
+                    if not 0.0 <= inflight <= 1.0:
+                        raise ValueError(f"inflight_s must be in [0, 1] seconds, got {inflight}")
+                    agent.slot_gate.inflight_ns = int(inflight * 1e9)
                 _emit({"ok": True, "publisher": agent.slot_publisher is not None, "gate": agent.slot_gate is not None})
                 continue
             if cmd.get("cmd") == "share":
@@ -117,7 +122,8 @@ def worker_main(argv: Optional[Sequence[str]] = None) -> int:
             gate = agent.slot_gate
             if gate is not None:
                 out["gate"] = {"waited_s": gate.waited_s, "launches": gate.launches, "blind": gate.blind,
-                               "forced": gate.forced, "work_ms": gate.work_ns / 1e6}
+                               "forced": gate.forced, "work_ms": gate.work_ns / 1e6,
+                               "most_in_flight": gate.most_in_flight, "inflight_ms": gate.inflight_ns / 1e6}
             _emit(out)
     finally:
         agent.stop()
