@@ -68,7 +68,9 @@ def slots_cluster(tmp_path_factory):
     # coordinator, no accounting: slot filling is the node's own business.
     with managed_cluster(tmp_path_factory.mktemp("slots-cluster"), tmp_path_factory.mktemp("slots-jobs"),
                          nodes=1, gpus=1, cpus=4, port_base=PORT_BASE, accounting=False, coordinator=False,
-                         overrides={"sidecar": {"slot_filling": True},
+                         # The emulated GPU's own fill efficiency (antman bench interleave), as a site
+                         # sets what its GPUs measured.
+                         overrides={"sidecar": {"slot_filling": True, "slot_fill_efficiency": 0.69},
                                     "opportunistic": {"utilization_window_s": WINDOW_S}}) as c:
         yield c
 

@@ -10,9 +10,11 @@ from slurm_antman.lab.bench import simulate as bench_simulate
 from slurm_antman.lab.evaluation import traces
 from slurm_antman.lab.evaluation.simulator import SimConfig
 from slurm_antman.lab.evaluation.simulator.engine import Simulator
-from slurm_antman.lab.evaluation.simulator.slot_fill import SlotFillParams, slot_rates
+from slurm_antman.lab.evaluation.simulator.slot_fill import LEAK_EMULATED, SlotFillParams, slot_rates
+from slurm_antman.policy.progress import FILL_EFFICIENCY_EMULATED
 
-P = SlotFillParams()
+# The emulated GPU's parameters: the arithmetic below is the same for any, and these leave room to see it.
+P = SlotFillParams(FILL_EFFICIENCY_EMULATED, LEAK_EMULATED)
 
 
 def test_one_opportunistic_job_fills_what_the_guaranteed_job_leaves_idle():
@@ -53,8 +55,9 @@ def test_beside_a_guaranteed_job_an_opportunistic_job_progresses_faster_filling_
     p.write_text(HEADER + "".join(f"{t},{d},{g},{d * g},{c}\n" for t, d, g, c in rows))
     jobs = traces.load_sorted(p)
     out = {}
-    for mode in ("duty", "slots"):
-        cfg = SimConfig(policy="antman", nodes=1, gpus_per_node=1, seed=3, compute=mode)
+    for mode, params in (("duty", P), ("slots", P), ("slots, H100", SlotFillParams())):
+        cfg = SimConfig(policy="antman", nodes=1, gpus_per_node=1, seed=3, compute=mode.split(",")[0],
+                        slot_fill=params)
         res = Simulator(jobs, cfg).run()
         out[mode] = {r["job_id"]: r for r in res.jobs}
     second = sorted(out["duty"])[1]
@@ -64,6 +67,8 @@ def test_beside_a_guaranteed_job_an_opportunistic_job_progresses_faster_filling_
     assert out["duty"][second]["first_start_s"] >= 36000.0
     assert out["slots"][second]["first_start_s"] == 10.0
     assert out["slots"][second]["end_s"] < out["duty"][second]["end_s"] / 5
+    # With what an H100 filled (0.272 of the idle time) the promise is under the floor again: it waits.
+    assert out["slots, H100"][second]["first_start_s"] >= 36000.0
     first = sorted(out["duty"])[0]
     # The guaranteed job pays the leak and no more.
     g_run = out["slots"][first]["end_s"] - out["slots"][first]["first_start_s"]
@@ -83,7 +88,7 @@ def test_placement_predicts_slot_filling_only_when_it_is_on():
     assert predicted_progress(0.5, 1, 0, 0.02, fill=0.69) == pytest.approx(0.345)
     assert predicted_progress(0.5, 1, 1, 0.02, fill=0.69) == pytest.approx(0.345 / 2)
     assert predicted_progress(0.5, 0, 1, 0.02, fill=0.69) == pytest.approx(1 / 1.5)  # no guaranteed job: unchanged
-    assert SimConfig(compute="slots").fill == P.fill_efficiency and SimConfig().fill == 0.0
+    assert SimConfig(compute="slots").fill == SlotFillParams().fill_efficiency and SimConfig().fill == 0.0
 
 
 def test_the_real_paths_placement_counts_slot_filling_when_the_site_turns_it_on():
@@ -91,15 +96,28 @@ def test_the_real_paths_placement_counts_slot_filling_when_the_site_turns_it_on(
     from slurm_antman.policy.cluster.model import PolicyParams
     from slurm_antman.policy.node.core import GiB
     from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
-    from slurm_antman.policy.progress import FILL_EFFICIENCY
+    from slurm_antman.policy.progress import FILL_EFFICIENCY, FILL_EFFICIENCY_EMULATED
 
     # A GPU half busy with a guaranteed job: the duty throttle promises 0.04, under the floor of 0.25,
-    # so the job waits; filling slots promises 0.345, so it is placed there.
+    # so the job waits; filling slots as well as the emulated GPU does promises 0.345, so it is placed
+    # there; as well as the H100 did, 0.136, still under the floor: it waits.
     gpus = [GpuLoad(0, 80 * GiB, 10 * GiB, 0.5, 1, 0)]
     assert choose_gpus(gpus, 1, 2, 0.8, 10, 0.02, 0.25, wait_without_room=True).placement == "wait"
     assert choose_gpus(gpus, 1, 2, 0.8, 10, 0.02, 0.25, wait_without_room=True,
-                       fill=FILL_EFFICIENCY).gpus == [0]
+                       fill=FILL_EFFICIENCY_EMULATED).gpus == [0]
+    assert choose_gpus(gpus, 1, 2, 0.8, 10, 0.02, 0.25, wait_without_room=True,
+                       fill=FILL_EFFICIENCY).placement == "wait"
+    assert choose_gpus(gpus, 1, 2, 0.8, 10, 0.02, 0.10, wait_without_room=True,
+                       fill=FILL_EFFICIENCY).gpus == [0]  # under a floor of 0.1 it is placed
     nodes = [{"name": "n1", "gpus": 2}]
     assert PolicyParams.from_config(cfgmod.parse({"nodes": nodes})).slot_fill == 0.0
     on = cfgmod.parse({"nodes": nodes, "sidecar": {"slot_filling": True}})
     assert PolicyParams.from_config(on).slot_fill == FILL_EFFICIENCY
+    # The config's default is the policy's constant (the config does not import the policy), and a
+    # site's own measurement replaces it.
+    assert on.sidecar.slot_fill_efficiency == FILL_EFFICIENCY
+    mine = cfgmod.parse({"nodes": nodes, "sidecar": {"slot_filling": True, "slot_fill_efficiency": 0.5}})
+    assert PolicyParams.from_config(mine).slot_fill == 0.5
+    for bad in (0, 1.5):
+        with pytest.raises(cfgmod.ConfigError, match="slot_fill_efficiency"):
+            cfgmod.parse({"nodes": nodes, "sidecar": {"slot_fill_efficiency": bad}})

@@ -405,7 +405,17 @@ class Sidecar(_Strict):
                     "guaranteed job's agent publishes when its GPU work is in flight and when it drained, readable "
                     "by that GPU's opportunistic jobs only, so that their agents launch into its idle slots. Needs "
                     "agents that name the \"slots\" feature and a socket_dir on a file system with POSIX ACLs "
-                    "(else no page is offered). Off by default: not measured yet.")
+                    "(else no page is offered). Off by default: on an H100 the gate filled 0.27 of the guaranteed job's "
+                    "idle time and slowed it 2.4 % (docs/benchmarks.md, GPU proof run 4).")
+    # policy.progress.FILL_EFFICIENCY: the config does not import the policy; a test keeps them equal.
+    slot_fill_efficiency: float = Field(
+        default=0.272, gt=0, le=1,
+        description="With slot_filling: the fraction of a guaranteed job's idle GPU time its opportunistic "
+                    "neighbours fill on this site's GPUs, which the placement predicts their progress by (beside "
+                    "a guaranteed job at utilisation u an opportunistic job is promised this x (1 - u), and "
+                    "waits where that is under opportunistic.min_progress). Default: an H100's, ResNet-50 at half "
+                    "duty (docs/benchmarks.md, GPU proof run 4). Measure yours with `antman bench gpu --parts "
+                    "slots` (its fill_efficiency); the devcluster's emulated GPU fills 0.69.")
     metrics_port: int = Field(default=0, ge=0, le=65535,
                               description="Prometheus endpoint port of the sidecar; 0 turns it off. With several "
                                           "slurmd on one host, only one sidecar can bind it.")

@@ -19,10 +19,12 @@ has for every GPU (its utilisation and which jobs hold it), not the jobs' models
 
 from __future__ import annotations
 
-# What opportunistic jobs fill of a guaranteed job's idle device time under slot filling, as
-# `antman bench interleave` measured it on the contending emulated GPU (docs/benchmarks.md: 0.345 of
-# the 0.5 left idle); not yet measured on a GPU.
-FILL_EFFICIENCY = 0.69
+# What opportunistic jobs fill of a guaranteed job's idle device time under slot filling, as the GPU
+# proof's part 8 measured it on an H100 (docs/benchmarks.md, run 4: 0.134 of the 0.49 a ResNet-50 at
+# half duty left idle, the gate with one module in flight; one run of 4 s windows). The contending
+# emulated GPU of `antman bench interleave` fills 0.69 (0.345 of 0.5), which its 2 ms modules flatter.
+FILL_EFFICIENCY = 0.272
+FILL_EFFICIENCY_EMULATED = 0.69
 
 # Below this the measured utilisation is noise: a GPU is never treated as completely idle while a
 # job holds it.

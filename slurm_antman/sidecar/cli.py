@@ -78,7 +78,7 @@ def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_
         no_room_wait=conf.sidecar.enforce and conf.opportunistic.no_room == "wait",
         hooks_state_dir=os.path.join(conf.state_dir, node),
         compliance=ComplianceParams(grace_s=conf.sidecar.compliance_grace_s),
-        slot_filling=conf.sidecar.slot_filling)
+        slot_filling=conf.sidecar.slot_filling, slot_fill=float(conf.sidecar.slot_fill_efficiency))
 
 
 # What a reload cannot change in a running sidecar: sockets, telemetry and the uplink are bound.

@@ -7,6 +7,7 @@ from typing import Optional
 
 from slurm_antman.policy.node import compliance
 from slurm_antman.policy.node.core import NodePolicyParams
+from slurm_antman.policy.progress import FILL_EFFICIENCY
 
 from .uplink import UplinkOptions
 
@@ -29,3 +30,4 @@ class SidecarOptions:
     hooks_state_dir: Optional[str] = None  # where the Prolog writes this node's env files (state_dir/NODE)
     compliance: compliance.ComplianceParams = compliance.ComplianceParams()
     slot_filling: bool = False  # sidecar.slot_filling: idle-slot pages (slot_pages.py)
+    slot_fill: float = FILL_EFFICIENCY  # sidecar.slot_fill_efficiency: what the placement counts on

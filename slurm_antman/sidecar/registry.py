@@ -11,7 +11,6 @@ import zmq
 
 from slurm_antman import protocol as p
 from slurm_antman.policy.node.placement import GpuLoad, choose_gpus
-from slurm_antman.policy.progress import FILL_EFFICIENCY
 
 from .endpoints import SocketDir, SocketDirError
 from .loop import bound_router
@@ -93,7 +92,7 @@ class JobRegistry:
                                  self.opt.params.target_slowdown, self.opt.params.min_progress,
                                  avoid if until > time.time() else (),
                                  wait_without_room=self.opt.no_room_wait and b.may_wait,
-                                 fill=FILL_EFFICIENCY if self.opt.slot_filling else 0.0,
+                                 fill=self.opt.slot_fill if self.opt.slot_filling else 0.0,
                                  apart=self._siblings_gpus(b.job_id, b.elastic_group))
             # In physical order: CUDA numbers the devices a job's cgroup allows that way, and the Prolog's
             # CUDA_VISIBLE_DEVICES (0..n-1 under ConstrainDevices) and ANTMAN_GPUS follow this list, so

@@ -84,12 +84,14 @@ def _parser() -> argparse.ArgumentParser:
                         "(opportunistic.switch_wait_s); 'none'")
     p.add_argument("--compute", choices=COMPUTE_MODES, default=SimConfig.compute,
                    help="antman: opportunistic jobs beside a guaranteed job run under the duty throttle's share "
-                        "(duty) or fill its idle slots (slots: simulator/slot_fill.py; parameters measured on the "
-                        "contending emulated GPU, not on a GPU)")
+                        "(duty) or fill its idle slots (slots: simulator/slot_fill.py; parameters measured once on an "
+                        "H100, GPU proof run 4)")
     p.add_argument("--fill-efficiency", type=float, default=SlotFillParams.fill_efficiency,
-                   help="--compute slots: fraction of the guaranteed job's idle device time filled (default %(default)s)")
+                   help="--compute slots: fraction of the guaranteed job's idle device time filled (default %(default)s, "
+                        "an H100's; the contending emulated GPU's: 0.69)")
     p.add_argument("--slot-leak", type=float, default=SlotFillParams.leak,
-                   help="--compute slots: the guaranteed job's slowdown beside slot-filling jobs (default %(default)s)")
+                   help="--compute slots: the guaranteed job's slowdown beside slot-filling jobs (default %(default)s, "
+                        "an H100's; the contending emulated GPU's: 0.004)")
     p.add_argument("--elastic-share", type=float, default=SimConfig.elastic_share,
                    help="antman: the share of multi-GPU jobs that are elastic (1 to their GPUs; 0 to 1)")
     p.add_argument("--elastic-change-s", type=float, default=SimConfig.elastic_change_s,

@@ -151,7 +151,8 @@ class PolicyParams:
             target_slowdown=float(cfg.sidecar.target_slowdown),
             min_progress=float(cfg.opportunistic.min_progress),
             # Typed loosely too: a config from before slot filling has no such key.
-            slot_fill=FILL_EFFICIENCY if getattr(cfg.sidecar, "slot_filling", False) else 0.0,
+            slot_fill=(float(getattr(cfg.sidecar, "slot_fill_efficiency", FILL_EFFICIENCY))
+                       if getattr(cfg.sidecar, "slot_filling", False) else 0.0),
             move_after_s=cfg.opportunistic.move_after_s,
             move_gain=float(cfg.opportunistic.move_gain),
             keep_off_no_room=bool(cfg.sidecar.enforce) and cfg.opportunistic.no_room == "wait",

@@ -2,18 +2,21 @@
 where the opportunistic jobs launch only into the guaranteed job's idle slots (torch_patch/slots.py)
 instead of running under the duty throttle. Pure: no clock, no state.
 
-The model has two named parameters, both measured by ``antman bench interleave`` on the contending
-emulated GPU (docs/benchmarks.md, "Slot filling against the duty throttle"), **neither yet on a real
-GPU**:
+The model has two named parameters. The defaults are **measured on a GPU**, once: the GPU proof's
+part 8 on an H100 (docs/benchmarks.md, "Run 4"), a guaranteed ResNet-50 at half duty beside an
+opportunistic one, the gate with one module in flight. The same quantities on the contending emulated
+GPU (``antman bench interleave``) are given beside them; ``--fill-efficiency`` and ``--slot-leak``
+take either:
 
 - ``fill_efficiency``: the fraction of the guaranteed job's idle device time that opportunistic work
-  fills. The gate stops before a slot is predicted to end (margin 0.8 of the mean idle period), waits
-  for its previous module to drain and polls the page; with stalls drawn from mean x [0.8, 1.2] the
-  bench filled 0.345 of the 0.5 left idle: **0.69** (with stalls anywhere in [0, 2 x mean]: 0.52).
-- ``leak``: the guaranteed job's slowdown, from the opportunistic module still in flight when its
-  next burst begins (the device never preempts) and the context switch before it: 1.002-1.006 in the
-  bench, so **0.004**. The switch cost and the in-flight overhang are folded into these two numbers as
-  measured; the device's switch cost itself is an assumption (contended_gpu: 0.1 ms).
+  fills. The gate stops before a slot is predicted to end (margin 0.8 of the mean idle period), bounds
+  its work in flight and polls the page. H100: 0.134 of the 0.49 left idle, **0.272**. Emulated, with
+  stalls drawn from mean x [0.8, 1.2]: 0.345 of 0.5, 0.69 (stalls anywhere in [0, 2 x mean]: 0.52).
+  The H100's gate synchronised after every module of a launch-bound model; the gate that keeps
+  ``torch_patch.slots.INFLIGHT_S`` of work in flight is not measured yet.
+- ``leak``: the guaranteed job's slowdown, from the opportunistic work still in flight when its next
+  burst begins (the device never preempts) and the context switch before it. H100: 1.024, **0.024**.
+  Emulated: 1.002-1.006, 0.004 (its switch cost is an assumption, contended_gpu: 0.1 ms).
 
 Device time left idle by the guaranteed job (utilisation ``u_g``: the fraction of the time its
 kernels run, its duty times its profile's SM busy fraction) is ``fill_efficiency x (1 - u_g)`` of the
@@ -30,13 +33,17 @@ from typing import Sequence
 
 from slurm_antman.policy.progress import FILL_EFFICIENCY
 
+# The guaranteed job's slowdown under slot filling, measured with FILL_EFFICIENCY (module doc).
+LEAK = 0.024
+LEAK_EMULATED = 0.004
+
 COMPUTE_MODES = ("duty", "slots")
 
 
 @dataclass(frozen=True)
 class SlotFillParams:
     fill_efficiency: float = FILL_EFFICIENCY
-    leak: float = 0.004
+    leak: float = LEAK
 
     def check(self) -> None:
         if not 0.0 < self.fill_efficiency <= 1.0:
