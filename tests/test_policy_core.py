@@ -503,3 +503,17 @@ def test_make_eligible_survives_the_completing_step_after_requeue():
     pending = dataclasses.replace(o, state="PENDING", restarts=1, node=None)
     ds, st = decide(snap([g, pending], [n], now=later + 2), st, PARAMS)
     assert [d.job_id for d in ds if d.kind == "make_eligible"] == ["o1"]
+
+
+def test_no_task_of_an_elastic_array_is_made_guaranteed_by_quota():
+    """An auto elastic array across nodes is one opportunistic training: a task upgraded alone would
+    still be taken down with its array whenever the opportunistic host is preempted."""
+    n = node("n1", (gpu(0, o=("7_0",)), gpu(1, o=("7_1",))), in_slurm=2)
+    plain = [_opp_running("7_0", submit=1), _opp_running("7_1", submit=1),
+             job("7_2", requested="auto", job_class="opportunistic", submit=1)]
+    tasks = [dataclasses.replace(j, elastic_group="7", elastic_host=j.job_id == "7_0") for j in plain]
+    ds, _ = run(snap(tasks, [n], quotas={"a": 8}))
+    assert not any(d.kind in ("upgrade", "set_class") for d in ds), ds
+    # The same jobs without the array: both running ones are upgraded, the pending one made guaranteed.
+    ds, _ = run(snap(plain, [n], quotas={"a": 8}))
+    assert sorted(d.kind for d in ds if d.kind in ("upgrade", "set_class")) == ["set_class", "upgrade", "upgrade"]

@@ -49,9 +49,13 @@ def _fifo(job: JobView) -> tuple:
 def step(now: float, jobs: Collection[JobView], quotas: Mapping[str, int], params: PolicyParams,
          skip: Collection[str], nodes: Mapping[str, NodeView]) -> list[Decision]:
     used = usage_by_account(jobs)
+    # A task of an elastic array across nodes stays what job_submit.lua made it (opportunistic: an auto
+    # job resolved guaranteed there loses its elastic range): its tasks are one training, and one task
+    # made guaranteed would still go down with the rest whenever the opportunistic host is preempted
+    # (preemption.taken_down), a guaranteed job harmed.
     candidates = [
         j for j in jobs
-        if j.job_id not in skip and (
+        if j.job_id not in skip and not (j.elastic_group and not j.held_for_quota) and (
             (j.state == "PENDING" and (j.requested in WANTS_GUARANTEED or j.held_for_quota))
             or (params.upgrade_running and j.state == "RUNNING" and j.job_class == "opportunistic"
                 and j.requested in WANTS_GUARANTEED))
