@@ -443,3 +443,21 @@ def test_pause_in_place_replaces_a_requeue_for_a_short_guaranteed_burst(tmp_path
     assert burst <= m["paused_s"] <= burst + 10.0 + 30.0 + 1.0  # the burst, the hold, at most a cycle
     mem = BY_NAME[newest_p["profile"]].mem_bytes
     assert m["pause_cost_s"] == pytest.approx(2 * mem / SimConfig().pause_bandwidth_bytes_s)
+
+
+def test_a_need_ends_when_its_gpu_has_no_opportunistic_job_left(tmp_path):
+    """A preemption need is the local policy's ask for room from opportunistic jobs. Once none is left
+    on the GPU (the victim requeued and not back yet, or done) it is answered; left standing, every
+    later cycle would hand the coordinator a need on a GPU with nothing to free. (The local policy,
+    which clears a need otherwise, only runs on a GPU with opportunistic jobs.)"""
+    from slurm_antman.lab.evaluation.simulator.engine import Simulator
+    from slurm_antman.policy import cluster as cp
+
+    jobs = trace(tmp_path, [("2017-10-01 00:00:00", 1_000.0, 1, "a")])
+    sim = Simulator(jobs, one_gpu("antman", slow_preempt_s=120.0))
+    sim.run()
+    g = sim.gpus[0]
+    assert not g.opp and not g.guar
+    g.need = cp.PreemptNeed("node1", 0, "philly-1", "over the slowdown target", sim.now)
+    sim._model_gpu(g)
+    assert g.need is None

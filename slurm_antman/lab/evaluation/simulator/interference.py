@@ -70,6 +70,9 @@ class GpuInterference:
         else:
             shares = {j.job.job_id: 1.0 for j in opp}
             self._track_slow(g, guar, False)
+            # No opportunistic job left to free room from: a need raised for this GPU is answered (the
+            # slow_preempt_s need is raised outside the local policy, which clears the others).
+            g.need = None
         here = guar + opp
         # A job's load on the GPU: its duty (production idle time) times its compute share.
         load = {j.job.job_id: j.duty * shares.get(j.job.job_id, 1.0) for j in here}
