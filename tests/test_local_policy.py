@@ -408,3 +408,27 @@ def test_explain_tells_a_pause_in_place_and_its_end(tmp_path):
     doc = json.loads(explain("202", str(path), as_json=True)[0])
     assert [r["kind"] for r in doc["pauses"]] == ["paused", "resumed"] and doc["decisions"] == []
     assert restore_state(str(path), 30.0)[1] == 0
+
+
+def test_beside_a_guaranteed_job_a_job_at_under_half_pace_crawls_and_elsewhere_under_the_floor():
+    from slurm_antman.policy.node.core import crawl_threshold, crawling
+
+    p = NodePolicyParams()
+    assert (p.min_progress, p.crawl_below) == (0.25, crawl_threshold(0.25, 2.0)) == (0.25, 0.5)
+    progress = {"201": 0.45, "202": 0.55, "301": 0.45, "302": 0.9}
+    order = {0: ["201", "202"], 1: ["301", "302"]}
+    # GPU 0 holds a guaranteed job: under 0.5 crawls (a free GPU would double it), 0.55 does not.
+    # GPU 1 holds none: 0.45 is over the floor, and the pair's 1.35 says sharing pays: nobody crawls.
+    assert crawling(progress, order, {0}, {}, 10.0, p) == {"201": 10.0}
+    # What a site sets: a higher floor, or a move that must promise more, moves the line.
+    assert crawl_threshold(0.6, 2.0) == 0.6 and crawl_threshold(0.25, 4.0) == 0.25
+
+
+def test_the_sidecar_takes_the_crawl_line_from_the_floor_and_the_coordinators_move_gain():
+    from slurm_antman import config as cfgmod
+    from slurm_antman.sidecar.cli import policy_params
+
+    nodes = [{"name": "n1", "gpus": 2}]
+    assert policy_params(cfgmod.parse({"nodes": nodes})).crawl_below == 0.5
+    mine = cfgmod.parse({"nodes": nodes, "opportunistic": {"min_progress": 0.1, "move_gain": 5}})
+    assert (policy_params(mine).min_progress, policy_params(mine).crawl_below) == (0.1, 0.2)

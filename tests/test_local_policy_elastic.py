@@ -89,3 +89,28 @@ def test_the_hold_is_forgotten_with_the_job():
     d = run([guar(79), elastic()])
     assert "201" in d.state.width_changed
     assert run([guar(79)], d.state, now=1001.0).state.width_changed == {}
+
+
+def test_a_job_shared_with_guaranteed_jobs_on_every_gpu_is_left_whole_for_a_move():
+    """Shedding one of two GPUs that both hold a guaranteed job would leave it crawling at half width:
+    it keeps its width, crawls, and the coordinator moves it whole."""
+    g0 = replace(guar(10, gpu=0, iteration=1, ms=100.0), job_id="100")
+    g1 = replace(guar(10, gpu=1, iteration=1, ms=100.0), job_id="101")
+    d = run([elastic(iteration=1, iteration_ms=100.0)], now=900.0)
+    d = run([g0, g1, elastic(iteration=2, iteration_ms=1000.0)], d.state, now=1000.0)
+    assert not d.width_changes and "201" in d.state.crawling
+
+
+def test_a_job_narrowed_for_good_crawls_at_its_width_and_grows_back_when_it_can():
+    """At one of its two GPUs it trains at about half its full pace, however well that GPU does: its
+    reported progress is scaled by its width, so it crawls (under 1 / move_gain) where nothing of its
+    set is free, and grows instead where something is."""
+    other = JobInfo("300", "opportunistic", (1,), 3.0, 2 * GiB, None, None)
+    d = run([elastic(gpus=(0,), iteration=1, iteration_ms=100.0)], now=900.0)
+    # GPU 1 taken by another job: 0.45 of full pace (0.9 on GPU 0, width 1 of 2) is crawling.
+    d = run([elastic(gpus=(0,), iteration=2, iteration_ms=111.0), other], d.state, now=1000.0)
+    assert d.progress["201"] < 0.5 and "201" in d.state.crawling and not d.width_changes
+    # GPU 1 free again: it grows, and is no longer reported crawling.
+    d = run([elastic(gpus=(0,), iteration=3, iteration_ms=111.0)], d.state, now=1100.0)
+    assert [(c.job_id, c.gpus) for c in d.width_changes] == [("201", (0, 1))]
+    assert "201" not in d.state.crawling

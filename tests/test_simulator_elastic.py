@@ -114,10 +114,11 @@ def test_an_elastic_job_waits_for_room_for_all_of_it_unless_the_narrow_start_wha
 def test_an_elastic_job_sheds_the_gpu_a_guaranteed_job_claims_instead_of_being_requeued(tmp_path):
     # One node of 2 GPUs. b's 2-GPU job is over b's quota (opportunistic) and fills both GPUs; a's
     # guaranteed job then lands on GPU 0, where the pair is too slow even at the minimum share
-    # (slow_preempt_s 120 s). min_progress is set low so that b's job does not crawl: the shed is the
-    # need's. Not elastic, b's job is requeued; elastic, it sheds GPU 0 and trains on at width 1.
+    # (slow_preempt_s 120 s). min_progress and 1 / move_gain are set low so that b's job does not crawl:
+    # the shed is the need's. Not elastic, b's job is requeued; elastic, it sheds GPU 0 and trains on at
+    # width 1.
     rows = [(at(0), 5000.0, 2, "b"), (at(100), 10_000.0, 1, "a")]
-    base = dict(nodes=1, gpus_per_node=2, slow_preempt_s=120.0, min_progress=0.01)
+    base = dict(nodes=1, gpus_per_node=2, slow_preempt_s=120.0, min_progress=0.01, move_gain=100.0)
     _, rigid, rm = run(tmp_path, rows, elastic_share=0.0, **base)
     sim, elastic, em = run(tmp_path, rows, **base)
     b_id = next(k for k, r in rigid.items() if r["gpus"] == 2)

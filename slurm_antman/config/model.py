@@ -304,7 +304,9 @@ class Opportunistic(_Strict):
         default=0.25, gt=0, le=1,
         description="Fraction of its solo rate an opportunistic job must be expected to make on a GPU for the GPU to "
                     "take it (predicted from the GPU's utilisation and jobs; none qualifies: see no_room), and "
-                    "measured to make once running; under it the job is crawling.")
+                    "measured to make once running; under it the job is crawling. Beside a guaranteed job it crawls "
+                    "under 1 / move_gain too, if that is higher (0.5 by default: a free GPU would still double its "
+                    "pace; docs/evaluation.md, issue 29, session 22).")
     upgrade_running: bool = Field(
         default=False,
         description="true: a running opportunistic job whose tenant has quota again is made guaranteed in place "
@@ -328,7 +330,8 @@ class Opportunistic(_Strict):
     move_gain: float = Field(
         default=2.0, ge=1,
         description="How many times its current progress a GPU must promise before a crawling job is moved there "
-                    "(a move costs a checkpoint, a restart and the grace time).")
+                    "(a move costs a checkpoint, a restart and the grace time). Its inverse is also the progress under "
+                    "which a job beside a guaranteed job counts as crawling (see min_progress).")
     switch_wait_s: Optional[int] = Field(
         default=300, ge=0,
         description="job_submit.lua asks Slurm to put an opportunistic job under one leaf switch (sbatch "

@@ -14,7 +14,7 @@ from slurm_antman.service import serve_until_stopped
 from slurm_antman.policy.node.compliance import ComplianceParams
 from .daemon import Sidecar, SidecarOptions
 from .endpoints import SocketDirError
-from slurm_antman.policy.node.core import MiB, NodePolicyParams
+from slurm_antman.policy.node.core import MiB, NodePolicyParams, crawl_threshold
 from .telemetry import TelemetryError, open_telemetry
 from .uplink import uplink_options
 
@@ -46,6 +46,7 @@ def policy_params(conf: cfgmod.AntmanConfig) -> NodePolicyParams:
         elastic_hold_s=sc.elastic_hold_s,
         grace_s=float(conf.grace_time_s),
         min_progress=conf.opportunistic.min_progress,
+        crawl_below=crawl_threshold(conf.opportunistic.min_progress, conf.opportunistic.move_gain),
     )
 
 

@@ -23,10 +23,16 @@ The rules (AntMan's, with TGS-style rate control for compute):
   sharing is a loss (their progress adds up to less than one job alone) the one making the least
   progress is *crawling*. Not the newest: progress comes from each job's own reports, which a job
   controls, so a job that reports itself slow must only ever get itself moved, never a neighbour.
-* An opportunistic job progressing under ``min_progress`` of its solo rate (at the floor share
-  beside a busy guaranteed job, say) is crawling too. The sidecar reports since when; the
+* An opportunistic job progressing under ``min_progress`` of its solo rate is crawling too, and
+  beside a guaranteed job under ``crawl_below`` (at the floor share beside a busy one, say): there its
+  pace will not come back, since the guaranteed job is never the one to yield. The sidecar reports since when; the
   coordinator moves it (``slurm_antman.policy.cluster.moves``) once that has lasted ``move_after_s`` and a
-  GPU elsewhere promises more.
+  GPU elsewhere promises ``move_gain`` times its progress. ``crawl_below`` is the placement floor
+  (``min_progress``) or ``1 / move_gain``, the larger (``crawl_threshold``): under ``1 / move_gain`` a
+  free GPU would still give the job ``move_gain`` times its pace. With the floor alone (0.25) a job at
+  half pace beside a guaranteed job was never moved: on the Philly window a 4-GPU job ran 55 hours at
+  0.45-0.5 beside a guaranteed BERT while whole nodes were free, and the 2-4 GPU jobs ended 1.27x their
+  JCT under ``exclusive`` (docs/evaluation.md, issue 29, session 22).
 * If throttling is not enough either (the guaranteed job stays over its target while the budget is
   at its floor, ``min_share``, for ``slow_preempt_s``), the newest opportunistic job on that GPU is
   asked to be preempted, one per period: measured interference between two jobs can be so large
@@ -50,7 +56,7 @@ The rules (AntMan's, with TGS-style rate control for compute):
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional
+from typing import Collection, Mapping, Optional
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -84,8 +90,11 @@ class NodePolicyParams:
     # GPU. None (the default): never, throttle only. Off by default because a requeued job is often
     # placed right back on the same GPU (docs/evaluation.md measures the churn).
     slow_preempt_s: Optional[float] = None
-    # An opportunistic job progressing under this fraction of its solo rate is crawling (module doc).
+    # An opportunistic job progressing under this fraction of its solo rate is crawling (module doc),
+    # beside a guaranteed job under crawl_below (crawl_threshold of the defaults: min_progress 0.25 and
+    # the coordinator's move_gain 2).
     min_progress: float = 0.25
+    crawl_below: float = 0.5
     # Pause in place instead of requeue, for jobs whose agents can (None: never pause), and for how long
     # at most before the job is requeued after all; a paused job resumes after its GPU has fitted it
     # again for resume_hold_s.
@@ -237,8 +246,10 @@ def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float
 
 
 def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
-             prev: Mapping[str, float], now: float, p: NodePolicyParams) -> dict[str, float]:
-    """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress``, or, on a
+             prev: Mapping[str, float], now: float, p: NodePolicyParams,
+             narrowed: Collection[str] = ()) -> dict[str, float]:
+    """Which opportunistic jobs crawl, and since when (module doc): under ``min_progress`` (beside a
+    guaranteed job, or ``narrowed``, an elastic job below its width, ``crawl_below``), or, on a
     GPU without a guaranteed job whose opportunistic jobs together make less progress than one of
     them alone, the one making the least (the newest on a tie). ``order``: each GPU's opportunistic
     jobs, oldest first."""
@@ -246,12 +257,27 @@ def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guar
     for g, jobs in order.items():
         known = [progress[j] for j in jobs if j in progress]
         for j in jobs:
-            if j in progress and progress[j] < p.min_progress:
+            if j in progress and progress[j] < (p.crawl_below if g in guaranteed_on or j in narrowed else p.min_progress):
                 out[j] = prev.get(j, now)
         if g not in guaranteed_on and len(jobs) > 1 and len(known) == len(jobs) and sum(known) < 1.0:
             slowest = min(reversed(jobs), key=lambda j: progress[j])
             out[slowest] = prev.get(slowest, now)
     return out
+
+
+def crawl_threshold(min_progress: float, move_gain: float) -> float:
+    """The progress under which an opportunistic job crawls (module doc): the placement floor, or the
+    pace a move to a free GPU would still multiply by ``move_gain``, the larger."""
+    return max(min_progress, 1.0 / move_gain)
+
+
+def _sheddable(job: JobInfo, guarded: set[int]) -> bool:
+    """Whether a crawling elastic job sheds a GPU it shares with a guaranteed job: only while a GPU
+    without one is left to it. The slowest GPU sets a synchronous job's pace, so shedding one of
+    several shared GPUs would leave it crawling at a smaller width; shared everywhere, it is left to
+    the coordinator to move whole."""
+    mine = [g for g in job.gpus if g in guarded]
+    return bool(mine) and len(mine) < len(job.gpus) and len(job.gpus) - 1 >= (job.elastic_min or 0)
 
 
 def can_shed(job: JobInfo, shed: Mapping[str, set[int]]) -> bool:
@@ -456,12 +482,21 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             v = progress_of(opp_tracks[j.job_id], j.iteration_ms, limits[j.job_id].compute_share)
             if v is not None:
                 progress[j.job_id] = v
+    # An elastic job below its width trains at about that fraction of its pace at full width, however
+    # well each of its GPUs does (its workers' iteration time stays that of one worker's batch): its
+    # progress, as the crawl rule and the coordinator's moves see it, is scaled so. Narrowed for good
+    # (nothing of its set free to grow back into) it crawls, and is moved to a node with room.
+    paced = dict(progress)
+    narrowed = [j.job_id for j in snap.jobs if j.job_id in paced and j.elastic_min is not None
+                and 0 < len(j.gpus) < len(j.elastic_gpus)]
+    for jid in narrowed:
+        paced[jid] *= len(jobs[jid].gpus) / len(jobs[jid].elastic_gpus)
     order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
                  if j.job_id not in preempted and j.job_id not in paused] for g in gpus}
-    crawl = crawling(progress, order, guarded_gpus, state.crawling, now, p)
+    crawl = crawling(paced, order, guarded_gpus, state.crawling, now, p, narrowed)
 
-    changes, width_changed = _width_changes(snap, jobs, shed, crawl, preempted, paused, guarded_gpus, on_gpu, gpus,
-                                            state.width_changed, budget, now, p)
+    changes, width_changed = _width_changes(snap, jobs, shed, crawl, progress, preempted, paused, guarded_gpus,
+                                            on_gpu, gpus, state.width_changed, budget, now, p)
     for c in changes:
         crawl.pop(c.job_id, None)  # it sheds what slowed it: nothing for the coordinator to move
 
@@ -469,12 +504,12 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                         gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
                         preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl,
                         paused=paused, width_changed=width_changed)
-    return Decision(limits, tuple(new_preempt), new_state, slowdown, progress, tuple(new_pauses), tuple(resumes),
+    return Decision(limits, tuple(new_preempt), new_state, slowdown, paced, tuple(new_pauses), tuple(resumes),
                     tuple(changes))
 
 
 def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mapping[str, set[int]],
-                   crawl: Mapping[str, float], preempted: Mapping[str, PreemptRequest],
+                   crawl: Mapping[str, float], progress: Mapping[str, float], preempted: Mapping[str, PreemptRequest],
                    paused: Mapping[str, PauseRecord], guarded: set[int], on_gpu: Mapping[int, list[JobInfo]],
                    gpus: Mapping[int, GpuInfo], prev: Mapping[str, float], budget: Mapping[int, float], now: float,
                    p: NodePolicyParams) -> tuple[list[WidthChange], dict[str, float]]:
@@ -491,13 +526,14 @@ def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mappin
         if lost:
             reason = (f"GPU(s) {', '.join(map(str, sorted(lost)))} needed by the guaranteed job there; "
                       f"width {len(j.gpus)} -> {len(j.gpus) - len(lost)} instead of a pause or requeue")
-        elif j.job_id in crawl and held:
+        elif (j.job_id in crawl and held and progress.get(j.job_id, 1.0) < p.crawl_below
+              and _sheddable(j, guarded)):
+            # Crawling beside a guaranteed job (its own GPUs' pace, not its width, is what is slow).
             mine = [g for g in j.gpus if g in guarded]
-            if mine and len(j.gpus) - 1 >= j.elastic_min:
-                worst = min(mine, key=lambda g: (budget.get(g, 1.0), g))
-                lost = {worst}
-                reason = (f"crawling: GPU {worst} is shared with a guaranteed job at compute share "
-                          f"{budget.get(worst, 1.0):.0%}; width {len(j.gpus)} -> {len(j.gpus) - 1}")
+            worst = min(mine, key=lambda g: (budget.get(g, 1.0), g))
+            lost = {worst}
+            reason = (f"crawling: GPU {worst} is shared with a guaranteed job at compute share "
+                      f"{budget.get(worst, 1.0):.0%}; width {len(j.gpus)} -> {len(j.gpus) - 1}")
         elif held and len(j.gpus) < len(j.elastic_gpus):
             # Grow into an idle GPU of its set: nobody else on it, and room for the job's footprint.
             for g in j.elastic_gpus:

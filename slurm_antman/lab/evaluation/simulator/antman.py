@@ -187,10 +187,15 @@ class AntmanAdapter:
         a cycle is due when a crawler's ``move_after_s`` is over. A task of an elastic array that waits
         for its training (elastic_array.py) reports no progress."""
         opp = [j for j in opp if j.array is None or self.jobs[j.array].state == "RUNNING"]
-        g.progress = {j.job.job_id: g.rate[j.job.job_id] for j in opp}
+        # As the sidecar measures it: each job's pace on this GPU, an elastic job's scaled by its width
+        # (policy.node.core: "An elastic job below its width ..."), which the real node knows as a
+        # fraction of GPUs, not through the profile's scaling curve.
+        g.progress = {j.job.job_id: g.rate[j.job.job_id] * (len(j.gpus) / j.job.gpus if j.elastic else 1.0)
+                      for j in opp}
         order = {0: [j.job.job_id for j in sorted(opp, key=lambda j: (j.start or 0.0, j.job.job_id))]}
         before = g.crawl
-        g.crawl = lp.crawling(g.progress, order, {0} if guar else set(), before, self.now, self.lp_params)
+        narrowed = [j.job.job_id for j in opp if j.elastic and len(j.gpus) < j.job.gpus]
+        g.crawl = lp.crawling(g.progress, order, {0} if guar else set(), before, self.now, self.lp_params, narrowed)
         wait = self.cfg.move_after_s
         if g.crawl:
             self.crawl_gpus.add(g.index)

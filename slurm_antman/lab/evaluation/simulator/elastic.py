@@ -141,12 +141,16 @@ class ElasticWidth:
             jid = j.job.job_id
             if jid in changed or not self._held(j) or not self._elastic_now(j):
                 continue
-            if any(jid in self.gpus[i].crawl for i in j.gpus):
-                mine = [i for i in j.gpus if self.gpus[i].guar]
-                if mine and len(j.gpus) - 1 >= ELASTIC_MIN:
-                    worst = min(mine, key=lambda i: (sum(self.gpus[i].share.values()), i))
-                    self._shrink(j, [worst])
-                    changed.add(jid)
+            mine = [i for i in j.gpus if self.gpus[i].guar]
+            # As the local policy (_sheddable): crawling on a GPU shared with a guaranteed job, its own
+            # pace there (not its width) slow, and a GPU without one left to it; else it grows if it can,
+            # and a job narrowed for good is moved by the coordinator.
+            if (any(jid in self.gpus[i].crawl for i in j.gpus)
+                    and any(self.gpus[i].rate.get(jid, 1.0) < self.lp_params.crawl_below for i in mine)
+                    and len(mine) < len(j.gpus) and len(j.gpus) - 1 >= ELASTIC_MIN):
+                worst = min(mine, key=lambda i: (sum(self.gpus[i].share.values()), i))
+                self._shrink(j, [worst])
+                changed.add(jid)
             elif len(j.gpus) < j.job.gpus:
                 if self._grow(j) is not None:
                     changed.add(jid)

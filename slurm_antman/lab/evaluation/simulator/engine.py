@@ -73,7 +73,9 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
                                  move_gain=cfg.move_gain, upgrade_running=cfg.upgrade_running, slot_fill=cfg.fill,
                                  elastic_hold_s=cfg.elastic_hold_s)
         self.lp_params = lp.NodePolicyParams(grace_s=cfg.grace_s, slow_preempt_s=cfg.slow_preempt_s,
-                                         min_progress=cfg.min_progress, pause_max_s=cfg.pause_max_s,
+                                         min_progress=cfg.min_progress,
+                                         crawl_below=lp.crawl_threshold(cfg.min_progress, cfg.move_gain),
+                                         pause_max_s=cfg.pause_max_s,
                                          resume_hold_s=cfg.resume_hold_s)
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
