@@ -62,8 +62,9 @@ class ReplayConfig(TraceRunConfig):
     grace_s: int = 30             # the devcluster's antman.yaml takes whole seconds (grace_time_s)
     iter_scale: float = 1.0       # emulated mini-batch time = profile.iter_ms * iter_scale
     # The emulated jobs run on contending emulated GPUs (emulated_job --contend: interference emerges
-    # from the jobs' timing) instead of taking it from the workload formula.
-    contend: bool = False
+    # from the jobs' timing); False: they take it from the workload formula, the simulator's own model,
+    # so the replay could only repeat it (issue 30, item 1).
+    contend: bool = True
     poll_s: float = 1.0
     max_wall_s: float = 1800.0    # jobs not done by then are reported as not done
     port_base: int = 18900
