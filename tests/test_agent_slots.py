@@ -87,16 +87,21 @@ def test_on_cuda_the_page_goes_idle_only_when_the_work_drained_and_nothing_new_w
         pub.close()
 
 
-def test_gate_waits_for_the_slot_and_counts_the_wait_as_idle(tmp_path):
-    path = _page(tmp_path)
+def _history(path: str) -> sp.SlotWriter:
+    """A guaranteed job's history on the page: three 20 ms bursts, each followed by 40 ms idle."""
     w = sp.SlotWriter(path)
-    # The guaranteed job's history: 20 ms bursts, 40 ms idle; it is busy now.
     for _ in range(3):
         w.busy()
         time.sleep(0.02)
         w.idle()
         time.sleep(0.04)
-    w.busy()
+    return w
+
+
+def test_gate_waits_for_the_slot_and_counts_the_wait_as_idle(tmp_path):
+    path = _page(tmp_path)
+    w = _history(path)
+    w.busy()  # and busy now
     syncs: list[float] = []
     gate = SlotGate(path, synchronize=lambda: syncs.append(time.monotonic()))
     th = Throttle(mode="launch")
@@ -299,12 +304,7 @@ def test_on_cuda_the_work_in_flight_counts_against_the_guaranteed_jobs_slot(tmp_
 
     monkeypatch.setattr(slots, "MAX_WAIT_S", 0.1)
     path = _page(tmp_path)
-    w = sp.SlotWriter(path)
-    for _ in range(3):
-        w.busy()
-        time.sleep(0.02)
-        w.idle()
-        time.sleep(0.04)
+    w = _history(path)
     dev = _Stream()
     gates = []
     try:
