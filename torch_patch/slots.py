@@ -270,7 +270,7 @@ class SlotUse:
             if role == "publish":
                 self.publisher = SlotPublisher(path, cuda_event=_cuda_event if self.cuda else None)
             else:
-                self.gate = SlotGate(path, synchronize=self.throttle._synchronize, hurry=self.throttle.hurry_event,
+                self.gate = SlotGate(path, synchronize=self.throttle.synchronize, hurry=self.throttle.hurry_event,
                                      event=_timing_event if self.cuda else None)
                 self.throttle.set_gate(self.gate)
             self._key = key

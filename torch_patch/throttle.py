@@ -122,6 +122,16 @@ class Throttle:
             elif not want:
                 self._remove_hooks()
 
+    @property
+    def synchronize(self) -> Optional[Callable[[], None]]:
+        """What drains this job's device before the throttle idles (None: nothing to drain)."""
+        return self._synchronize
+
+    def set_synchronize(self, synchronize: Optional[Callable[[], None]]) -> None:
+        """Drain with ``synchronize`` from now on: an agent made before its device was known (the
+        emulated jobs' contending device, which plays CUDA's ``synchronize``)."""
+        self._synchronize = synchronize
+
     def set_gate(self, gate: Optional[Any]) -> None:
         """Launch into the guaranteed job's idle slots (a ``slots.SlotGate``), or stop (None)."""
         with self._lock:

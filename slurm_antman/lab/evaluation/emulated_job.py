@@ -495,10 +495,9 @@ class EmulatedJob:
     def _throttle_synchronizes(throttle: Any, dev: ContendedDevice) -> None:
         """The agent's throttle drains the device before it idles (on CUDA it is given
         ``torch.cuda.synchronize``), so that its idle time really leaves the device to the others; an
-        emulated agent has no CUDA, and the contending device's synchronize is the equivalent. The
-        throttle takes it only as a constructor argument: set where the agent keeps it."""
-        if hasattr(throttle, "_synchronize") and throttle._synchronize is None:
-            throttle._synchronize = dev.synchronize
+        emulated agent has no CUDA, and the contending device's synchronize is the equivalent."""
+        if throttle.synchronize is None:
+            throttle.set_synchronize(dev.synchronize)
 
 
 def oom_message(want: int, gpu: Optional[int], capacity: int, others: int) -> str:
