@@ -277,3 +277,18 @@ def test_array_flags_are_checked_named_and_off_by_default():
                                              "--elastic-array-grow-s", "5", "--elastic-array-min-tasks", "2"])
     assert a.elastic_arrays and (a.elastic_array_shrink_s, a.elastic_array_grow_s) == (20.0, 5.0)
     assert a.elastic_array_min_tasks == 2
+
+
+def test_two_tasks_of_one_array_never_share_a_gpu(tmp_path):
+    """2 nodes of 2 GPUs; node 0 is the guaranteed job's for 100,000 s. b's array needs both tasks to
+    train (MIN 4 GPUs), so task 0 waits idle on node 1, whose GPUs then qualify for a second job each:
+    Slurm offers node 1 to task 1 too. The node policy keeps it off its sibling's GPUs (apart=, as the
+    sidecar does), so it waits for node 0, and the two never share a GPU."""
+    sim, (_, b), m = run(tmp_path, [LONG, ARRAY], nodes=2, elastic_array_min_tasks=2)
+    starts = [e for e in sim.log if e[1] == "start"]
+    assert len(b.tasks) == 2 and b.state == "DONE"
+    assert m["array_shared_gpu_starts"] == 0
+    gpus: dict[str, set] = {}
+    for _, _, task, at_gpus in starts:
+        gpus.setdefault(task, set()).update(at_gpus)
+    assert set(gpus) == set(b.tasks) and not gpus[b.tasks[0]] & gpus[b.tasks[1]], starts

@@ -12,9 +12,10 @@
   ``elastic_array_min_tasks`` tasks (default 1, so MIN = G, the narrowest a user may ask for, as a
   one-node elastic job's MIN is 1 GPU).
 - **Start and grow.** Each task is an opportunistic job of G GPUs on one node, queued and placed like any
-  other (no gang scheduling; two tasks may share a node, or here even a GPU where the node policy's
-  rules allow; ``array_shared_gpu_starts`` counts them. Not modelled: the real path keeps two tasks of
-  one array off one GPU since c371626, the sidecar's ``choose_gpus(apart=...)`` and the keep-off).
+  other (no gang scheduling; two tasks may share a node). The node policy keeps a task off a GPU that
+  holds a task of its own array (``choose_gpus(apart=...)``, as the sidecar does since c371626); only
+  where no other GPU is left, without ``no_room: wait``, would two share one, and
+  ``array_shared_gpu_starts`` counts those. Not modelled: the coordinator's keep-off of such a node.
   The training starts once task 0 (the array's lowest index, the rendezvous host) and at least MIN / G
   tasks run; every task that starts later is a grow. Tasks that run while the training does not (the
   host is not running, or fewer than MIN / G run) hold their GPUs and Slurm slots and wait, their
