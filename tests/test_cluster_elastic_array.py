@@ -180,3 +180,31 @@ def test_an_elastic_array_sheds_a_task_trains_on_grows_back_and_survives_its_hos
     assert re.search(r"hosts elastic array %d's rendezvous" % array, decided), decided[-3000:]
     assert re.search(r"a task of elastic array %d: the other tasks train on" % array, decided), decided[-3000:]
     print(f"\nelastic array across nodes: (world size, training gap s) at each start: {_gaps(evs)}")
+
+
+def test_an_elastic_array_runs_its_launchers_as_srun_steps(array_cluster: ClusterHandle, tmp_path):
+    """The launcher as a site's scripts often start it, in an `srun` step of each task: the step finds
+    the task's environment (the Prolog's env file, through the SPANK plugin), and the tasks' launchers
+    still meet in one rendezvous across the nodes and train at world size 2."""
+    c = array_cluster
+    log, ckpt = tmp_path / "train.jsonl", tmp_path / "train.ckpt"
+    script = (f"#!/bin/bash\nexport GLOO_SOCKET_IFNAME=eth0\nexec srun -n1 {sys.executable} -m torch_patch.elastic_launch "
+              f"--rdzv-dir {tmp_path} {TRAIN} --ckpt {ckpt} --log-file {log} --steps 1000000 --step-s 0.1 "
+              f"--global-batch {GLOBAL_BATCH} --ckpt-every {CKPT_EVERY}\n")
+    array = c.sbatch("--antman=opportunistic", "--antman-elastic=1:2", "--array=0-1", "--gres=gpu:1",
+                     script=script)
+
+    def diagnose() -> str:
+        tasks = _tasks(c, array)
+        outs = "\n".join(f"--- task {t} ({f.get('JobId')}):\n{c.output(int(f['JobId']))[-2500:]}"
+                         for t, f in tasks.items() if f.get("JobId", "").isdigit())
+        return f"tasks: { {t: (f.get('JobState'), f.get('NodeList')) for t, f in tasks.items()} }\n{outs}"
+
+    try:
+        _wait(lambda: len(steps(events(log), 2)) >= 10, 180, "10 steps at world size 2 under srun", diagnose)
+        tasks = _tasks(c, array)
+        assert tasks["0"]["NodeList"] != tasks["1"]["NodeList"], diagnose()
+        evs = events(log)
+        assert lost_steps(evs, requeued_at=[e["time"] for e in evs if e.get("event") == "start"]) == []
+    finally:
+        c.run(["scancel", str(array)])
