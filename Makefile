@@ -6,7 +6,7 @@ APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv
                 slurmdbd mariadb-server
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-gpu test-slurm24 spank clean gpu-proof gpu-wheels install uninstall rollback
+.PHONY: deps demo test test-gpu test-slurm24 spank clean gpu-proof gpu-tests gpu-wheels install uninstall rollback
 .DEFAULT_GOAL := test
 
 # System packages only when something is missing, so a warm machine does not touch apt. The
@@ -125,6 +125,24 @@ gpu-proof:
 	$(GPU_PY) -m slurm_antman.lab.bench.wheels install --wheels .whl --target .whl/site
 	PYTHONPATH="$(CURDIR)/.whl/site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
 	  $(GPU_PY) -m slurm_antman.cli bench gpu --out $(GPU_PROOF_DIR) $(GPU_PROOF_ARGS)
+
+# The `gpu`-marked tests on the GPU node, one file per pytest run, each test under a timeout, every
+# outcome and reason (-rA) in $(GPU_PROOF_DIR)/tests.log as it comes and in a JUnit file per test file:
+# a run cut short by the node's command limit keeps what it had (2026-11-26, run 4, lost every
+# failure's reason when pytest was killed before its summary). Exits 1 if any file failed.
+GPU_TESTS        ?= tests/test_agent_busy.py tests/test_agent_memory.py tests/test_agent_pause.py \
+                    tests/test_sidecar_telemetry.py tests/test_driver_caps.py tests/test_bench_models.py \
+                    tests/test_bench_gpu.py
+GPU_TEST_TIMEOUT ?= 240
+
+gpu-tests:
+	$(GPU_PY) -m slurm_antman.lab.bench.wheels install --wheels .whl --target .whl/site
+	@mkdir -p $(GPU_PROOF_DIR); rc=0; for f in $(GPU_TESTS); do \
+	  PYTHONPATH="$(CURDIR)/.whl/site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" \
+	    $(GPU_PY) -m pytest -m gpu -rA -p no:cacheprovider --timeout=$(GPU_TEST_TIMEOUT) \
+	    --junitxml=$(GPU_PROOF_DIR)/junit-$$(basename $$f .py).xml $$f 2>&1 | tee -a $(GPU_PROOF_DIR)/tests.log; \
+	  [ "$${PIPESTATUS[0]}" -eq 0 ] || rc=1; \
+	done; exit $$rc
 
 clean:
 	$(MAKE) -s -C spank clean || true
