@@ -271,13 +271,14 @@ def crawl_threshold(min_progress: float, move_gain: float) -> float:
     return max(min_progress, 1.0 / move_gain)
 
 
-def _sheddable(job: JobInfo, guarded: set[int]) -> bool:
-    """Whether a crawling elastic job sheds a GPU it shares with a guaranteed job: only while a GPU
-    without one is left to it. The slowest GPU sets a synchronous job's pace, so shedding one of
-    several shared GPUs would leave it crawling at a smaller width; shared everywhere, it is left to
-    the coordinator to move whole."""
+def _sheddable(job: JobInfo, guarded: set[int]) -> list[int]:
+    """The GPUs a crawling elastic job may shed, those it shares with a guaranteed job, or none: only
+    while a GPU without one is left to it. The slowest GPU sets a synchronous job's pace, so shedding
+    one of several shared GPUs would leave it crawling at a smaller width; shared everywhere, it is
+    left to the coordinator to move whole."""
     mine = [g for g in job.gpus if g in guarded]
-    return bool(mine) and len(mine) < len(job.gpus) and len(job.gpus) - 1 >= (job.elastic_min or 0)
+    ok = bool(mine) and len(mine) < len(job.gpus) and len(job.gpus) - 1 >= (job.elastic_min or 0)
+    return mine if ok else []
 
 
 def can_shed(job: JobInfo, shed: Mapping[str, set[int]]) -> bool:
@@ -527,9 +528,8 @@ def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mappin
             reason = (f"GPU(s) {', '.join(map(str, sorted(lost)))} needed by the guaranteed job there; "
                       f"width {len(j.gpus)} -> {len(j.gpus) - len(lost)} instead of a pause or requeue")
         elif (j.job_id in crawl and held and progress.get(j.job_id, 1.0) < p.crawl_below
-              and _sheddable(j, guarded)):
+              and (mine := _sheddable(j, guarded))):
             # Crawling beside a guaranteed job (its own GPUs' pace, not its width, is what is slow).
-            mine = [g for g in j.gpus if g in guarded]
             worst = min(mine, key=lambda g: (budget.get(g, 1.0), g))
             lost = {worst}
             reason = (f"crawling: GPU {worst} is shared with a guaranteed job at compute share "

@@ -417,7 +417,7 @@ class SlurmScheduler:
             # A task of an elastic array is kept off its siblings' GPUs, as the sidecar does (apart=).
             sibs = ({x.job.job_id for x in self._array_tasks(self.jobs[j.array]) if x is not j}
                     if j.array is not None else set())
-            apart = [g.local for g in room if sibs.intersection(g.opp)]
+            apart = [g.local for g in room if sibs.intersection(g.opp)] if sibs else []
             pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
                                self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait, fill=self.cfg.fill,
                                apart=apart)
