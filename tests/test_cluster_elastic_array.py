@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 PORT_BASE = TEST_PORT_BASE + 2100
 HOLD_S = 12.0          # sidecar.elastic_hold_s here (300 s by default): the shed task's wait
+GRACE_S = 10.0         # grace_time_s of the devcluster (slurm_antman.lab.devcluster.files)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,19 @@ def _gaps(evs: list[dict]) -> list[tuple[int, float]]:
         after = [x["time"] for x in evs[i:] if x.get("event") == "step"]
         if before and after:
             out.append((e["world_size"], round(after[0] - before[-1], 2)))
+    return out
+
+
+def _redone(evs: list[dict]) -> list[tuple[int, int, float]]:
+    """(world size, steps trained again, seconds they had taken) at every start after the first: the
+    last step logged before the start less the step it resumed from."""
+    out = []
+    for i, e in enumerate(evs):
+        before = [x for x in evs[:i] if x.get("event") == "step"]
+        if e.get("event") == "start" and before:
+            again = [x for x in before if x["step"] > e["step"]]
+            span = again[-1]["time"] - again[0]["time"] if len(again) > 1 else 0.0
+            out.append((e["world_size"], before[-1]["step"] - e["step"], round(span, 2)))
     return out
 
 
@@ -179,7 +193,18 @@ def test_an_elastic_array_sheds_a_task_trains_on_grows_back_and_survives_its_hos
     decided = audit.read_text(errors="replace")
     assert re.search(r"hosts elastic array %d's rendezvous" % array, decided), decided[-3000:]
     assert re.search(r"a task of elastic array %d: the other tasks train on" % array, decided), decided[-3000:]
+    # The shed asked task 0 to checkpoint at the requeue (policy/cluster/array_checkpoint.py), and its
+    # agent did so in the last part of the grace time, not at the notice: the restart without task 1
+    # resumed from that checkpoint (or a periodic one after it), not from one before the notice.
+    assert re.search(r'"kind":"checkpoint_notice".*"cause":"leave:.*"outcome":"ok"', decided), decided[-3000:]
+    shrunk = next(e for e in evs if e.get("event") == "start" and e["world_size"] == 1 and e["time"] > shed_at - 5)
+    asked = [e for e in evs if e.get("event") == "checkpoint" and e["why"] == "checkpoint"
+             and shed_at - GRACE_S - 5 < e["time"] < shrunk["time"]]
+    assert asked, [e for e in evs if e.get("event") == "checkpoint"]
+    assert asked[-1]["time"] > shed_at - GRACE_S / 2, (asked, shed_at)
+    assert shrunk["step"] >= asked[-1]["step"], (shrunk, asked)
     print(f"\nelastic array across nodes: (world size, training gap s) at each start: {_gaps(evs)}")
+    print(f"trained again after a restart (steps, s): {_redone(evs)}")
 
 
 def test_an_elastic_array_runs_its_launchers_as_srun_steps(array_cluster: ClusterHandle, tmp_path):

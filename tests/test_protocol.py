@@ -42,6 +42,8 @@ SAMPLES = [
     p.Resumed(seq=1, resume_ms=4.0),
     p.Width(seq=2, gpus=[0, 3], reason="guaranteed job 41 claims GPU 1"),
     p.WidthDone(seq=2, checkpoint_ms=80.0),
+    p.Checkpoint(seq=1, at_unix=1.7e9, reason="task 5_1 of elastic array 5 leaves"),
+    p.CheckpointDone(seq=1, checkpoint_ms=35.0, late_ms=-240.0),
     p.Heartbeat(),
     p.Error(code="bad_json", message="x"),
     p.Bye(reason="exit"),

@@ -29,6 +29,7 @@ UPLINK_SAMPLES = [
     p.JobClassUpdate(job_id="8", job_class="guaranteed"),
     p.PreemptNotice(job_id="8", grace_s=30.0, reason="guaranteed job 7 needs GPU 0's memory"),
     p.PreemptNotice(job_id="8", grace_s=30.0, reason="moved: crawling", avoid_gpus=[3]),
+    p.CheckpointNotice(job_id="9", at_s=27.0, reason="task 10 of elastic array 9 leaves"),
 ]
 
 

@@ -288,3 +288,36 @@ def test_a_noncompliant_job_is_named_to_the_coordinator_not_told_by_the_sidecar(
         finally:
             ga.close()
             oa.close()
+
+
+def test_a_checkpoint_notice_reaches_the_agents_that_can_checkpoint_only(env, caplog):
+    conf, hub, side, sockdir = env
+    caplog.set_level(logging.INFO)
+    next_report(hub)
+    o = client.register_job(sockdir, "301", uid=0, user="r", job_class="opportunistic", gpus=1, elastic_group="300")
+    able = SimAgent(o.endpoint, "301", features=(p.FEATURE_CHECKPOINT,))
+    old = SimAgent(o.endpoint, "301", rank=1)  # an agent from before the feature
+    try:
+        able.register()
+        old.register()
+        before = time.time()
+        assert hub.send("n1", p.CheckpointNotice(job_id="301", at_s=12.0, reason="task 302 of elastic array 300 leaves"))
+        ck = able.recv("checkpoint").body
+        assert ck.seq == 1 and before + 12 <= ck.at_unix <= time.time() + 12
+        assert ck.reason == "task 302 of elastic array 300 leaves"
+        with pytest.raises(AssertionError):
+            old.recv("checkpoint", timeout_s=0.3)
+        able.send(p.CheckpointDone(seq=1, checkpoint_ms=40.0, late_ms=-300.0))
+        wait_for(lambda: "checkpointed for request 1" in caplog.text, what="checkpoint_done logged")
+        # The next one has the next seq.
+        assert hub.send("n1", p.CheckpointNotice(job_id="301", at_s=0.0, reason="task 302 joined"))
+        assert able.recv("checkpoint").body.seq == 2
+        # A job that is no task of an elastic array is told so, by name; the sidecar goes on.
+        client.register_job(sockdir, "310", uid=0, user="r", job_class="opportunistic", gpus=1)
+        assert hub.send("n1", p.CheckpointNotice(job_id="310", at_s=0.0, reason="x"))
+        wait_for(lambda: (hub.poll(0.05), "job 310 on node n1 is not a task of an elastic array" in caplog.text)[1],
+                 what="bad_value logged")
+        assert client.node_state(sockdir).node == "n1"
+    finally:
+        able.close()
+        old.close()

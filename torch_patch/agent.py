@@ -34,6 +34,7 @@ from typing import Callable, Optional
 from slurm_antman import __version__
 from .client import LimitsUpdate, PreemptNotice, ProtocolClient, WidthRequest, check_endpoint, default_register
 from .busy import GpuBusy
+from .checkpoint import CheckpointHooks, PreemptHook
 from .memory import MemoryController
 from .pause import Pauser
 from .slots import SlotGate, SlotPublisher, SlotUse
@@ -50,7 +51,6 @@ DEFAULT_FALLBACK_SHARE = 0.25
 REPORT_BUDGET = 0.002
 # ... up to this gap: the sidecar's policy ticks once a second (sidecar/options.py tick_s).
 REPORT_MAX_GAP_S = 0.5
-PreemptHook = Callable[[PreemptNotice], None]
 # After handing a new GPU list to the elastic launcher, the training thread waits this long to be
 # stopped (the launcher's SIGTERM); if it is still alive then, the launcher did not act and the job
 # trains on at the old width.
@@ -117,10 +117,7 @@ class Agent:
         self._pending: Optional[LimitsUpdate] = None
         self._fallback_due = False
         self._lock = threading.Lock()
-        self._preempt_hooks: list[PreemptHook] = []
-        self._preempt: Optional[PreemptNotice] = None
-        self._preempt_done = threading.Event()
-        self._preempt_lock = threading.Lock()
+        self.hooks = CheckpointHooks()  # on_preempt's: at a preemption, a width change, a checkpoint request
         # Pause in place (torch_patch.pause): requested by the protocol thread, done by the training
         # thread at its next boundary, which then blocks until resume.
         self._pause_req: Optional[tuple[int, str, float]] = None
@@ -159,13 +156,14 @@ class Agent:
                 endpoint, reg,
                 on_limits=self._limits_arrived,
                 on_lost=self._sidecar_lost,
-                on_preempt=self._preempt_arrived,
+                on_preempt=self.hooks.preempt_arrived,
                 on_unmanaged=self._unmanaged,
                 missed_heartbeats=missed_heartbeats,
                 on_pause=self._pause_arrived,
                 on_resume=self._resume_arrived,
                 on_width=self._width_arrived if self.launcher_socket is not None else None,
                 slots=slot_page.check_platform() is None,
+                on_checkpoint=self.hooks.request_arrived,
             )
         self.started = False
 
@@ -196,9 +194,7 @@ class Agent:
         self.steps.step()
 
     def on_preempt(self, fn: PreemptHook) -> None:
-        if not callable(fn):
-            raise TypeError(f"on_preempt needs a callable taking the notice, got {fn!r}")
-        self._preempt_hooks.append(fn)
+        self.hooks.add(fn)
 
     def emulate_device(self, mem_bytes: int, sm_util: float) -> None:
         """Make this CPU agent report an emulated GPU job (trace replays): ``mem_bytes`` of device
@@ -306,16 +302,9 @@ class Agent:
             return
         gpus = list(req.gpus)
         notice = PreemptNotice(deadline_unix=time.time(), grace_s=0.0,
-                               reason=f"width change: {req.reason}", width=tuple(gpus))
-        if not self._preempt_hooks:
-            sys.stderr.write(f"slurm-antman: width change to GPUs {gpus} ({req.reason}); no checkpoint hook is "
-                             "registered (torch_patch.on_preempt(fn)): the workers restart from the last "
-                             "checkpoint the job saved by itself.\n")
-        for fn in self._preempt_hooks:
-            try:
-                fn(notice)
-            except Exception:
-                log.exception("slurm-antman: the checkpoint hook %r failed at a width change", fn)
+                               reason=f"width change: {req.reason}", width=tuple(gpus), kind="width")
+        self.hooks.call(notice, f"width change to GPUs {gpus} ({req.reason})", "the workers restart from the last "
+                         "checkpoint the job saved by itself")
         checkpoint_ms = (time.perf_counter() - req.received_t) * 1000.0
         if not hand_over(self.client, req, self.launcher_socket, checkpoint_ms, ended + 1):  # type: ignore[arg-type]
             return
@@ -337,34 +326,13 @@ class Agent:
             self._pending = LimitsUpdate(self.applied_seq, None, 1.0, None, reset=True)
             self._fallback_due = False
 
-    def _preempt_arrived(self, notice: PreemptNotice) -> None:
-        with self._preempt_lock:
-            if self._preempt is not None:
-                return
-            self._preempt = notice
-        # The training thread runs the hooks at its next boundary; if none comes in half the
-        # grace time (a long iteration, a stuck job), they run from here so the checkpoint is
-        # still taken before the deadline.
-        remaining = max(0.0, notice.deadline_unix - time.time())
-        timer = threading.Timer(remaining / 2.0, self._run_preempt_hooks)
-        timer.daemon = True
-        timer.start()
-
-    def _run_preempt_hooks(self) -> None:
-        with self._preempt_lock:
-            if self._preempt_done.is_set() or self._preempt is None:
-                return
-            self._preempt_done.set()
-            notice = self._preempt
-        if not self._preempt_hooks:
-            sys.stderr.write(
-                f"slurm-antman: preemption notice ({notice.reason}); the job is requeued at "
-                f"{time.ctime(notice.deadline_unix)}. Register a checkpoint hook with torch_patch.on_preempt(fn).\n")
-        for fn in self._preempt_hooks:
-            try:
-                fn(notice)
-            except Exception:
-                log.exception("slurm-antman: the preemption hook %r failed", fn)
+    def _checkpoint_here(self, iteration_s: float) -> None:
+        """Training thread, at a boundary: a checkpoint asked for, if due (torch_patch.checkpoint); training goes on."""
+        req = self.hooks.request_due(time.time(), iteration_s)
+        if req is not None:
+            ms, late_ms = self.hooks.run_request(req)
+            if self.client is not None:
+                self.client.send(P.CheckpointDone(seq=req.seq, checkpoint_ms=ms, late_ms=late_ms), ref=req.ref)
 
     # --- the boundary (training thread) ---------------------------------------------------------
 
@@ -412,8 +380,9 @@ class Agent:
                 # taken by the next boundary: it counts as arriving in iteration ended+1, which
                 # began with this boundary (StepCounter counts boundary time to the next one).
                 client.flush_queued(ended + 1)
-        if self._preempt is not None and not self._preempt_done.is_set():
-            self._run_preempt_hooks()
+        if self.hooks.preempt_due:
+            self.hooks.run_preempt()
+        self._checkpoint_here(seconds)
         if self._width_req is not None:
             self._width_here(ended)
         self.pauser.after_boundary()

@@ -108,14 +108,33 @@ class LimitsUpdate:
 class PreemptNotice:
     """What a checkpoint hook (``torch_patch.on_preempt``) is called with.
 
-    A preemption: the job is requeued at ``deadline_unix``. A width change (the elastic launcher,
-    docs/elastic.md): ``width`` is the GPU list the job restarts on, ``grace_s`` is 0 and
-    ``deadline_unix`` the moment the hook runs: every worker is stopped as soon as the hook returns."""
+    ``kind`` says why:
+
+    - ``"preempt"``: the job is requeued at ``deadline_unix``;
+    - ``"width"``: a width change (the elastic launcher, docs/elastic.md): ``width`` is the GPU list the
+      job restarts on, ``grace_s`` is 0 and ``deadline_unix`` the moment the hook runs: every worker is
+      stopped as soon as the hook returns;
+    - ``"checkpoint"``: a task of the job's elastic array leaves or joins about now, which restarts every
+      worker from the latest checkpoint; the job trains on after the hook (``deadline_unix``: the
+      moment asked for).
+
+    A hook saves a checkpoint the job can restart from; it must not assume the job stops after it."""
 
     deadline_unix: float
     grace_s: float
     reason: str
     width: Optional[tuple[int, ...]] = None
+    kind: str = "preempt"
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """A ``checkpoint`` message for the training thread (only an agent that named the feature gets one)."""
+
+    seq: int
+    at_unix: float
+    reason: str
+    ref: Optional[str]  # the message's id: checkpoint_done refers to it
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,7 @@ class ProtocolClient(threading.Thread):
         on_resume: Optional[Callable[[int, float], None]] = None,
         on_width: Optional[Callable[[WidthRequest], None]] = None,
         slots: bool = False,
+        on_checkpoint: Optional[Callable[[CheckpointRequest], None]] = None,
     ) -> None:
         super().__init__(name="antman-agent", daemon=True)
         self.endpoint = check_endpoint(endpoint)
@@ -155,6 +175,7 @@ class ProtocolClient(threading.Thread):
         self._on_pause = on_pause
         self._on_resume = on_resume
         self._on_width = on_width
+        self._on_checkpoint = on_checkpoint
         if on_pause is not None and P.FEATURE_PAUSE not in register.features:
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_PAUSE))
         # Only the agent the elastic launcher's socket was handed to (local rank 0) names "width".
@@ -162,6 +183,8 @@ class ProtocolClient(threading.Thread):
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_WIDTH))
         if slots and P.FEATURE_SLOTS not in register.features:
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_SLOTS))
+        if on_checkpoint is not None and P.FEATURE_CHECKPOINT not in register.features:
+            register = dataclasses.replace(register, features=(*register.features, P.FEATURE_CHECKPOINT))
         self._register_body = register
         self.heartbeat_s = heartbeat_s
         self.missed_heartbeats = missed_heartbeats
@@ -429,6 +452,12 @@ class ProtocolClient(threading.Thread):
                                          message=f"this agent does not support {body.TYPE!r}"), msg.id)
             else:
                 self._on_width(WidthRequest(body.seq, tuple(body.gpus), body.reason, msg.id, time.perf_counter()))
+        elif isinstance(body, P.Checkpoint):
+            if self._on_checkpoint is None:
+                self._send(sock, P.Error(code=P.ErrorCode.unknown_type.value,
+                                         message=f"this agent does not support {body.TYPE!r}"), msg.id)
+            else:
+                self._on_checkpoint(CheckpointRequest(body.seq, body.at_unix, body.reason, msg.id))
         elif isinstance(body, P.Heartbeat):
             pass
         elif isinstance(body, P.Error):

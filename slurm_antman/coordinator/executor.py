@@ -18,7 +18,7 @@ from slurm_antman import protocol as p
 from slurm_antman.config import AntmanConfig
 from slurm_antman.jobtag import JobTag, TagError
 from slurm_antman.policy.cluster import (
-    CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
+    CheckpointNotice, CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
 )
 from slurm_antman.slurm import SlurmBackend, SlurmError
 from slurm_antman.slurm.models import HELD_BY_ADMIN, REQUEUED_START_TIME, Job
@@ -263,6 +263,15 @@ class Executor:
             notes.append("job has no --signal; Slurm's requeue will send SIGTERM")
         notes.append(f"requeue in {d.grace_s:g} s")
         return ok("; ".join(notes), job.restarts)
+
+    def _checkpoint_notice(self, d: CheckpointNotice, state: Any) -> Outcome:
+        job = self._job(d.job_id)
+        if job.state != "RUNNING":
+            return skipped(f"job is {job.state}, not running", job.restarts)
+        sent = self._send(d.node, p.CheckpointNotice(job_id=d.job_id, at_s=float(d.at_s), reason=d.reason[:1000]))
+        if not sent:
+            return failed(f"checkpoint_notice not delivered to {d.node}'s sidecar")
+        return ok(f"checkpoint_notice sent to {d.node}'s sidecar (checkpoint in {d.at_s:g} s)", job.restarts)
 
     def _signal_of(self, job: Job) -> Optional[tuple[str, bool]]:
         try:

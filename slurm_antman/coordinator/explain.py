@@ -29,6 +29,7 @@ _VERBS = {
     "requeue": "requeued",
     "make_eligible": "made eligible again at once",
     "keep_off": "kept off node(s) {nodes_text}",
+    "checkpoint_notice": "asked to checkpoint in {at_s:g} s (a task of its elastic array leaves or joins)",
     "placed": "placed on {node} GPU(s) {gpus} by its sidecar ({placement})",
     "paused": "paused in place on {node} by its sidecar (GPU state moved to host memory)",
     "resumed": "resumed on {node} by its sidecar",

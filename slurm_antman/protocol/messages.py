@@ -168,6 +168,27 @@ class WidthDone(Body):
 
 
 @_dc
+class Checkpoint(Body):
+    """Sidecar -> agent, only if its ``register.features`` has ``checkpoint``: run the job's checkpoint
+    hooks at the first iteration boundary from ``at_unix`` less two iterations, answer
+    ``checkpoint_done`` and train on. Sent when a sibling task of an elastic array is about to leave
+    (its requeue at ``at_unix``) or has just joined: either restarts every worker from the latest
+    checkpoint, and without this one it is the job's last periodic one (docs/elastic.md)."""
+    TYPE: ClassVar[str] = "checkpoint"
+    seq: int = _f(int, ge=1)
+    at_unix: float = _f(float, ge=0.0)
+    reason: str = _text()
+
+
+@_dc
+class CheckpointDone(Body):
+    TYPE: ClassVar[str] = "checkpoint_done"
+    seq: int = _f(int, ge=1)
+    checkpoint_ms: float = _f(float, ge=0.0)   # the hooks' own time
+    late_ms: float = _f(float)                 # the hooks' start less at_unix (negative: early, by the lead)
+
+
+@_dc
 class Heartbeat(Body):
     TYPE: ClassVar[str] = "heartbeat"
 
@@ -375,6 +396,17 @@ class PreemptNotice(Body):
     avoid_gpus: Optional[list] = _f(list[int], ge=0, le=1023, nullable=True, default=None)
 
 
+@_dc
+class CheckpointNotice(Body):
+    """Coordinator -> sidecar: have this job's agents checkpoint ``at_s`` seconds from now (a sibling task
+    of its elastic array leaves then, or joined now); the sidecar sends ``checkpoint`` to those that
+    named the feature."""
+    TYPE: ClassVar[str] = "checkpoint_notice"
+    job_id: str = _job_id()
+    at_s: float = _f(float, ge=0.0, le=86400.0)
+    reason: str = _text()
+
+
 # --- query channel: coordinator ROUTER <-> the `antman` CLI of any user on any host (DEALER) -----------
 # Each request carries a munge credential whose payload is query_payload() of the request itself: the
 # coordinator takes the caller's uid from munged, never from the message, and the credential cannot be
@@ -482,23 +514,24 @@ class QueryExplainReply(Body):
 BODY_TYPES: dict[str, type[Body]] = {
     cls.TYPE: cls for cls in (
         Register, Registered, Report, Limits, Ack, Preempt, Pause, Paused, Resume, Resumed, Width, WidthDone,
-        Heartbeat, Error, Bye,
+        Checkpoint, CheckpointDone, Heartbeat, Error, Bye,
         JobRegister, JobRegisterReply, JobRetire, JobRetireReply, NodeState, NodeStateReply,
-        NodeReport, NodeReportAck, JobClassUpdate, PreemptNotice,
+        NodeReport, NodeReportAck, JobClassUpdate, PreemptNotice, CheckpointNotice,
         QueryJobs, QueryJobsReply, QueryNodes, QueryNodesReply, QueryExplain, QueryExplainReply,
     )
 }
 
 # Which types each receiver accepts; anything else is answered with `wrong_direction`.
-AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "paused", "resumed", "width_done", "heartbeat", "error",
-                              "bye"})
-SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "pause", "resume", "width", "heartbeat", "error",
-                              "bye"})
+AGENT_TO_SIDECAR = frozenset({"register", "report", "ack", "paused", "resumed", "width_done", "checkpoint_done",
+                              "heartbeat", "error", "bye"})
+SIDECAR_TO_AGENT = frozenset({"registered", "limits", "preempt", "pause", "resume", "width", "checkpoint",
+                              "heartbeat", "error", "bye"})
 CONTROL_REQUESTS = frozenset({"job_register", "job_retire", "node_state", "heartbeat"})
 CONTROL_REPLIES = frozenset({"job_register_reply", "job_retire_reply", "node_state_reply",
                              "heartbeat", "error"})
 SIDECAR_TO_COORDINATOR = frozenset({"node_report", "heartbeat", "error", "bye"})
-COORDINATOR_TO_SIDECAR = frozenset({"node_report_ack", "job_class_update", "preempt_notice", "heartbeat",
+COORDINATOR_TO_SIDECAR = frozenset({"node_report_ack", "job_class_update", "preempt_notice",
+                                    "checkpoint_notice", "heartbeat",
                                     "error", "bye"})
 QUERY_REQUESTS = frozenset({"query_jobs", "query_nodes", "query_explain", "heartbeat"})
 QUERY_REPLIES = frozenset({"query_jobs_reply", "query_nodes_reply", "query_explain_reply", "heartbeat", "error"})

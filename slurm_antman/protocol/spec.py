@@ -125,6 +125,8 @@ FEATURE_WIDTH = "width"
 # register.features: the agent publishes its GPU phases into an idle-slot page (guaranteed) or launches
 # into the idle slots a page shows (opportunistic); registered/limits then carry slot_page and slot_role.
 FEATURE_SLOTS = "slots"
+# register.features: the agent answers checkpoint (runs the job's checkpoint hooks at a boundary, trains on)
+FEATURE_CHECKPOINT = "checkpoint"
 SLOT_ROLES = ("publish", "fill")
 MAX_SLOT_PAGE_PATH = 255
 # Absolute, no control characters (a NUL or a newline has no business in a path root made).

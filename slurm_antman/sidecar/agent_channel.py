@@ -81,6 +81,10 @@ class AgentChannel:
                 log.info("job %s: width change %d checkpointed (%.1f ms in the agent, %.1f ms since it was sent); "
                          "its launcher restarts the workers on GPU(s) %s", job.job_id, b.seq, b.checkpoint_ms,
                          (time.monotonic() - job.width_sent_mono) * 1000.0, job.gpus)
+        elif isinstance(b, p.CheckpointDone):
+            if b.seq == job.checkpoint_seq:
+                log.info("job %s: agent pid %d checkpointed for request %d (%.1f ms, %.1f s from the moment asked)",
+                         job.job_id, agent.reg.pid, b.seq, b.checkpoint_ms, b.late_ms / 1000.0)
         elif isinstance(b, p.Resumed):
             if b.seq == job.pause_seq and job.resume_sent_mono is not None:
                 self.resume_ack_ms.append((time.monotonic() - job.resume_sent_mono) * 1000.0)

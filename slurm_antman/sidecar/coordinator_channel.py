@@ -1,6 +1,6 @@
 """The coordinator channel: the node report sent up the uplink (uplink.py) when due or as soon as
 something the coordinator acts on changed, and what the coordinator sends down it: a job's new
-class, a preemption notice."""
+class, a preemption notice, a checkpoint notice."""
 
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ class CoordinatorChannel:
                 self._set_class(b)
             elif isinstance(b, p.PreemptNotice):
                 self._coordinator_preempt(b)
+            elif isinstance(b, p.CheckpointNotice):
+                self._coordinator_checkpoint(b)
             elif isinstance(b, p.Bye):
                 log.info("the coordinator said bye: %s", b.reason[:200])
         except p.ProtocolError as e:
@@ -97,3 +99,19 @@ class CoordinatorChannel:
         for a in job.agents.values():
             self._send_preempt(job, a)
         self._run_policy(now)
+
+    def _coordinator_checkpoint(self, b: p.CheckpointNotice) -> None:
+        """A sibling task of this job's elastic array leaves in ``at_s`` (or joined now): the agents that
+        can checkpoint while training on are asked to, at that moment (docs/elastic.md)."""
+        job = self._known(b.job_id, "checkpoint_notice")
+        if job.elastic_group is None:
+            raise p.ProtocolError(p.ErrorCode.bad_value, f"checkpoint_notice: job {job.job_id} on node "
+                                  f"{self.opt.node} is not a task of an elastic array")
+        job.checkpoint_seq += 1
+        at = time.time() + b.at_s
+        able = [a for a in job.agents.values() if p.FEATURE_CHECKPOINT in a.reg.features]
+        for a in able:
+            self._send(job.socket, a, p.Checkpoint(seq=job.checkpoint_seq, at_unix=at, reason=b.reason))
+        log.info("job %s: checkpoint %d asked of %d of its %d agent(s) for %s (in %.1f s): %s", job.job_id,
+                 job.checkpoint_seq, len(able), len(job.agents), time.strftime("%H:%M:%S", time.localtime(at)),
+                 b.at_s, b.reason[:300])

@@ -63,6 +63,7 @@ class RegisteredJob:
     # A task of an elastic array across nodes: the array's job id (None: none). Kept in the record, or a
     # restarted sidecar would place the array's next task on this one's GPU.
     elastic_group: Optional[str] = None
+    checkpoint_seq: int = 0  # the latest `checkpoint` sent to its agents (a sibling task leaving or joining)
 
     def record(self) -> dict:
         return {"job_id": self.job_id, "job_class": self.job_class, "uid": self.uid, "gid": self.gid,

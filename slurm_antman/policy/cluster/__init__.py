@@ -3,7 +3,7 @@ clock, no Slurm, no ZeroMQ), so the daemon and the trace simulator run the same 
 
 from .core import decide
 from .decisions import (
-    ALL_KINDS, Decision, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
+    ALL_KINDS, CheckpointNotice, Decision, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
 )
 from .model import (
     HOLDING_STATES, CoordinatorState, GpuView, Issued, JobView, NodeView, PolicyParams, Preemption, PreemptNeed, Requeued, Snapshot, quotas_from_config,
@@ -11,7 +11,7 @@ from .model import (
 from .preemption import lost_gpu_seconds
 
 __all__ = [
-    "decide", "ALL_KINDS", "Decision", "HoldForQuota", "KeepOff", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
+    "decide", "ALL_KINDS", "CheckpointNotice", "Decision", "HoldForQuota", "KeepOff", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
     "SetClass", "SetOppSlots", "Upgrade", "HOLDING_STATES", "CoordinatorState", "GpuView", "Issued", "JobView",
     "NodeView", "PolicyParams", "Preemption", "PreemptNeed", "Requeued", "Snapshot", "quotas_from_config",
     "lost_gpu_seconds",

@@ -3,7 +3,8 @@
 Order inside a cycle: preemption first (a guaranteed job is waiting), then moves of crawling
 opportunistic jobs, then quotas (classes, holds,
 upgrades), then placement (opportunistic GRES counts, and which nodes pending opportunistic jobs are
-kept off). A job gets at most one decision per cycle, except that keeping it off nodes is its own.
+kept off). A job gets at most one decision per cycle, except that keeping it off nodes is its own, and
+so is a checkpoint asked of a task of an elastic array when a sibling leaves or joins.
 
 Decisions that follow from the snapshot alone (classes, holds, upgrades, slot counts) would repeat
 every cycle until Slurm shows them done; ``state.issued`` suppresses such a repeat for
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from . import keep_off, moves, placement, preemption, quota
+from . import array_checkpoint, keep_off, moves, placement, preemption, quota
 from .decisions import Decision
 from .model import Avoid, CoordinatorState, Issued, PolicyParams, Snapshot
 
@@ -38,7 +39,9 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     avoid = {**{k: v for k, v in state.avoid.items() if k in jobs and k not in avoid}, **avoid}
 
     skip = pre.touched | pre.preempting.keys() | pre.requeued.keys()
+    pre.decisions.extend(array_checkpoint.for_leaving(pre.decisions, jobs, skip))
     derived: list[Decision] = quota.step(now, jobs.values(), snap.quotas, params, skip, nodes)
+    derived.extend(array_checkpoint.for_joining(now, jobs, skip))
 
     need_gpus: dict[str, set[int]] = {}
     for need in snap.needs:

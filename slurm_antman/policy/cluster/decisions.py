@@ -114,6 +114,24 @@ class PreemptNotice(_Kind):
 
 
 @dataclass(frozen=True, slots=True)
+class CheckpointNotice(_Kind):
+    """A running task of an elastic array checkpoints ``at_s`` seconds from now (via its node's sidecar):
+    a sibling task leaves then (its requeue), or has just joined (``cause``: what it is for)."""
+
+    job_id: str
+    node: str
+    at_s: float
+    cause: str
+    reason: str = field(default="", compare=False)
+    inputs: Mapping[str, object] = field(default_factory=_inputs, compare=False)
+
+    @property
+    def key(self) -> str:
+        # Its own key per cause: another decision for the task in the same cycle must not suppress it.
+        return f"checkpoint:{self.job_id}:{self.cause}"
+
+
+@dataclass(frozen=True, slots=True)
 class Requeue(_Kind):
     """Grace time is over: ``scontrol requeue``."""
 
@@ -154,7 +172,7 @@ class KeepOff(_Kind):
 
 
 Decision = Union[SetClass, HoldForQuota, ReleaseHold, SetOppSlots, Upgrade, PreemptNotice, Requeue, MakeEligible,
-                 KeepOff]
+                 KeepOff, CheckpointNotice]
 
 ALL_KINDS = (SetClass, HoldForQuota, ReleaseHold, SetOppSlots, Upgrade, PreemptNotice, Requeue, MakeEligible,
-             KeepOff)
+             KeepOff, CheckpointNotice)
