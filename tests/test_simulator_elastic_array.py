@@ -199,18 +199,25 @@ def test_widths_change_by_whole_tasks_only(tmp_path):
 
 # -- the cost of a change, the redo and the pace ----------------------------------------------------
 
-def test_a_change_stops_the_training_and_redoes_the_work_since_its_last_checkpoint(tmp_path):
-    # By hand: 2 nodes of 2 GPUs, checkpoints every 100 s. Both tasks start at 0 (one round, width 4 over
-    # 2 nodes); task 1 is shed at 250 s, 50 s after the checkpoint of 200 s; it starts again at 400 s.
+def _two_tasks(tmp_path, **kw):
+    """2 nodes of 2 GPUs, checkpoints every 100 s; a 4-GPU array of 2 tasks started by hand at 0 (one
+    round, width 4 over 2 nodes): (sim, the trace job, task 0, task 1)."""
     jobs = trace(tmp_path, [(at(0), 5000.0, 4, "b")])
     sim = Simulator(jobs, SimConfig(policy="antman", nodes=2, gpus_per_node=2, elastic_share=1.0, elastic_arrays=True,
-                                    checkpoint_s=100.0, utilisation="saturated"))
+                                    checkpoint_s=100.0, utilisation="saturated", **kw))
     p = sim.jobs[jobs[0].job_id]
     p.requested = p.klass = "opportunistic"  # (alone, its tenant's quota is the whole cluster)
     sim._submit(p)
     t0, t1 = (sim.jobs[t] for t in p.tasks)
     sim._start(t0, [0, 1])
     sim._start(t1, [2, 3])
+    return sim, p, t0, t1
+
+
+def test_a_change_stops_the_training_and_redoes_the_work_since_its_last_checkpoint(tmp_path):
+    # By hand, with no checkpoint asked of the tasks that stay (a site whose agents never heard of it):
+    # task 1 is shed at 250 s, 50 s after the checkpoint of 200 s; it starts again at 400 s.
+    sim, p, t0, t1 = _two_tasks(tmp_path, checkpoint_on_notice=False)
     name = p.profile.name
     assert p.state == "RUNNING" and p.gpus == [0, 1, 2, 3] and p.width_changes == 0
     assert p.locality == pytest.approx(profile_efficiency(name, 4, 2))
@@ -244,6 +251,35 @@ def test_a_change_stops_the_training_and_redoes_the_work_since_its_last_checkpoi
     sim._start(t0, [0, 1])  # the training starts again on both, task 1's GPUs idle meanwhile
     assert p.state == "RUNNING" and sorted(p.gpus) == [0, 1, 2, 3] and sim.array_idle_gpu_s == pytest.approx(100.0 * 2)
     assert t1.duty == p.duty > 0 and sim.gpus[2].util > 0
+
+
+def test_the_checkpoint_asked_of_the_staying_tasks_bounds_what_a_shed_and_a_grow_redo(tmp_path):
+    # As above, with the coordinator's notices: the shed at 250 s was announced at 220 s for its requeue
+    # (grace 30 s), so the staying task checkpointed ARRAY_CHECKPOINT_LEAD_S before it, not at 200 s.
+    from slurm_antman.policy.cluster import CheckpointNotice
+    sim, p, t0, t1 = _two_tasks(tmp_path)
+    r4 = p.rate
+    sim.now = 220.0
+    sim._apply(CheckpointNotice(t0.job.job_id, "node0", 30.0, cause=f"leave:{t1.job.job_id}"))
+    assert p.ckpt_at == 250.0 - EA.ARRAY_CHECKPOINT_LEAD_S
+    sim.now = 250.0
+    sim._stop(t1, "preempt")
+    assert p.work_left == pytest.approx(5000.0 - 250.0 * r4 + EA.ARRAY_CHECKPOINT_LEAD_S * r4)
+    assert p.lost_gpu_s == pytest.approx(EA.ARRAY_CHECKPOINT_LEAD_S * 4)
+    r2, left = p.rate, p.work_left
+    # The grow: the join's notice wins the race with the launcher (the devcluster's), ARRAY_JOIN_REDO_S at most.
+    sim.now = 400.0
+    sim._start(t1, [2, 3])
+    assert p.work_left == pytest.approx(left - (400.0 - 250.0 - sim.cfg.elastic_array_shrink_s) * r2
+                                        + EA.ARRAY_JOIN_REDO_S * r2)
+    # A notice for the moment now (a join the simulated coordinator saw late) is a checkpoint now, not
+    # the lead before it; one from before the training's last restart counts for nothing.
+    sim.now = 450.0
+    sim._apply(CheckpointNotice(t0.job.job_id, "node0", 0.0, cause="join:x:1"))
+    assert p.ckpt_at == 450.0
+    assert sim._since_checkpoint(p) == 0.0
+    p.ckpt_at = p.ckpt_from - 1.0
+    assert sim._since_checkpoint(p) == pytest.approx((450.0 - p.ckpt_from) % 100.0)
 
 
 def _benchmarks_gap(event: str) -> float:

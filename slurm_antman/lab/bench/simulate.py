@@ -110,12 +110,15 @@ def _parser() -> argparse.ArgumentParser:
                         "one-node tasks whose width changes by whole tasks (simulator/elastic_array.py)")
     p.add_argument("--elastic-array-shrink-s", type=float, default=SimConfig.elastic_array_shrink_s,
                    help="--elastic-arrays: seconds a task's loss stops the training across nodes, besides redoing "
-                        "the work since its last periodic checkpoint (default %(default)s: the devcluster's "
-                        "measured gap, docs/benchmarks.md)")
+                        "the work since the checkpoint the staying tasks took for it (default %(default)s: the "
+                        "devcluster's measured gap, docs/benchmarks.md)")
     p.add_argument("--elastic-array-grow-s", type=float, default=SimConfig.elastic_array_grow_s,
                    help="--elastic-arrays: seconds a task's start stops the training across nodes, besides redoing "
-                        "the work since its last periodic checkpoint (default %(default)s: the devcluster's "
-                        "measured gap, docs/benchmarks.md)")
+                        "the work since the checkpoint the running tasks took for it (default %(default)s: the "
+                        "devcluster's measured gap, docs/benchmarks.md)")
+    p.add_argument("--elastic-array-host-first", action="store_true",
+                   help="with --elastic-arrays: an array's other tasks are held while its rendezvous host (task 0) "
+                        "is pending, so none holds GPUs waiting for it (a what-if of a coordinator rule)")
     p.add_argument("--elastic-array-min-tasks", type=int, default=SimConfig.elastic_array_min_tasks,
                    help="--elastic-arrays: the fewest tasks the training runs on (MIN = this x G; default %(default)s)")
     p.add_argument("--wait-study-s", type=float, default=None,
@@ -167,6 +170,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           elastic_grow_shared=a.elastic_grow_shared, elastic_arrays=a.elastic_arrays,
                           elastic_array_shrink_s=a.elastic_array_shrink_s, elastic_array_grow_s=a.elastic_array_grow_s,
                           elastic_array_min_tasks=a.elastic_array_min_tasks,
+                          elastic_array_host_first=a.elastic_array_host_first,
                           wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s)
                 for p in policies]
     except (traces.TraceError, ValueError) as e:
@@ -192,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "elastic_narrow_start": a.elastic_narrow_start, "elastic_grow_shared": a.elastic_grow_shared,
             "elastic_arrays": a.elastic_arrays, "elastic_array_shrink_s": a.elastic_array_shrink_s,
             "elastic_array_grow_s": a.elastic_array_grow_s,
-            "elastic_array_min_tasks": a.elastic_array_min_tasks, "load_s": round(load_s, 3)}
+            "elastic_array_min_tasks": a.elastic_array_min_tasks,
+            "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3)}
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))

@@ -338,6 +338,8 @@ class AntmanAdapter:
             j.notice_at = self.now
             if d.inputs.get("move"):
                 self.counts["moves"] += 1
+        elif kind == "checkpoint_notice" and j.array is not None:
+            self._task_checkpoint(j, self.now + d.at_s)  # elastic_array.py
         elif kind == "make_eligible" and j.array is not None:
             self._task_eligible(j, d.start_unix)  # a task's hold (elastic_array.py)
         # make_eligible of any other job: the simulated Slurm has no BeginTime wait to clear.

@@ -122,6 +122,8 @@ class SimConfig(TraceRunConfig):
     elastic_array_shrink_s: float = ARRAY_SHRINK_S
     elastic_array_grow_s: float = ARRAY_GROW_S
     elastic_array_min_tasks: int = 1
+    # The coordinator holds an array's other tasks while its rendezvous host is pending (what-if, off).
+    elastic_array_host_first: bool = False
     # A study, not a policy (issue 29): while a one-GPU opportunistic job waits for room (no_room=wait),
     # at most once per this many simulated seconds, which rule keeps each GPU of the cluster from it
     # (policy.node.placement.exclusion; "node_slots:RULE": its node's opportunistic Slurm slots are taken too),

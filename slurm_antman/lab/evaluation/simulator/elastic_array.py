@@ -45,13 +45,27 @@ all its tasks share one node), times S(w) / S(MAX) for its profile (as for a one
 
 **Cost of a change.** Every change of width stops the training, for ``elastic_array_shrink_s`` when a
 task is shed and ``elastic_array_grow_s`` when one starts while the job trains, and **restarts every
-worker from the job's last periodic checkpoint**: no checkpoint hook runs on the survivors
-(docs/elastic.md), so the work since that checkpoint is done again. It is counted as a requeue's lost
-work is (``engine._stop``): the time since the training's last (re)start modulo ``checkpoint_s``, at the
-rate before the change. The grow redoes it too: the running agents restart their workers to admit the
-new node, and every restart loads the checkpoint (``torch_patch.elastic_nodes``' module doc). A whole-job requeue is a requeue: what it loses is counted as
-for any requeued job (since the last periodic checkpoint, or since the notice when
-``checkpoint_on_notice``).
+worker from the job's latest checkpoint**, so the work since it is done again, counted as a requeue's
+lost work is (``engine._stop``), at the rate before the change. Which checkpoint:
+
+- **a shed**: the one the coordinator's ``checkpoint_notice`` asks of the tasks that stay, for the
+  moment of the requeue (``policy.cluster.array_checkpoint``, applied here by ``_task_checkpoint``),
+  taken ``ARRAY_CHECKPOINT_LEAD_S`` before it: that much is done again. Without the notice (none came,
+  or ``checkpoint_on_notice`` is off) it is the job's last periodic one: the time since the training's
+  last (re)start modulo ``checkpoint_s``;
+- **a grow**: the running tasks are asked at once when the coordinator sees the task start, and its
+  launcher meets them seconds later; the simulated coordinator sees the start only after the restart,
+  so the race is not played out: with ``checkpoint_on_notice`` the grow redoes at most
+  ``ARRAY_JOIN_REDO_S``, else the work since the last periodic checkpoint.
+
+A whole-job requeue is a requeue: what it loses is counted as for any requeued job (since the last
+periodic checkpoint, or since the notice when ``checkpoint_on_notice``).
+
+``ARRAY_CHECKPOINT_LEAD_S`` (4 s) and ``ARRAY_JOIN_REDO_S`` (4 s) bound what the devcluster measured
+(docs/elastic.md, "Measured with the checkpoint notices", 2026-11-26): the shed's checkpoint 4.0 s
+before the requeue (two iterations of 2 s: the agent's lead), one step trained again; the grow's 3.7 s
+before the launcher joined, one step (0.7 s) trained again. Where iterations are longer than 2 s the
+lead is longer too; not modelled.
 
 ``ARRAY_SHRINK_S`` (9.3 s) and ``ARRAY_GROW_S`` (3.4 s) are the training gaps the devcluster measured
 (docs/benchmarks.md, "Across nodes: an elastic job array", 2026-11-26: one run, three hosts, CPU with
@@ -74,6 +88,10 @@ from typing import Optional
 
 from ..locality_data import profile_speedup
 from .state import FINISH, WAKE, SimJob
+
+# What a width change across nodes trains again when the notices asked for a checkpoint (module doc).
+ARRAY_CHECKPOINT_LEAD_S = 4.0
+ARRAY_JOIN_REDO_S = 4.0
 
 # One width change across nodes: the training gap, in seconds, from the last step before it to the first
 # step after it, as the devcluster measured it (docs/benchmarks.md, "Across nodes: an elastic job array";
@@ -185,6 +203,13 @@ class ElasticArrays:
             self.counts["array_stalls"] += 1
             self._array_stop(p, but=t)
 
+    def _task_checkpoint(self, t: SimJob, at: float) -> None:
+        """The coordinator's ``CheckpointNotice`` to a staying task: its training checkpoints at ``at`` less
+        the agent's lead (one checkpoint per training, whichever task's agent takes it)."""
+        p = self.jobs[t.array]  # type: ignore[index]
+        if p.state == "RUNNING" and self.cfg.checkpoint_on_notice:
+            p.ckpt_at = max(self.now, at - ARRAY_CHECKPOINT_LEAD_S)
+
     def _task_eligible(self, t: SimJob, start_unix: Optional[float]) -> None:
         """The coordinator's ``MakeEligible`` for a requeued task: at ``start_unix`` (the hold), else now."""
         at = self.now if start_unix is None else start_unix
@@ -193,9 +218,12 @@ class ElasticArrays:
             self._push(max(at, self.now), WAKE, t.job.job_id, 0)
 
     def _since_checkpoint(self, p: SimJob) -> float:
-        """Training seconds since the job's last periodic checkpoint: since its last (re)start, modulo
-        ``checkpoint_s``, as for a requeue."""
-        return max(0.0, self.now - p.ckpt_from) % self.cfg.checkpoint_s
+        """Training seconds since the job's latest checkpoint: the periodic one (since its last (re)start,
+        modulo ``checkpoint_s``, as for a requeue), or a notice's taken since that (re)start."""
+        since = max(0.0, self.now - p.ckpt_from) % self.cfg.checkpoint_s
+        if p.ckpt_at is not None and p.ckpt_from <= p.ckpt_at <= self.now:
+            since = min(since, self.now - p.ckpt_at)
+        return since
 
     def _redo(self, p: SimJob, since: float) -> None:
         p.lost_gpu_s += since * len(p.gpus)
@@ -222,7 +250,10 @@ class ElasticArrays:
         self.counts[kind] += 1
         self.counts[f"array_{kind}"] += 1
         self._advance(p)
-        self._redo(p, self._since_checkpoint(p))
+        since = self._since_checkpoint(p)
+        if kind == "grows" and self.cfg.checkpoint_on_notice:
+            since = min(since, ARRAY_JOIN_REDO_S)
+        self._redo(p, since)
         cost = self.cfg.elastic_array_shrink_s if kind == "shrinks" else self.cfg.elastic_array_grow_s
         p.t_last = max(self.now, p.t_last) + cost
         p.width_changed_at = self.now

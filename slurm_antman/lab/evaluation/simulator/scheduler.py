@@ -193,10 +193,14 @@ class SlurmScheduler:
         # likewise per tenant for its quota (its GPUs only grow during a pass).
         smallest_failed: dict[tuple[str, int], int] = {}
         over_quota: dict[str, int] = {}
+        host_first = self.cfg.elastic_array_host_first
         for jid, ticket in ids:
             j = self.jobs[jid]
             if j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now:
                 continue
+            if host_first and j.array is not None and j.task != 0 and \
+                    self.jobs[self.jobs[j.array].tasks[0]].state != "RUNNING":
+                continue  # held while its array's rendezvous host is pending
             tenant = j.job.tenant
             if j.job.gpus >= over_quota.get(tenant, 1 << 30):
                 continue

@@ -63,6 +63,7 @@ class SimJob:
     tasks: list[str] = field(default_factory=list)
     train: list[str] = field(default_factory=list)
     ckpt_from: float = 0.0
+    ckpt_at: Optional[float] = None  # when a checkpoint_notice's checkpoint is (or was) taken
     idle_from: float = 0.0
 
 
