@@ -62,6 +62,20 @@ def managed_cluster(d: Path, work: Path, **up_args) -> Iterator[ClusterHandle]:
         dc.down(d)
 
 
+@pytest.fixture
+def agent_peer(tmp_path):
+    """A peer sidecar (``lab.bench.control.PeerSidecar``, heartbeat 0.1 s) serving job 42's agent socket,
+    under a short path in /tmp: a Unix socket's path may not be longer than 107 bytes."""
+    from slurm_antman.lab.bench.control import PeerSidecar
+
+    short = f"/tmp/antman-peer-{os.getpid()}-{tmp_path.name[-12:]}"
+    os.makedirs(short, exist_ok=True)
+    p = PeerSidecar(os.path.join(short, "jobs", "42", "agent.sock"), heartbeat_s=0.1).start()
+    yield p
+    p.stop()
+    shutil.rmtree(short, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory) -> ClusterHandle:
     with managed_cluster(tmp_path_factory.mktemp("devcluster"), tmp_path_factory.mktemp("jobs"),

@@ -4,8 +4,6 @@ frees and restores is the emulated footprint; the CUDA move itself is the gpu te
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
 
@@ -14,7 +12,6 @@ import torch
 
 import torch_patch
 from slurm_antman import protocol as P
-from slurm_antman.lab.bench.control import PeerSidecar
 from torch_patch.agent import Agent
 
 HB = 0.1
@@ -37,13 +34,8 @@ def _job():
 
 
 @pytest.fixture
-def peer(tmp_path):
-    short = f"/tmp/antman-pause-{os.getpid()}-{tmp_path.name[-12:]}"
-    os.makedirs(short, exist_ok=True)
-    p = PeerSidecar(os.path.join(short, "jobs", "42", "agent.sock"), heartbeat_s=HB).start()
-    yield p
-    p.stop()
-    shutil.rmtree(short, ignore_errors=True)
+def peer(agent_peer):
+    return agent_peer
 
 
 @pytest.fixture(autouse=True)

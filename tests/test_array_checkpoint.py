@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 import threading
 import time
 
@@ -17,7 +15,6 @@ import torch
 
 import torch_patch
 from slurm_antman import protocol as P
-from slurm_antman.lab.bench.control import PeerSidecar
 from slurm_antman.lab.snapshots import NOW, PARAMS, gpu, job, need, node, snap
 from slurm_antman.policy.cluster import CheckpointNotice, CoordinatorState, PreemptNotice, decide
 from slurm_antman.policy.cluster.array_checkpoint import JOIN_WINDOW_S
@@ -25,7 +22,6 @@ from torch_patch.agent import Agent
 from torch_patch.checkpoint import LEAD_ITERATIONS, CheckpointHooks
 from torch_patch.client import CheckpointRequest
 
-HB = 0.1
 
 
 # --- the core ----------------------------------------------------------------------------------------
@@ -129,13 +125,8 @@ def _job():
 
 
 @pytest.fixture
-def peer():
-    short = f"/tmp/antman-ckpt-{os.getpid()}"
-    os.makedirs(short, exist_ok=True)
-    p = PeerSidecar(os.path.join(short, "jobs", "42", "agent.sock"), heartbeat_s=HB).start()
-    yield p
-    p.stop()
-    shutil.rmtree(short, ignore_errors=True)
+def peer(agent_peer):
+    return agent_peer
 
 
 @pytest.fixture(autouse=True)

@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="antman: sidecar.resume_hold_s, how long its GPU must fit a paused job again before it resumes")
     p.add_argument("--util-scale", type=float, default=SimConfig.util_scale,
                    help="production: multiply every job's drawn utilisation by this (capped at its benchmark's)")
+    p.add_argument("--slots-per-gpu", type=int, default=SimConfig.slots_per_gpu,
+                   help="antman and shared: opportunistic.slots_per_gpu, the opportunistic jobs one GPU may host "
+                        "(default %(default)s, as antman.yaml's)")
+    p.add_argument("--util-threshold", type=float, default=SimConfig.util_threshold,
+                   help="antman: opportunistic.utilization_threshold, the GPU utilisation over which a GPU takes no "
+                        "new opportunistic job (default %(default)s, as antman.yaml's)")
     p.add_argument("--min-progress", type=float, default=SimConfig.min_progress,
                    help="antman: opportunistic.min_progress (a GPU takes an opportunistic job only where it is "
                         "predicted to make this fraction of its solo rate; under it a running job crawls)")
@@ -160,7 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfgs = [SimConfig(policy=p, nodes=a.nodes, gpus_per_node=a.gpus, gpu_mem_bytes=int(a.gpu_mem_gib * GiB),
                           speedup=a.speedup, quota_scale=a.quota_scale, seed=a.seed,
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
-                          util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s, move_gain=a.move_gain,
+                          util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s,
+                          slots_per_gpu=a.slots_per_gpu, util_threshold=a.util_threshold, move_gain=a.move_gain,
                           no_room=a.no_room, upgrade_running=a.upgrade_running, pause_max_s=a.pause_max_s,
                           resume_hold_s=a.resume_hold_s, placement=a.placement, backfill=a.backfill,
                           locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s,
@@ -187,6 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
             "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
+            "slots_per_gpu": a.slots_per_gpu, "util_threshold": a.util_threshold,
             "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
             "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s, "placement": a.placement,
             "backfill": a.backfill, "locality": a.locality, "nodes_per_switch": a.nodes_per_switch,
