@@ -38,7 +38,7 @@ def test_defaults():
     cfg = config.parse(_minimal())
     assert cfg.default_class.value == "none"
     assert cfg.slurm.opportunistic_gres == "antman_opp"
-    assert cfg.opportunistic.slots_per_gpu == 2
+    assert cfg.opportunistic.slots_per_gpu == 3
     assert cfg.node_socket_dir("gpu1") == "/run/slurm-antman/gpu1"
 
 

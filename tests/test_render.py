@@ -128,12 +128,13 @@ def test_gpu_type_reaches_node_lines_gres_conf_and_settings():
                                   {"name": "a1", "gpus": 4, "gpu_type": "a100"}, {"name": "old1", "gpus": 2}]})
     files = render_all(cfg)
     frag, gres, settings = files["antman.slurm.conf"], files["gres.conf"], files["antman_settings.lua"]
-    assert re.search(r"^NodeName=h1 .*Gres=gpu:h100:8,antman_opp:h100:16 ", frag, re.M)
-    assert re.search(r"^NodeName=a1 .*Gres=gpu:a100:4,antman_opp:a100:8 ", frag, re.M)
-    assert re.search(r"^NodeName=old1 .*Gres=gpu:2,antman_opp:4 ", frag, re.M)
+    # The default slots_per_gpu, 3 opportunistic slots per GPU.
+    assert re.search(r"^NodeName=h1 .*Gres=gpu:h100:8,antman_opp:h100:24 ", frag, re.M)
+    assert re.search(r"^NodeName=a1 .*Gres=gpu:a100:4,antman_opp:a100:12 ", frag, re.M)
+    assert re.search(r"^NodeName=old1 .*Gres=gpu:2,antman_opp:6 ", frag, re.M)
     assert "NodeName=h[1-2] Name=gpu Type=h100 File=/dev/nvidia[0-7]" in gres
-    assert "NodeName=h[1-2] Name=antman_opp Type=h100 Count=16" in gres
-    assert "NodeName=old1 Name=antman_opp Count=4" in gres
+    assert "NodeName=h[1-2] Name=antman_opp Type=h100 Count=24" in gres
+    assert "NodeName=old1 Name=antman_opp Count=6" in gres
     assert 'gpu_types = { ["a100"] = 4, ["h100"] = 8, },' in settings
     with pytest.raises(config.ConfigError) as e:
         config.parse({"nodes": [{"name": "n1", "gpus": 1, "gpu_type": "h100:80g"}]})

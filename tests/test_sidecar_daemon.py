@@ -30,7 +30,8 @@ def make_config(gpus: int = 2, window_s: float = 10.0, **sidecar):
     return cfgmod.parse({
         "nodes": [{"name": "n1", "gpus": gpus, "gpu_memory_mb": GPU_MB}],
         "sidecar": {"heartbeat_s": 0.2, "telemetry": "emulated", **sidecar},
-        "opportunistic": {"utilization_window_s": window_s},
+        # Two slots: the placement tests fill a GPU's slots with two jobs.
+        "opportunistic": {"utilization_window_s": window_s, "slots_per_gpu": 2},
         "grace_time_s": 30,
     })
 

@@ -357,7 +357,8 @@ def test_useful_utilisation_counts_progress_not_busy_time(tmp_path):
         r = simulate(jobs, SimConfig(policy=policy, nodes=1, gpus_per_node=2))
         # Alone on its GPU every job progresses at its solo rate: useful equals busy.
         assert r.metrics["useful_util"] == pytest.approx(r.metrics["sm_util"], rel=1e-9)
-    shared = simulate(jobs, SimConfig(policy="shared", nodes=1, gpus_per_node=2, utilisation="saturated"))
+    # Two shards per GPU: the eight jobs then queue on the node's four slots.
+    shared = simulate(jobs, SimConfig(policy="shared", nodes=1, gpus_per_node=2, utilisation="saturated", slots_per_gpu=2))
     assert shared.metrics["useful_util"] < shared.metrics["sm_util"]
     assert 0 < shared.metrics["useful_util_queued"] <= 1
 

@@ -85,6 +85,9 @@ def _base_dev_config(d: Path, nodes: int, gpus: int, cpus: int, antman_command: 
         # the way a site's jobs do: from the bundle the SPANK plugin puts on PYTHONPATH.
         "agent_path": str(d / "lib" / "agent"),
         "sidecar": {"socket_dir": str(sidecar_socket_dir(port_base)), "telemetry": "emulated"},
+        # Two, not the default three: the devcluster's tests size their emulated GPUs and bursts for
+        # two opportunistic jobs beside a guaranteed one.
+        "opportunistic": {"slots_per_gpu": 2},
         "nodes": [{
             "name": f"node[1-{nodes}]" if nodes > 1 else "node1",
             "gpus": gpus, "cpus": cpus, "memory_mb": 4000, "gpu_memory_mb": 16384,

@@ -19,7 +19,7 @@ class TraceRunConfig:
     gpu_mem_bytes: int = 32 * GiB
     speedup: float = 1.0          # every trace time divided by this
     quota_scale: float = 1.0
-    slots_per_gpu: int = 2
+    slots_per_gpu: int = 3        # antman.yaml's opportunistic.slots_per_gpu; shared's shards per GPU
     # Times below are in the run's seconds: trace seconds divided by speedup.
     grace_s: float = 30.0
     oom_retry_s: float = 60.0     # shared: from a job's OOM failure to its retry
