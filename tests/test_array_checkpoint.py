@@ -44,13 +44,15 @@ def _three_tasks():
     return [g1, t0, t1, t2, o9], nodes
 
 
-def test_a_shed_task_asks_each_task_that_stays_to_checkpoint_at_its_requeue():
+def test_a_shed_task_asks_every_task_of_its_array_to_checkpoint_at_its_requeue():
     jobs, nodes = _three_tasks()
     ds, st = decide(snap(jobs, nodes, needs=[need("g1", "n2")]), CoordinatorState.empty(), PARAMS)
     assert [d for d in ds if d.kind == "preempt_notice"] == [PreemptNotice("t1", "n2", PARAMS.grace_s)]
     asked = [d for d in ds if d.kind == "checkpoint_notice"]
-    # The host and the other task, at the moment of the requeue; nobody else (o9 is not of the array).
+    # Every task at the moment of the requeue, the leaving one too (rank 0, the one that saves, may be
+    # there); nobody else (o9 is not of the array).
     assert asked == [CheckpointNotice("t0", "n1", PARAMS.grace_s, "leave:t1"),
+                     CheckpointNotice("t1", "n2", PARAMS.grace_s, "leave:t1"),
                      CheckpointNotice("t2", "n3", PARAMS.grace_s, "leave:t1")]
     assert "task t1 of elastic array 500 is requeued" in asked[0].reason
     # Not asked again in the next cycles of the grace time, nor at the requeue.
@@ -59,13 +61,14 @@ def test_a_shed_task_asks_each_task_that_stays_to_checkpoint_at_its_requeue():
         assert not [d for d in ds if d.kind == "checkpoint_notice"], ds
 
 
-def test_the_hosts_loss_asks_for_no_checkpoint_every_task_is_preempted():
+def test_the_hosts_loss_asks_every_task_for_the_moment_the_whole_array_is_requeued():
     jobs, nodes = _three_tasks()
     g0 = job("g0", state="RUNNING", job_class="guaranteed", node="n1")
     nodes[0] = node("n1", (gpu(0, g=("g0",), o=("t0",)),), configured=2, in_slurm=1)
     ds, _ = decide(snap([*jobs, g0], nodes, needs=[need("g0", "n1")]), CoordinatorState.empty(), PARAMS)
     assert {d.job_id for d in ds if d.kind == "preempt_notice"} == {"t0", "t1", "t2"}
-    assert not [d for d in ds if d.kind == "checkpoint_notice"]
+    assert [(d.job_id, d.at_s, d.cause) for d in ds if d.kind == "checkpoint_notice"] == [
+        ("t0", PARAMS.grace_s, "leave:t0"), ("t1", PARAMS.grace_s, "leave:t0"), ("t2", PARAMS.grace_s, "leave:t0")]
 
 
 def test_a_task_that_joins_asks_the_running_ones_to_checkpoint_at_once_and_once():

@@ -193,16 +193,19 @@ def test_an_elastic_array_sheds_a_task_trains_on_grows_back_and_survives_its_hos
     decided = audit.read_text(errors="replace")
     assert re.search(r"hosts elastic array %d's rendezvous" % array, decided), decided[-3000:]
     assert re.search(r"a task of elastic array %d: the other tasks train on" % array, decided), decided[-3000:]
-    # The shed asked task 0 to checkpoint at the requeue (policy/cluster/array_checkpoint.py), and its
-    # agent did so in the last part of the grace time, not at the notice: the restart without task 1
-    # resumed from that checkpoint (or a periodic one after it), not from one before the notice.
+    # The shed and the host's loss asked every task to checkpoint at the requeue (policy/cluster/
+    # array_checkpoint.py), and rank 0's agent, on whichever task it was, did so in the last part of the
+    # grace time, not at the notice: each restart resumed from that checkpoint (or a periodic one after
+    # it), not from one before the notice.
     assert re.search(r'"kind":"checkpoint_notice".*"cause":"leave:.*"outcome":"ok"', decided), decided[-3000:]
-    shrunk = next(e for e in evs if e.get("event") == "start" and e["world_size"] == 1 and e["time"] > shed_at - 5)
-    asked = [e for e in evs if e.get("event") == "checkpoint" and e["why"] == "checkpoint"
-             and shed_at - GRACE_S - 5 < e["time"] < shrunk["time"]]
-    assert asked, [e for e in evs if e.get("event") == "checkpoint"]
-    assert asked[-1]["time"] > shed_at - GRACE_S / 2, (asked, shed_at)
-    assert shrunk["step"] >= asked[-1]["step"], (shrunk, asked)
+    for gone_at, width in ((shed_at, 1), (host_lost_at, None)):
+        restart = next(e for e in evs if e.get("event") == "start" and e["time"] > gone_at - 5
+                       and width in (None, e["world_size"]))
+        asked = [e for e in evs if e.get("event") == "checkpoint" and e["why"] == "checkpoint"
+                 and gone_at - GRACE_S - 5 < e["time"] < restart["time"]]
+        assert asked, (gone_at, [e for e in evs if e.get("event") == "checkpoint"])
+        assert asked[-1]["time"] > gone_at - GRACE_S / 2, (asked, gone_at)
+        assert restart["step"] >= asked[-1]["step"], (restart, asked)
     print(f"\nelastic array across nodes: (world size, training gap s) at each start: {_gaps(evs)}")
     print(f"trained again after a restart (steps, s): {_redone(evs)}")
 

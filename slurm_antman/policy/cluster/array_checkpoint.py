@@ -1,22 +1,21 @@
-"""Checkpoints for the tasks of an elastic array that stay (docs/elastic.md, "Across nodes: a job array").
+"""Checkpoints for the tasks of an elastic array around a change of its members (docs/elastic.md,
+"Across nodes: a job array").
 
 Every membership change of the array's training restarts all its workers from the latest checkpoint:
-a task that leaves (its requeue: a shed, a move) and a task that joins (Slurm starting it: a grow). The
-checkpoint hook of the leaving task's own agents does not help, because its ranks are not the one that
-saves (rank 0 is on another node). So the tasks that stay are asked to checkpoint:
+a task that leaves (its requeue: a shed, a move, the whole array with its rendezvous host) and a task
+that joins (Slurm starting it: a grow). Rank 0, the rank that saves, may be on any task: torchrun's
+rendezvous hands out the ranks. So every running task is asked to checkpoint:
 
 - for a leaving task, at its requeue: ``at_s`` is the notice's grace, and each agent takes the
   checkpoint two iterations ahead of that moment (``torch_patch.checkpoint``). The coordinator
   requeues no earlier than the deadline, so the checkpoint comes before the restart, and what is
-  trained again is those iterations plus the requeue's own lag, not everything since the job's last
-  periodic checkpoint;
+  trained again is those iterations plus the requeue's own lag. The leaving task's preemption hook
+  runs too, at the notice, as for any job: without this a restart went back to that one, a whole grace
+  time earlier, when rank 0 was on the leaving task, or else to the last periodic checkpoint;
 - for a joining task, at once: its launcher takes seconds to import torch and meet the others
   (docs/elastic.md: 5.4-7.2 s to the first step on the devcluster), and the running tasks' workers
   restart only then. The notice races that and usually wins; when it loses, the restart falls back to
   the last checkpoint, as without it.
-
-A whole array going down (its rendezvous host is requeued) is a preemption of every task, whose notice
-runs the hooks as for any job: nothing is asked here then.
 """
 
 from __future__ import annotations
@@ -36,10 +35,9 @@ def _running(jobs: Iterable[JobView], group: str) -> list[JobView]:
                   key=lambda j: j.job_id)
 
 
-def for_leaving(decisions: Iterable[Decision], jobs: Mapping[str, JobView],
-                leaving: frozenset[str] | set[str]) -> list[CheckpointNotice]:
-    """One notice per staying task of each array a ``preempt_notice`` in ``decisions`` takes a task from.
-    ``leaving``: every job with a preemption under way, these included (they are not asked)."""
+def for_leaving(decisions: Iterable[Decision], jobs: Mapping[str, JobView]) -> list[CheckpointNotice]:
+    """One notice per running task of each array a ``preempt_notice`` in ``decisions`` takes a task from,
+    the leaving ones included (rank 0 may be on one of them), for the earliest of those requeues."""
     grace: dict[str, tuple[float, str]] = {}
     for d in decisions:
         j = jobs.get(d.job_id) if d.kind == "preempt_notice" else None  # type: ignore[attr-defined]
@@ -50,12 +48,10 @@ def for_leaving(decisions: Iterable[Decision], jobs: Mapping[str, JobView],
     out = []
     for group, (at, task) in sorted(grace.items()):
         for s in _running(jobs.values(), group):
-            if s.job_id in leaving:
-                continue
             out.append(CheckpointNotice(
                 s.job_id, s.node or "", at, cause=f"leave:{task}",
-                reason=f"task {task} of elastic array {group} is requeued in {at:g} s; the workers that stay "
-                       "restart without it, from this checkpoint",
+                reason=f"task {task} of elastic array {group} is requeued in {at:g} s; the workers restart "
+                       "without it, from this checkpoint",
                 inputs={"group": group, "leaving": task, "at_s": at}))
     return out
 

@@ -39,7 +39,7 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     avoid = {**{k: v for k, v in state.avoid.items() if k in jobs and k not in avoid}, **avoid}
 
     skip = pre.touched | pre.preempting.keys() | pre.requeued.keys()
-    pre.decisions.extend(array_checkpoint.for_leaving(pre.decisions, jobs, skip))
+    pre.decisions.extend(array_checkpoint.for_leaving(pre.decisions, jobs))
     derived: list[Decision] = quota.step(now, jobs.values(), snap.quotas, params, skip, nodes)
     derived.extend(array_checkpoint.for_joining(now, jobs, skip))
 

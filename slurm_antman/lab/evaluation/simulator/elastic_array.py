@@ -48,7 +48,7 @@ task is shed and ``elastic_array_grow_s`` when one starts while the job trains, 
 worker from the job's latest checkpoint**, so the work since it is done again, counted as a requeue's
 lost work is (``engine._stop``), at the rate before the change. Which checkpoint:
 
-- **a shed**: the one the coordinator's ``checkpoint_notice`` asks of the tasks that stay, for the
+- **a shed**: the one the coordinator's ``checkpoint_notice`` asks of every task, for the
   moment of the requeue (``policy.cluster.array_checkpoint``, applied here by ``_task_checkpoint``),
   taken ``ARRAY_CHECKPOINT_LEAD_S`` before it: that much is done again. Without the notice (none came,
   or ``checkpoint_on_notice`` is off) it is the job's last periodic one: the time since the training's
@@ -204,7 +204,7 @@ class ElasticArrays:
             self._array_stop(p, but=t)
 
     def _task_checkpoint(self, t: SimJob, at: float) -> None:
-        """The coordinator's ``CheckpointNotice`` to a staying task: its training checkpoints at ``at`` less
+        """The coordinator's ``CheckpointNotice`` to a task: its training checkpoints at ``at`` less
         the agent's lead (one checkpoint per training, whichever task's agent takes it)."""
         p = self.jobs[t.array]  # type: ignore[index]
         if p.state == "RUNNING" and self.cfg.checkpoint_on_notice:
