@@ -272,6 +272,48 @@ def test_a_busy_loop_takes_limits_and_acks_on_its_own_thread(peer):
     finally:
         agent.stop()
 
+def test_a_raised_share_ends_the_idle_owed_at_the_old_one(peer):
+    """Held at 0.01 (a guaranteed neighbour's baseline probe), an iteration of 40 ms owes about 4 s of
+    idle. The raise that ends the probe must not wait for it: the idle is skipped to the boundary,
+    where the new share applies, and from there the job idles as the new share says."""
+    agent = _agent(peer.endpoint)
+
+    class Step(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.02)  # device time, as the throttle's hooks see it
+            return x * 2
+
+    model, x = torch.nn.Sequential(Step(), Step()), torch.randn(4, 4)
+
+    def iteration():
+        model(x)
+        agent.step()
+
+    try:
+        assert agent.client.registered.wait(5)
+        for _ in range(6):
+            iteration()  # the unthrottled reference, ~40 ms
+        seq, _ = peer.send_limits(None, 0.01)
+        _train_until(iteration, lambda: any(r.msg.body.seq == seq for r in peer.of_type("ack")),
+                     what="the hold applied", timeout=20)
+        assert agent.throttle.share == 0.01
+        raise_at = threading.Timer(0.3, lambda: peer.send_limits(None, 0.5))
+        raise_at.start()
+        t0 = time.perf_counter()
+        iteration()
+        held = time.perf_counter() - t0
+        raise_at.join()
+        _train_until(iteration, lambda: agent.throttle.share == 0.5, what="the raise applied")
+        assert held < 2.0, f"the iteration kept the old share's idle: {held:.2f} s (about 4 s owed)"
+        idle0 = agent.throttle.idle_s
+        for _ in range(3):
+            iteration()
+        # ~40 ms owed per iteration at 0.5: a hurry left set would skip it all.
+        assert agent.throttle.idle_s - idle0 > 0.03
+    finally:
+        agent.stop()
+
+
 def test_bad_endpoint_and_class_are_rejected_clearly():
     from torch_patch.agent import AgentConfigError
     from torch_patch.client import EndpointError

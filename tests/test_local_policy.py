@@ -25,6 +25,15 @@ def run(jobs, state=None, gpus=(GPU0,), now=1000.0, params=P):
     return decide(NodeSnapshot(tuple(gpus), tuple(jobs)), state or PolicyState(), params, now)
 
 
+def solo(ms: float = 100.0, demand_gib: float = 10, params=P, now=1000.0):
+    """The guaranteed job's first ``baseline_window`` reports, alone: its solo baseline is ``ms`` and no
+    probe is due when a neighbour comes (iterations -9..-1, so a test's own numbering stays fresh)."""
+    d = None
+    for i in range(-params.baseline_window, 0):
+        d = run([guar(demand_gib, i, ms)], d.state if d else None, now=now, params=params)
+    return d
+
+
 def test_guaranteed_unlimited_opportunistic_gets_the_rest():
     d = run([guar(10), opp("201", 2.0)])
     assert d.limits["100"] == UNLIMITED
@@ -43,7 +52,7 @@ def test_memory_split_between_opportunistic_jobs_and_foreign_use():
 
 
 def test_guaranteed_demand_rise_shrinks_and_throttles_at_once():
-    d1 = run([guar(10, 1, 100.0), opp("201", 2.0)])
+    d1 = run([guar(10, 1, 100.0), opp("201", 2.0)], solo().state)
     d2 = run([guar(50, 1, 100.0), opp("201", 2.0)], d1.state)  # no new report, only memory grew
     assert d2.limits["201"].mem_limit_bytes == 80 * GiB - 50 * GiB - P.headroom_bytes
     assert d2.limits["201"].mem_limit_bytes < d1.limits["201"].mem_limit_bytes
@@ -52,7 +61,7 @@ def test_guaranteed_demand_rise_shrinks_and_throttles_at_once():
 
 def test_feedback_raises_share_at_baseline_and_lowers_it_on_slowdown():
     # Solo phase: the guaranteed job runs alone, its baseline becomes 100 ms.
-    d = run([guar(10, 1, 100.0)])
+    d = solo()
     assert d.state.guaranteed["100"].solo_ms == 100.0
     # Sharing at baseline speed: share grows every report.
     d = run([guar(10, 2, 100.5), opp("201", 2.0)], d.state)
@@ -85,7 +94,7 @@ def test_feedback_raises_share_at_baseline_and_lowers_it_on_slowdown():
 def test_warm_up_and_checkpoint_reports_do_not_inflate_the_solo_baseline():
     # The H100 proof's case: the first report holds the warm-up iteration (2.1 s), then 72 ms steps.
     d = run([guar(10, 0, 2100.0)])
-    for i in range(1, 6):
+    for i in range(1, P.baseline_window):
         d = run([guar(10, i, 72.0 + (i % 2))], d.state)
     assert d.state.guaranteed["100"].solo_ms == pytest.approx(72.0, abs=1.0)
     # A checkpoint save in a solo report moves it by nothing either.
@@ -106,7 +115,7 @@ def test_solo_baseline_follows_a_lasting_change_of_the_job_own_speed():
 
 
 def test_share_never_below_minimum_nor_above_one():
-    d = run([guar(10, 1, 100.0)])
+    d = solo()
     for i in range(2, 30):
         d = run([guar(10, i, 200.0), opp("201", 2.0)], d.state)
     assert d.limits["201"].compute_share == pytest.approx(P.min_share)
@@ -115,10 +124,12 @@ def test_share_never_below_minimum_nor_above_one():
     assert d.limits["201"].compute_share == pytest.approx(1.0)
 
 
-def test_without_solo_baseline_best_seen_is_used():
-    d = run([guar(10, 1, 120.0), opp("201", 2.0)])
+def test_without_solo_baseline_or_probe_best_seen_is_used():
+    params = NodePolicyParams(probe_max_s=0)
+    d = run([guar(10, 1, 120.0), opp("201", 2.0)], params=params)
     assert d.state.guaranteed["100"].baseline_ms == 120.0
-    d = run([guar(10, 2, 130.0), opp("201", 2.0)], d.state)
+    assert d.limits["201"].compute_share == params.initial_share
+    d = run([guar(10, 2, 130.0), opp("201", 2.0)], d.state, params=params)
     assert d.slowdown["100"] == pytest.approx(130 / 120 - 1)
 
 
@@ -142,7 +153,7 @@ def test_preempt_newest_when_shrinking_cannot_suffice():
 def _slow_at_floor(params=P, start=0.0, ms=110.0, steps=40, jobs_opp=(("201", 2.0), ("202", 3.0))):
     """A guaranteed job measured alone at 100 ms, then ``ms`` beside the opportunistic jobs, one
     report a second; returns the decisions."""
-    d = run([guar(10, 1, 100.0)], now=start, params=params)
+    d = solo(params=params, now=start)
     out = []
     for i in range(steps):
         d = run([guar(10, i + 2, ms), *(opp(j, t) for j, t in jobs_opp)], d.state, now=start + 1 + i,
@@ -291,7 +302,7 @@ def test_a_job_reporting_itself_slow_cannot_make_its_neighbour_crawl():
 def test_opportunistic_job_at_the_floor_beside_a_guaranteed_job_crawls():
     # Never alone: its best time stands in for its solo time, capped by its share.
     params = NodePolicyParams(initial_share=0.05)
-    d = run([guar(iteration=1, ms=100.0)], params=params)
+    d = solo(params=params)
     d = run([guar(iteration=2, ms=104.0), opp_at("201", 5.0, 1, 900.0)], state=d.state, params=params, now=10.0)
     assert d.limits["201"].compute_share == params.min_share
     assert d.progress["201"] == pytest.approx(0.05)

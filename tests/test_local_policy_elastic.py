@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from slurm_antman.policy.node.core import GiB, GpuInfo, JobInfo, NodePolicyParams, NodeSnapshot, PolicyState, decide
+from slurm_antman.policy.node.core import (
+    GiB, GpuInfo, GuaranteedTrack, JobInfo, NodePolicyParams, NodeSnapshot, PolicyState, decide,
+)
 
 P = NodePolicyParams(pause_max_s=120.0, elastic_hold_s=60.0)
 GPUS = (GpuInfo(0, 80 * GiB), GpuInfo(1, 80 * GiB))
@@ -23,6 +25,13 @@ def elastic(gpus=(0, 1), minimum=1, can_resize=True, job_id="201", **kw) -> JobI
 
 def run(jobs, state=None, now=1000.0, params=P, gpus=GPUS):
     return decide(NodeSnapshot(tuple(gpus), tuple(jobs)), state or PolicyState(), params, now)
+
+
+def measured(state: PolicyState, *job_ids: str, ms: float = 100.0) -> PolicyState:
+    """``state`` with the guaranteed jobs' solo baselines known (their probe done: test_local_policy
+    covers it), so that their first report beside the elastic job is read against ``ms``."""
+    track = GuaranteedTrack(solo_ms=ms, best_ms=ms, solo_samples=(ms,) * P.baseline_window, probed=True)
+    return replace(state, guaranteed={**state.guaranteed, **{j: track for j in job_ids}})
 
 
 def test_a_guaranteed_burst_sheds_the_claimed_gpu_instead_of_pausing_the_job():
@@ -75,7 +84,8 @@ def test_it_grows_only_onto_an_idle_gpu_of_its_own_set_with_room():
 def test_a_crawling_elastic_job_sheds_the_gpu_it_shares_with_a_guaranteed_job():
     # Solo baseline 100 ms on both GPUs; then a busy guaranteed job joins GPU 1 and the job crawls.
     d = run([elastic(iteration=1, iteration_ms=100.0)], now=900.0)
-    d = run([guar(10, iteration=1, ms=100.0), elastic(iteration=2, iteration_ms=1000.0)], d.state, now=1000.0)
+    d = run([guar(10, iteration=1, ms=100.0), elastic(iteration=2, iteration_ms=1000.0)], measured(d.state, "100"),
+            now=1000.0)
     assert [(c.job_id, c.gpus) for c in d.width_changes] == [("201", (0,))]
     assert "crawling: GPU 1" in d.width_changes[0].reason
     assert "201" not in d.state.crawling  # nothing for the coordinator to move
@@ -97,7 +107,7 @@ def test_a_job_shared_with_guaranteed_jobs_on_every_gpu_is_left_whole_for_a_move
     g0 = replace(guar(10, gpu=0, iteration=1, ms=100.0), job_id="100")
     g1 = replace(guar(10, gpu=1, iteration=1, ms=100.0), job_id="101")
     d = run([elastic(iteration=1, iteration_ms=100.0)], now=900.0)
-    d = run([g0, g1, elastic(iteration=2, iteration_ms=1000.0)], d.state, now=1000.0)
+    d = run([g0, g1, elastic(iteration=2, iteration_ms=1000.0)], measured(d.state, "100", "101"), now=1000.0)
     assert not d.width_changes and "201" in d.state.crawling
 
 

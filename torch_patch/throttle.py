@@ -146,9 +146,15 @@ class Throttle:
         self._hurry.wait(seconds)
 
     def hurry(self) -> None:
-        """Skip the idle owed until the next boundary (a pause waits for it: the GPU is about to be
-        given up whole, which protects the neighbour more than an idle slice does)."""
+        """Skip the idle owed until the next boundary: a pause waits for it (the GPU is about to be
+        given up whole, which protects the neighbour more than an idle slice does), and a raised
+        share applies there."""
         self._hurry.set()
+
+    def boundary_reached(self) -> None:
+        """The boundary a hurry() was for has come (a share raise was applied there): idle as owed
+        from here on."""
+        self._hurry.clear()
 
     def restart_clock(self) -> None:
         """Time from now on (after a pause in place: the time paused was neither busy nor owed)."""

@@ -55,194 +55,19 @@ The rules (AntMan's, with TGS-style rate control for compute):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Collection, Mapping, Optional
 
-MiB = 1 << 20
-GiB = 1 << 30
+from .baseline import probe, progress_of, track_report
+from .model import (
+    GiB, UNLIMITED, Decision, GpuInfo, GuaranteedTrack, JobInfo, JobLimits, MiB, NodePolicyParams, NodeSnapshot,
+    PauseRecord, PolicyState, PreemptRequest, WidthChange,
+)
 
-
-@dataclass(frozen=True)
-class NodePolicyParams:
-    headroom_bytes: int = 512 * MiB          # kept free on every GPU for allocator slack and contexts
-    min_opportunistic_bytes: int = 1 * GiB   # below this an opportunistic job is preempted instead
-    quantum_bytes: int = 64 * MiB            # limits are rounded down to this, so noise sends no updates
-    target_slowdown: float = 0.02            # guaranteed iteration time may exceed baseline by 2%
-    initial_share: float = 0.5               # opportunistic budget on a GPU before any feedback
-    min_share: float = 0.05
-    share_step: float = 0.05                 # additive increase per report at baseline
-    share_backoff: float = 0.5               # multiplicative decrease on slowdown / demand rise
-    demand_rise_bytes: int = 256 * MiB       # a guaranteed demand rise this large throttles at once
-    # The solo baseline is the lower median of the last this-many solo reports. Not a running mean:
-    # one warm-up report (cuDNN autotuning, the allocator growing: seconds on a GPU) or a checkpoint
-    # save would hold a mean above the job's real time for dozens of reports, and a baseline that is
-    # too slow reads interference as a speed-up, so the loop raises the share while the guaranteed job
-    # suffers (the H100 proof of 2026-11-26 read 116 ms against 72 ms alone).
-    baseline_window: int = 9
-    # The slowdown the loop acts on is the median of the last this-many reports' slowdowns (beside
-    # its neighbours), not the latest one: a report covers about one mini-batch (agents report every
-    # 0.05 s or more), and a job whose input stalls vary by 20 % varies by about 6 % from one
-    # mini-batch to the next, three times the target, so the latest report alone halves the share on
-    # noise a third of the time (antman bench interleave, docs/benchmarks.md).
-    slowdown_window: int = 5
-    grace_s: float = 30.0                    # preemption notice to requeue
-    # Over target with the budget at min_share this long: preempt the newest opportunistic job on the
-    # GPU. None (the default): never, throttle only. Off by default because a requeued job is often
-    # placed right back on the same GPU (docs/evaluation.md measures the churn).
-    slow_preempt_s: Optional[float] = None
-    # An opportunistic job progressing under this fraction of its solo rate is crawling (module doc),
-    # beside a guaranteed job under crawl_below (crawl_threshold of the defaults: min_progress 0.25 and
-    # the coordinator's move_gain 2).
-    min_progress: float = 0.25
-    crawl_below: float = 0.5
-    # Pause in place instead of requeue, for jobs whose agents can (None: never pause), and for how long
-    # at most before the job is requeued after all; a paused job resumes after its GPU has fitted it
-    # again for resume_hold_s.
-    pause_max_s: Optional[float] = None
-    resume_hold_s: float = 10.0
-    # Elastic jobs: the least time between two width changes of one job, except a shrink a guaranteed
-    # job's claim needs (that one never waits). 300 s, as the simulator's --elastic-hold-s.
-    elastic_hold_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    index: int
-    memory_total_bytes: int
-    foreign_bytes: int = 0  # used by processes slurm-antman does not manage
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    job_id: str
-    job_class: str                    # guaranteed | opportunistic
-    gpus: tuple[int, ...]
-    registered_unix: float
-    mem_demand_bytes: int = 0         # per GPU: what the job holds or has just needed
-    iteration: Optional[int] = None   # index of the last reported iteration
-    iteration_ms: Optional[float] = None
-    can_pause: bool = False           # every agent of the job answers pause / resume
-    # Elastic width: the narrowest width (None: not elastic), the GPUs it may run on (those it was
-    # placed on; ``gpus`` is the subset it runs on now), and whether it can change width now (its
-    # launcher's agent is connected).
-    elastic_min: Optional[int] = None
-    elastic_gpus: tuple[int, ...] = ()
-    can_resize: bool = False
-    # The device-busy part of ``iteration_ms``, where the device measured it (CUDA events on a GPU
-    # node); None elsewhere. See GuaranteedTrack.
-    busy_ms: Optional[float] = None
-    # A task of an elastic-across-nodes job array (its array's id; docs/elastic.md): never paused in
-    # place, since every rank of its training would wait for it; its requeue is a shrink the others
-    # train on through.
-    elastic_group: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class NodeSnapshot:
-    gpus: tuple[GpuInfo, ...]
-    jobs: tuple[JobInfo, ...]
-
-
-@dataclass(frozen=True)
-class GuaranteedTrack:
-    solo_ms: Optional[float] = None
-    best_ms: Optional[float] = None
-    last_iteration: Optional[int] = None
-    demand_bytes: int = 0
-    solo_samples: tuple[float, ...] = ()  # the latest solo reports, oldest first (baseline_window)
-    # The latest reports' slowdowns beside neighbours, as ratios to solo (slowdown_window).
-    shared_samples: tuple[float, ...] = ()
-    # The device-busy part of the solo iterations (JobInfo.busy_ms): the lower median of the latest.
-    # Beside neighbours, a report's slowdown is then its extra busy time over the solo iteration
-    # time: a neighbour slows the device phase, and the input stalls around it, whose noise is most
-    # of a job's variation from one mini-batch to the next, drop out.
-    solo_busy_ms: Optional[float] = None
-    solo_busy_samples: tuple[float, ...] = ()
-
-    @property
-    def baseline_ms(self) -> Optional[float]:
-        return self.solo_ms if self.solo_ms is not None else self.best_ms
-
-
-@dataclass(frozen=True)
-class PreemptRequest:
-    job_id: str
-    gpu: int
-    reason: str
-    requested_unix: float
-    deadline_unix: float
-
-
-@dataclass(frozen=True)
-class PauseRecord:
-    job_id: str
-    gpu: int
-    reason: str
-    since_unix: float
-    fits_since_unix: Optional[float] = None  # since when its GPU would fit it again
-
-
-@dataclass(frozen=True)
-class WidthChange:
-    job_id: str
-    gpus: tuple[int, ...]   # the GPUs the job runs on from now
-    reason: str
-    decided_unix: float
-
-    def shed(self, before: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(g for g in before if g not in self.gpus)
-
-
-@dataclass(frozen=True)
-class PolicyState:
-    guaranteed: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
-    gpu_budget: Mapping[int, float] = field(default_factory=dict)
-    preempted: Mapping[str, PreemptRequest] = field(default_factory=dict)
-    # GPU -> since when its guaranteed job has been over target with the budget at its floor.
-    over_since: Mapping[int, float] = field(default_factory=dict)
-    # Opportunistic jobs: their iteration times (solo: while nothing else ran on their GPUs).
-    opportunistic: Mapping[str, GuaranteedTrack] = field(default_factory=dict)
-    # Opportunistic job -> since when it has been crawling.
-    crawling: Mapping[str, float] = field(default_factory=dict)
-    # Opportunistic jobs paused in place.
-    paused: Mapping[str, PauseRecord] = field(default_factory=dict)
-    # Elastic jobs: when each last changed width (the hold counts from there).
-    width_changed: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class JobLimits:
-    mem_limit_bytes: Optional[int]
-    compute_share: float
-
-
-UNLIMITED = JobLimits(None, 1.0)
-
-
-@dataclass(frozen=True)
-class Decision:
-    limits: Mapping[str, JobLimits]
-    new_preemptions: tuple[PreemptRequest, ...]
-    state: PolicyState
-    slowdown: Mapping[str, float]  # guaranteed job -> latest measured slowdown, for display
-    # Opportunistic job -> its progress, the fraction of its solo rate it makes (when measured).
-    progress: Mapping[str, float] = field(default_factory=dict)
-    new_pauses: tuple[PauseRecord, ...] = ()
-    resumes: tuple[str, ...] = ()  # jobs to resume: their GPU fits them again
-    width_changes: tuple[WidthChange, ...] = ()
-
-
-def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float) -> Optional[float]:
-    """An opportunistic job's progress: its solo iteration time over its latest. Before it has run
-    alone, the best time seen stands in, and the job cannot be credited with more than its compute
-    share (its throttle keeps it idle the rest of the time)."""
-    if not latest_ms or latest_ms <= 0:
-        return None
-    base = track.baseline_ms
-    if base is None:
-        return None
-    value = min(1.0, base / latest_ms)
-    return value if track.solo_ms is not None else min(value, share)
+# The types are re-exported: callers import them from here, as before the split.
+__all__ = ["GiB", "UNLIMITED", "Decision", "GpuInfo", "GuaranteedTrack", "JobInfo", "JobLimits", "MiB",
+           "NodePolicyParams", "NodeSnapshot", "PauseRecord", "PolicyState", "PreemptRequest", "WidthChange",
+           "can_shed", "crawl_threshold", "crawling", "decide", "progress_of"]
 
 
 def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
@@ -293,38 +118,6 @@ def _quantize(n: int, q: int) -> int:
     return max(0, n // q * q)
 
 
-def _track_guaranteed(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
-                      p: NodePolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
-    """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
-    fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
-    solo, best, slowdown, samples = prev.solo_ms, prev.best_ms, None, prev.solo_samples
-    shared, solo_busy, busy_samples = prev.shared_samples, prev.solo_busy_ms, prev.solo_busy_samples
-    if fresh:
-        ms = float(job.iteration_ms)
-        busy = float(job.busy_ms) if job.busy_ms is not None and 0 <= job.busy_ms <= ms else None
-        window = max(1, p.baseline_window)
-        if alone:
-            samples = (samples + (ms,))[-window:]
-            solo = sorted(samples)[(len(samples) - 1) // 2]
-            if busy is not None:
-                busy_samples = (busy_samples + (busy,))[-window:]
-                solo_busy = sorted(busy_samples)[(len(busy_samples) - 1) // 2]
-            shared = ()  # a new episode beside neighbours starts afresh
-        base = solo if solo is not None else best
-        if not alone and base:
-            if busy is not None and solo_busy is not None and solo is not None:
-                ratio = 1.0 + (busy - solo_busy) / solo
-            else:
-                ratio = ms / base
-            shared = (shared + (ratio,))[-max(1, p.slowdown_window):]
-            slowdown = sorted(shared)[len(shared) // 2] - 1.0  # the upper median: cautious
-        best = ms if best is None else min(best, ms)
-    rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
-    track = GuaranteedTrack(solo, best, job.iteration if fresh else prev.last_iteration, job.mem_demand_bytes,
-                            samples, shared, solo_busy, busy_samples)
-    return track, slowdown, rose
-
-
 def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: float) -> Decision:
     jobs = {j.job_id: j for j in snap.jobs}
     gpus = {g.index: g for g in snap.gpus}
@@ -339,6 +132,7 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
 
     # Guaranteed jobs: baselines, slowdowns, demand jumps.
     tracks: dict[str, GuaranteedTrack] = {}
+    probing_gpus: set[int] = set()
     slowdown: dict[str, float] = {}
     rose: set[str] = set()
     for j in snap.jobs:
@@ -346,8 +140,11 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             continue
         alone = not any(opp_on(g) for g in j.gpus if g in on_gpu)
         prev = state.guaranteed.get(j.job_id)
-        t, s, r = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)
+        start, held = probe(j, prev or GuaranteedTrack(), not alone, now, p)
+        t, s, r = track_report(j, start, prev is not None, alone or held, p)
         tracks[j.job_id] = t
+        if t.probe_since is not None:
+            probing_gpus.update(g for g in j.gpus if g in on_gpu)
         if s is not None:
             slowdown[j.job_id] = s
         if r:
@@ -360,7 +157,7 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             continue
         alone = all(len(on_gpu[g]) == 1 for g in j.gpus if g in on_gpu)
         prev = state.opportunistic.get(j.job_id)
-        opp_tracks[j.job_id] = _track_guaranteed(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
+        opp_tracks[j.job_id] = track_report(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
 
     # Compute budget per GPU for its opportunistic jobs.
     budget: dict[int, float] = {}
@@ -462,6 +259,8 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             each = max(p.min_opportunistic_bytes, _quantize(available // len(active), p.quantum_bytes))
             # Nobody to protect: opportunistic jobs run unthrottled beside each other (module doc).
             share = max(p.min_share, budget[g] / len(active)) if g in guarded_gpus else 1.0
+            if g in probing_gpus:
+                share = p.probe_share
             for j in active:
                 per_job_mem.setdefault(j.job_id, []).append(each)
                 per_job_share.setdefault(j.job_id, []).append(share)
@@ -479,7 +278,9 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
 
     progress: dict[str, float] = {}
     for j in snap.jobs:
-        if j.job_class == "opportunistic" and j.job_id not in preempted and j.job_id not in paused:
+        # Held by a probe, a job's pace is the probe's, not what its GPU gives it: not measured then.
+        if j.job_class == "opportunistic" and j.job_id not in preempted and j.job_id not in paused \
+                and probing_gpus.isdisjoint(j.gpus):
             v = progress_of(opp_tracks[j.job_id], j.iteration_ms, limits[j.job_id].compute_share)
             if v is not None:
                 progress[j.job_id] = v

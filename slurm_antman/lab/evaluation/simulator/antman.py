@@ -166,9 +166,13 @@ class AntmanAdapter:
         gjob = lp.JobInfo("g", "guaranteed", (0,), 0.0, 0)
         ojobs = tuple(lp.JobInfo(f"o{k}", "opportunistic", (0,), 1.0 + k, 0) for k in range(n))
         info = (lp.GpuInfo(0, 1 << 50),)
-        # A baseline report alone first, as the sidecar sees it before the opportunistic job arrives.
-        alone = (replace(gjob, iteration=0, iteration_ms=base_ms),)
-        state = lp.decide(lp.NodeSnapshot(info, alone), lp.PolicyState(), self.lp_params, 0.0).state
+        # The baseline first: the solo reports the sidecar has before the opportunistic job arrives,
+        # or takes in the probe that holds it when the guaranteed job arrives second
+        # (NodePolicyParams.probe_share). The probe's seconds are not modelled (docs/workload_model.md).
+        state = lp.PolicyState()
+        for it in range(-self.lp_params.baseline_window, 0):
+            alone = (replace(gjob, iteration=it, iteration_ms=base_ms),)
+            state = lp.decide(lp.NodeSnapshot(info, alone), state, self.lp_params, float(it)).state
         history: list[float] = []
         share = self.lp_params.initial_share
         for it in range(1, 121):
