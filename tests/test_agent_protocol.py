@@ -274,8 +274,8 @@ def test_a_busy_loop_takes_limits_and_acks_on_its_own_thread(peer):
 
 def test_a_raised_share_ends_the_idle_owed_at_the_old_one(peer):
     """Held at 0.01 (a guaranteed neighbour's baseline probe), an iteration of 40 ms owes about 4 s of
-    idle. The raise that ends the probe must not wait for it: the idle is skipped to the boundary,
-    where the new share applies, and from there the job idles as the new share says."""
+    idle. The raise that ends the probe must not wait for it: the idle still owed is eased to the new
+    share at the next hook, and from the boundary on the job idles as the new share says."""
     agent = _agent(peer.endpoint)
 
     class Step(torch.nn.Module):

@@ -122,3 +122,49 @@ def test_share_half_gives_half_the_unthrottled_speed(mode: str):
         assert agent.iteration >= 105
     finally:
         agent.stop()
+
+
+class _FakeTime:
+    """A clock and a sleep that only move when told: the throttle's arithmetic, exactly."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.slept: list[float] = []
+
+    def clock(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
+
+
+def test_a_new_share_retunes_the_idle_owed_at_the_next_hook():
+    ft = _FakeTime()
+    th = Throttle(clock=ft.clock, sleep=ft.sleep, quantum_s=1e9)  # nothing paid inside: count the debt
+    try:
+        th.set_share(0.01)
+        ft.t += 0.1
+        th.tick()
+        assert th._debt == pytest.approx(0.1 * 99)
+        th.retune("0.5")         # not a share: ignored, as the protocol's validation would have
+        th.retune(0.0)
+        ft.t += 0.1
+        th.tick()
+        assert th.share == 0.01 and th._debt == pytest.approx(0.2 * 99)
+        th.retune(0.5)           # a raise: the next hook owes what 0.5 would have
+        ft.t += 0.1
+        th.tick()
+        assert th.share == 0.5 and th._debt == pytest.approx(0.3 * 1.0)
+        th.retune(0.1)           # a cut alike, at once, not an iteration late
+        ft.t += 0.1
+        th.tick()
+        assert th.share == 0.1 and th._debt == pytest.approx(0.3 * 9 + 0.1 * 9)
+        # The boundary's share is the sidecar's word: a stale retune never outlives it.
+        th.retune(0.8)
+        th.set_share(0.25)
+        ft.t += 0.1
+        th.tick()
+        assert th.share == 0.25
+    finally:
+        th.close()

@@ -230,12 +230,9 @@ class Agent:
             if upd.reset:
                 self._fallback_due = False
             self._pending = upd
-            raised = upd.compute_share > self.throttle.share
-        if raised:
-            # A raise is the sidecar handing time back (a guaranteed job's baseline probe ended, the
-            # loop grew the budget): the idle still owed at the old share would hold it for nothing,
-            # up to the iteration's time over that share (a minute for a 0.7 s step held at 0.01).
-            self.throttle.hurry()
+        # The idle owed follows the new share from the next hook on (Throttle.retune); the limits
+        # apply in full, and are acknowledged, at the boundary.
+        self.throttle.retune(upd.compute_share)
 
     def _sidecar_lost(self) -> None:
         with self._lock:
@@ -454,7 +451,6 @@ class Agent:
                 if upd.throttle is not None and upd.throttle != self.throttle.mode:
                     self.throttle.set_mode(upd.throttle)
                 self.throttle.set_share(upd.compute_share)
-                self.throttle.boundary_reached()
             except Exception:
                 log.exception("slurm-antman: could not apply limits seq %d", upd.seq)
             self.set_slot_page(upd.slot_page, upd.slot_role)

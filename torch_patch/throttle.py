@@ -78,6 +78,8 @@ class Throttle:
         self._sleep = self._hurriable_sleep if sleep is time.sleep else sleep
         self._share = 1.0
         self._ratio = 0.0  # idle seconds owed per busy second
+        # A new share from the protocol thread (retune), taken by the training thread's next hook.
+        self._retuned: Optional[float] = None
         self._debt = 0.0
         self._carry = 0.0
         self._iter_idle = 0.0
@@ -106,6 +108,7 @@ class Throttle:
             if share < 1.0 and self._share >= 1.0 and len(self._unthrottled) >= _REF_MIN_SAMPLES:
                 self.reference_s = statistics.median(self._unthrottled)
             self._skip_next = True
+            self._retuned = None  # this boundary's share is the sidecar's latest word
             self._share = share
             self._ratio = (1.0 - share) / share
             self._debt = 0.0
@@ -121,6 +124,30 @@ class Throttle:
                 self._install_hooks()
             elif not want:
                 self._remove_hooks()
+
+    def retune(self, share: float) -> None:
+        """A new share, from any thread: the training thread's next hook scales the idle still owed
+        to it, instead of paying the old share's until the boundary (where ``set_share`` applies it in
+        full, and the agent acknowledges it). A job whose iteration is long at a low share (0.9 s of
+        work at 0.05 takes 18 s) would otherwise act on the sidecar's word an iteration late, and the
+        loop, which changes the share every guaranteed report, would see its cuts act only after the
+        raises that followed them. Held at 0.01 while a guaranteed neighbour's baseline was probed,
+        such a job would owe 89 s after the probe ended. Only while hooks are installed (a share
+        below 1): from 1 the boundary installs them."""
+        if isinstance(share, (int, float)) and not isinstance(share, bool) and 0.0 < share <= 1.0:
+            self._retuned = float(share)
+
+    def _take_retune(self) -> None:
+        share, self._retuned = self._retuned, None
+        if share is None or share == self._share or self._ratio == 0.0:
+            return
+        ratio = (1.0 - share) / share
+        scale = ratio / self._ratio
+        self._debt *= scale
+        if self._idle_cap != float("inf"):
+            self._idle_cap *= scale
+        self._share, self._ratio = share, ratio
+        self._skip_next = True  # a sample spanning two shares is no reference
 
     @property
     def synchronize(self) -> Optional[Callable[[], None]]:
@@ -146,15 +173,9 @@ class Throttle:
         self._hurry.wait(seconds)
 
     def hurry(self) -> None:
-        """Skip the idle owed until the next boundary: a pause waits for it (the GPU is about to be
-        given up whole, which protects the neighbour more than an idle slice does), and a raised
-        share applies there."""
+        """Skip the idle owed until the next boundary (a pause waits for it: the GPU is about to be
+        given up whole, which protects the neighbour more than an idle slice does)."""
         self._hurry.set()
-
-    def boundary_reached(self) -> None:
-        """The boundary a hurry() was for has come (a share raise was applied there): idle as owed
-        from here on."""
-        self._hurry.clear()
 
     def restart_clock(self) -> None:
         """Time from now on (after a pause in place: the time paused was neither busy nor owed)."""
@@ -185,6 +206,8 @@ class Throttle:
 
     def tick(self, final: bool = False) -> None:
         """Counts busy time since the last tick; idles when enough is owed (or all, if final)."""
+        if self._retuned is not None:
+            self._take_retune()
         if self._ratio == 0.0:
             return
         now = self._clock()
@@ -221,6 +244,8 @@ class Throttle:
 
     def end_iteration(self) -> None:
         """Iteration boundary: pays what is owed for the iteration, or learns the reference."""
+        if self._retuned is not None:
+            self._take_retune()
         if self.gate is not None:
             self.gate.boundary()
         if self._ratio == 0.0:

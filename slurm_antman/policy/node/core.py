@@ -15,6 +15,8 @@ The rules (AntMan's, with TGS-style rate control for compute):
   the best time seen): above the target slowdown the budget is cut multiplicatively, near the
   baseline it grows additively. A jump in guaranteed memory demand also cuts it at once, because
   the guaranteed job is entering a heavier phase and must not wait a report for its speed back.
+  A guaranteed job that arrives beside opportunistic jobs has no solo time: its first reports are a
+  probe, with them held at ``probe_share`` (``baseline.probe``), and the loop starts after it.
 * If the opportunistic jobs on a GPU cannot all keep their minimum memory, the newest ones are
   asked to be preempted (last in, first out) until the rest fit.
 * Opportunistic jobs alone on a GPU (no guaranteed job there) are not throttled against each other:
