@@ -170,8 +170,8 @@ class Controller(threading.Thread):
         self._o = lp.JobInfo("o", "opportunistic", (0,), 1.0, 0)
         self._info = (lp.GpuInfo(0, 1 << 50),)
         # The solo baseline, as the sidecar learns it before the opportunistic job arrives.
-        alone = (replace(self._g, iteration=0, iteration_ms=solo_ms, busy_ms=solo_busy_ms),)
-        self.state = lp.decide(lp.NodeSnapshot(self._info, alone), lp.PolicyState(), self.params, 0.0).state
+        self.state = lp.measured_alone(replace(self._g, iteration_ms=solo_ms, busy_ms=solo_busy_ms), self._info[0],
+                                       self.params)
         self._write(self.params.initial_share)
 
     def _write(self, share: float) -> None:

@@ -27,11 +27,13 @@ def progress_of(track: GuaranteedTrack, latest_ms: Optional[float], share: float
 
 
 def track_report(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
-                      p: NodePolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
-    """New track, the slowdown measured by a new report (None if none), and whether demand jumped."""
+                 p: NodePolicyParams) -> tuple[GuaranteedTrack, Optional[float], bool]:
+    """New track, the episode's mean slowdown so far (None without a new report beside neighbours:
+    ``decided_on`` says whether the loop may act on it) and whether demand jumped."""
     fresh = job.iteration is not None and job.iteration != prev.last_iteration and job.iteration_ms
     solo, best, slowdown, samples = prev.solo_ms, prev.best_ms, None, prev.solo_samples
-    shared, solo_busy, busy_samples = prev.shared_samples, prev.solo_busy_ms, prev.solo_busy_samples
+    solo_busy, busy_samples = prev.solo_busy_ms, prev.solo_busy_samples
+    reports, spent, alone_ms = prev.episode_reports, prev.episode_ms, prev.episode_solo_ms
     if fresh:
         ms = float(job.iteration_ms)
         busy = float(job.busy_ms) if job.busy_ms is not None and 0 <= job.busy_ms <= ms else None
@@ -42,21 +44,36 @@ def track_report(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
             if busy is not None:
                 busy_samples = (busy_samples + (busy,))[-window:]
                 solo_busy = sorted(busy_samples)[(len(busy_samples) - 1) // 2]
-            shared = ()  # a new episode beside neighbours starts afresh
+            reports, spent, alone_ms = 0, 0.0, 0.0  # a new episode beside neighbours starts afresh
         base = solo if solo is not None else best
         if not alone and base:
+            # A report covers the iterations since the last one (agents report every 0.05-0.5 s).
+            n = job.iteration - prev.last_iteration if prev.last_iteration is not None else 1
+            n = n if 0 < n < 1_000_000 else 1
             if busy is not None and solo_busy is not None and solo is not None:
-                ratio = 1.0 + (busy - solo_busy) / solo
+                took = solo + (busy - solo_busy)  # the input stalls' noise drops out (GuaranteedTrack)
             else:
-                ratio = ms / base
-            shared = (shared + (ratio,))[-max(1, p.slowdown_window):]
-            slowdown = sorted(shared)[len(shared) // 2] - 1.0  # the upper median: cautious
+                took = ms
+            reports, spent, alone_ms = reports + 1, spent + n * took, alone_ms + n * base
+            slowdown = spent / alone_ms - 1.0
         best = ms if best is None else min(best, ms)
     rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
     track = replace(prev, solo_ms=solo, best_ms=best, last_iteration=job.iteration if fresh else prev.last_iteration,
-                    demand_bytes=job.mem_demand_bytes, solo_samples=samples, shared_samples=shared,
-                    solo_busy_ms=solo_busy, solo_busy_samples=busy_samples)
+                    demand_bytes=job.mem_demand_bytes, solo_samples=samples, episode_reports=reports,
+                    episode_ms=spent, episode_solo_ms=alone_ms, solo_busy_ms=solo_busy,
+                    solo_busy_samples=busy_samples)
     return track, slowdown, rose
+
+
+def decided_on(track: GuaranteedTrack, p: NodePolicyParams) -> bool:
+    """Whether the episode holds enough to act on: ``slowdown_window`` reports and ``decide_after_s``
+    of the job's time (NodePolicyParams)."""
+    return track.episode_reports >= max(1, p.slowdown_window) and track.episode_ms >= p.decide_after_s * 1000.0
+
+
+def new_episode(track: GuaranteedTrack) -> GuaranteedTrack:
+    """The track after its GPU's budget changed: what it measured was the old share's effect."""
+    return replace(track, episode_reports=0, episode_ms=0.0, episode_solo_ms=0.0)
 
 
 def probe(job: JobInfo, prev: GuaranteedTrack, beside: bool, now: float,

@@ -13,7 +13,8 @@ The rules (AntMan's, with TGS-style rate control for compute):
 * Their compute budget on a GPU is an AIMD loop on the guaranteed job's iteration time against its
   baseline (its solo time, measured while no opportunistic job shared its GPUs; until one is known,
   the best time seen): above the target slowdown the budget is cut multiplicatively, near the
-  baseline it grows additively. A jump in guaranteed memory demand also cuts it at once, because
+  baseline it grows additively. The slowdown is the mean over the reports since the last change (an
+  episode, NodePolicyParams.slowdown_window), not a median, which bursty interference passes under. A jump in guaranteed memory demand also cuts it at once, because
   the guaranteed job is entering a heavier phase and must not wait a report for its speed back.
   A guaranteed job that arrives beside opportunistic jobs has no solo time: its first reports are a
   probe, with them held at ``probe_share`` (``baseline.probe``), and the loop starts after it.
@@ -60,7 +61,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Collection, Mapping, Optional
 
-from .baseline import probe, progress_of, track_report
+from .baseline import decided_on, new_episode, probe, progress_of, track_report
 from .model import (
     GiB, UNLIMITED, Decision, GpuInfo, GuaranteedTrack, JobInfo, JobLimits, MiB, NodePolicyParams, NodeSnapshot,
     PauseRecord, PolicyState, PreemptRequest, WidthChange,
@@ -69,7 +70,7 @@ from .model import (
 # The types are re-exported: callers import them from here, as before the split.
 __all__ = ["GiB", "UNLIMITED", "Decision", "GpuInfo", "GuaranteedTrack", "JobInfo", "JobLimits", "MiB",
            "NodePolicyParams", "NodeSnapshot", "PauseRecord", "PolicyState", "PreemptRequest", "WidthChange",
-           "can_shed", "crawl_threshold", "crawling", "decide", "progress_of"]
+           "can_shed", "crawl_threshold", "crawling", "decide", "measured_alone", "progress_of"]
 
 
 def crawling(progress: Mapping[str, float], order: Mapping[int, list[str]], guaranteed_on: set[int],
@@ -118,6 +119,16 @@ def can_shed(job: JobInfo, shed: Mapping[str, set[int]]) -> bool:
 
 def _quantize(n: int, q: int) -> int:
     return max(0, n // q * q)
+
+
+def measured_alone(job: JobInfo, gpu: GpuInfo, p: NodePolicyParams) -> PolicyState:
+    """The state after ``job`` (guaranteed, with its ``iteration_ms`` and ``busy_ms``) reported alone
+    on ``gpu`` for a whole baseline window: its solo time is known and no probe is due. What the
+    simulator's steady state and ``antman bench interleave`` start from."""
+    state = PolicyState()
+    for i in range(-p.baseline_window, 0):
+        state = decide(NodeSnapshot((gpu,), (replace(job, iteration=i),)), state, p, float(i)).state
+    return state
 
 
 def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: float) -> Decision:
@@ -170,17 +181,24 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
         if not guar:
             budget[g] = 1.0
             continue
-        b = state.gpu_budget.get(g, p.initial_share)
-        measured = [(slowdown[j.job_id], j.job_id) for j in guar if j.job_id in slowdown]
+        before = b = state.gpu_budget.get(g, p.initial_share)
+        measured = [(slowdown[j.job_id], j.job_id) for j in guar
+                    if j.job_id in slowdown and decided_on(tracks[j.job_id], p)]
+        spans = min(tracks[j.job_id].episode_ms for j in guar)
+        # The raise waits until the episode has seen an iteration of every neighbour at its share.
+        bursts = max((o.iteration_ms or 0.0 for o in opp_on(g)), default=0.0)
         if any(j.job_id in rose for j in guar):
             b *= p.share_backoff
         elif measured:
             worst = max(measured)[0]
             if worst > p.target_slowdown:
                 b *= p.share_backoff
-            elif worst <= p.target_slowdown / 2:
+            elif worst <= p.target_slowdown / 2 and spans >= bursts:
                 b += p.share_step
         budget[g] = min(1.0, max(p.min_share, b))
+        if budget[g] != before or spans > p.episode_max_s * 1000.0:
+            for j in guar:
+                tracks[j.job_id] = new_episode(tracks[j.job_id])
         if measured:
             worst_on[g] = max(measured)
             if worst_on[g][0] > p.target_slowdown and budget[g] <= p.min_share and opp_on(g):

@@ -36,6 +36,9 @@ _C_STEP = 0.05
 _C_MIN = 1e-4  # below: no measurable interference
 _Q_MAX = 0.999  # the curve's pole: a share this close to it reads as a slowdown of 1,000x
 _SHARE_CACHE: dict[tuple, tuple[float, bool]] = {}
+# The reports the steady state is found from: 0.5 s (torch_patch's REPORT_MAX_GAP_S) of 100 ms
+# mini-batches each, so that the loop decides every slowdown_window reports (NodePolicyParams).
+REPORT_S, PER_REPORT = 0.5, 5
 
 
 def _c_grid(c: float) -> float:
@@ -169,15 +172,13 @@ class AntmanAdapter:
         # The baseline first: the solo reports the sidecar has before the opportunistic job arrives,
         # or takes in the probe that holds it when the guaranteed job arrives second
         # (NodePolicyParams.probe_share). The probe's seconds are not modelled (docs/workload_model.md).
-        state = lp.PolicyState()
-        for it in range(-self.lp_params.baseline_window, 0):
-            alone = (replace(gjob, iteration=it, iteration_ms=base_ms),)
-            state = lp.decide(lp.NodeSnapshot(info, alone), state, self.lp_params, float(it)).state
+        state = lp.measured_alone(replace(gjob, iteration_ms=base_ms), info[0], self.lp_params)
         history: list[float] = []
         share = self.lp_params.initial_share
-        for it in range(1, 121):
-            rep = replace(gjob, iteration=it, iteration_ms=base_ms * curve_slowdown(a, q, share))
-            d = lp.decide(lp.NodeSnapshot(info, (rep,) + ojobs), state, self.lp_params, float(it))
+        # A report every REPORT_S of PER_REPORT mini-batches, as an agent's at its longest gap.
+        for k in range(1, 121):
+            rep = replace(gjob, iteration=k * PER_REPORT, iteration_ms=base_ms * curve_slowdown(a, q, share))
+            d = lp.decide(lp.NodeSnapshot(info, (rep,) + ojobs), state, self.lp_params, k * REPORT_S)
             state = d.state
             share = d.limits["o0"].compute_share
             history.append(share)
