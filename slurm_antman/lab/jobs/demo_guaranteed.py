@@ -7,6 +7,7 @@ neighbour's agent) is real.
 Usage: demo_guaranteed.py PHASE_FILE
 """
 
+import os
 import sys
 import time
 
@@ -22,6 +23,14 @@ agent = torch_patch.install()
 # ATC'19, Figures 5-6, as read in docs/workload_model.md). Beside a busier job the sidecar would predict
 # too little progress for a neighbour (target_slowdown / utilisation) and keep it off this GPU.
 agent.emulate_device(FOOTPRINT["base"], 0.06)
+# Under `antman demo` its GPU work (3 ms of each ~53 ms step: the 6 %) runs on the contending emulated GPU
+# (demo_device), where a neighbour's kernels really delay it; elsewhere the step only sleeps.
+device = None
+if os.environ.get("ANTMAN_DEMO_DEVICE_ROOT"):
+    from slurm_antman.lab.jobs.demo_device import DemoDevice
+
+    device = DemoDevice.from_env("guaranteed", agent)
+GPU_S = 0.003
 phase_file = sys.argv[1]
 torch.set_num_threads(1)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -37,6 +46,8 @@ while True:
     agent.memory.emulate(FOOTPRINT.get(phase, FOOTPRINT["base"]))
     opt.zero_grad()
     model(x).square().mean().backward()
+    if device is not None:
+        device.step(GPU_S)
     opt.step()
     step += 1
     if phase != shown or step % 20 == 0:

@@ -15,6 +15,15 @@ import torch
 ckpt = sys.argv[1]
 total_steps = int(sys.argv[2])
 step_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.25
+# Under `antman demo`, 20 ms of GPU work per step on the contending emulated GPU (demo_device); elsewhere
+# none, as before.
+device = None
+if os.environ.get("ANTMAN_DEMO_DEVICE_ROOT"):
+    import torch_patch
+    from slurm_antman.lab.jobs.demo_device import DemoDevice
+
+    device = DemoDevice.from_env("train", torch_patch.current())
+GPU_S = 0.02
 torch.set_num_threads(1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -51,6 +60,8 @@ while step < total_steps:
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
+    if device is not None:
+        device.step(GPU_S)
     opt.step()
     step += 1
     if step % 5 == 0:
