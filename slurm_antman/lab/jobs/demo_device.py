@@ -21,23 +21,14 @@ class DemoDevice:
     launch-mode throttle hooks), then a synchronize, as ``loss.item()`` does."""
 
     def __init__(self, dev: Any, agent: Any) -> None:
-        import torch
-
-        from slurm_antman.lab.evaluation.emulated_job import KERNEL_MAX_S
+        # The emulated job's own launch module and throttle hook-up: one way to put work on the device.
+        from slurm_antman.lab.evaluation.emulated_job import KERNEL_MAX_S, EmulatedJob, _launch_class
 
         self.dev = dev
         self.kernel_max_s = KERNEL_MAX_S
-
-        class _Launch(torch.nn.Module):
-            def forward(self, seconds: float) -> None:
-                dev.launch(seconds)
-                return None
-
-        self.launch = _Launch()
-        # The throttle must drain the device before it idles, or its idle leaves nothing to the
-        # neighbour (emulated_job does the same).
-        if agent is not None and agent.throttle.synchronize is None:
-            agent.throttle.set_synchronize(dev.synchronize)
+        self.launch = _launch_class()(dev)
+        if agent is not None:
+            EmulatedJob._throttle_synchronizes(agent.throttle, dev)
 
     @classmethod
     def from_env(cls, job_name: str, agent: Any, env: Optional[dict] = None) -> Optional["DemoDevice"]:
