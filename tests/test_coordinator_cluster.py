@@ -269,8 +269,18 @@ def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once
     c = clean
     # A guaranteed job that holds the GPU but no memory (no agent): the rogue's limit is all the GPU's
     # memory less the headroom, so only the rogue's overshoot, not a guaranteed need, can send it away.
+    from slurm_antman.clients import sidecar_control as client
+    from slurm_antman import config as cfgmod
+
     g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-A", "research", wrap="sleep 300")
     c.wait_state(g, {"RUNNING"}, timeout=60)
+    # Until the guaranteed GPU is measured (a job without an agent: the compliance grace plus a window)
+    # the node has no room, and the Prolog refuses and requeues an opportunistic job, as it should.
+    # Those requeues are not what this test is about: on a loaded machine three of them took the
+    # rogue past the wait below.
+    sockdir = cfgmod.load(c.c.config_path).node_socket_dir("node1")
+    _wait(lambda: all(x.util_measured for x in client.node_state(sockdir).gpus), COMPLIANCE_GRACE_S + 60,
+          "the guaranteed job's GPU measured")
     rogue = tmp_path / "rogue.py"
     rogue.write_text(ROGUE)
     opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research",
