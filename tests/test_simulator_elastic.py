@@ -130,6 +130,26 @@ def test_an_elastic_job_sheds_the_gpu_a_guaranteed_job_claims_instead_of_being_r
     assert t >= 100.0 + 120.0  # at the need, not earlier (no crawl)
     assert slots == [2]  # Slurm's allocation is unchanged: it keeps the shed GPU's slot
     assert elastic[b_id]["end_s"] < rigid[b_id]["end_s"] and em["jobs_done"] == 2
+    # Accounted as whole-job requeues of a multi-GPU job, for a need; none once it sheds instead.
+    assert rm["multi_gpu_whole_requeues"] == {"need": rigid[b_id]["preemptions"]}
+    assert em["multi_gpu_whole_requeues"] == {}
+
+
+def test_a_job_with_a_guaranteed_neighbour_on_every_gpu_is_moved_whole_and_counted_so(tmp_path):
+    # Two nodes of 2 GPUs. b's 2-GPU job is opportunistic (over b's quota of 1) and starts on node 0;
+    # a's 2-GPU guaranteed job then lands on both its GPUs (Slurm does not see opportunistic jobs).
+    # Giving up one GPU would leave it crawling on the other, so it is moved whole to node 1, and the
+    # requeue is counted as all_shared; a job that is not elastic is moved the same way, as rigid.
+    rows = [(at(0), 5000.0, 2, "b"), (at(100), 30_000.0, 2, "a")]
+    counted = {}
+    for share, cause in ((1.0, "all_shared"), (0.0, "rigid")):
+        sim, jobs, m = run(tmp_path, rows, nodes=2, gpus_per_node=2, elastic_share=share)
+        b = next(r for r in jobs.values() if r["class"] == "opportunistic")
+        assert b["gpus"] == 2 and b["preemptions"] == 1 and m["width_changes"] == 0 and m["moves"] == 1
+        counted[share] = m["multi_gpu_whole_requeues"]
+        assert counted[share] == {cause: 1}
+        assert {sim.gpus[i].node for i in sim.jobs[b["job_id"]].gpus} == {1}  # where it ran last
+    assert counted[1.0] != counted[0.0]
 
 
 def test_a_shed_for_a_need_waits_for_no_hold(tmp_path):

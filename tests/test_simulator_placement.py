@@ -4,6 +4,7 @@ width: tests/test_simulator_elastic.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,8 @@ def test_size_buckets_compare_the_same_jobs_under_antman_and_exclusive(tmp_path)
     assert two["opportunistic_vs_exclusive"] == pytest.approx(300 / 400)  # c, guaranteed, is left out
     assert rows[">8"]["jobs"] == 0 and rows[">8"]["opportunistic_vs_exclusive"] is None
     assert size_buckets.main([str(tmp_path / "nowhere")]) == 2
+    assert size_buckets.requeue_line(str(tmp_path)) == ""  # no results.json
+    (tmp_path / "results.json").write_text(json.dumps({"policies": {"antman": {
+        "multi_gpu_whole_requeues": {"rigid": 2, "all_shared": 5}, "width_changes": 9}}}))
+    assert size_buckets.requeue_line(str(tmp_path)) == (
+        "antman: whole-job requeues of multi-GPU jobs 7 (all_shared 5, rigid 2); width changes 9")

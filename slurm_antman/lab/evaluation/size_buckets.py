@@ -6,12 +6,15 @@
 For each bucket (1, 2-4, 5-8 and more than 8 GPUs): the jobs' mean JCT under every policy in DIR;
 then, for the jobs antman ran as opportunistic, their total JCT under antman over the same jobs'
 under ``exclusive`` (the issue's "at most 1.0x per size bucket"), how many there were, and how
-often they were preempted (requeues and moves) under antman.
+often they were preempted (requeues and moves) under antman. Then, from DIR's results.json, antman's
+whole-job requeues of multi-GPU jobs by cause beside its width changes (the issue's "whole-job requeues
+mostly replaced by width changes"; the causes are simulator/antman.py's ``_whole_requeue_cause``).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -73,7 +76,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ratio = r.get("opportunistic_vs_exclusive")
         print(f"{r['bucket']:6} {r['jobs']:6} {means}   {ratio if ratio is None else round(ratio, 3)!s:>22}"
               f"   {r.get('opportunistic_jobs', '-')!s:>8}   {r.get('opportunistic_preemptions', '-')!s:>9}")
+    line = requeue_line(args[0])
+    if line:
+        print(line)
     return 0
+
+
+def requeue_line(directory: str) -> str:
+    """antman's whole-job requeues of multi-GPU jobs by cause, and its width changes; "" without them."""
+    path = os.path.join(directory, "results.json")
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        m = json.load(f).get("policies", {}).get("antman", {})
+    causes = m.get("multi_gpu_whole_requeues")
+    if causes is None:
+        return ""
+    parts = ", ".join(f"{k} {v}" for k, v in sorted(causes.items(), key=lambda kv: -kv[1])) or "none"
+    return (f"antman: whole-job requeues of multi-GPU jobs {sum(causes.values())} ({parts}); "
+            f"width changes {m.get('width_changes', 0)}")
 
 
 if __name__ == "__main__":

@@ -296,6 +296,22 @@ class AntmanAdapter:
         if decisions or self.dirty_nodes or st.preempting or any(not r.made_eligible for r in st.requeued.values()):
             self.changed = True
 
+    def _whole_requeue_cause(self, j: SimJob, move: bool) -> str:
+        """Why a multi-GPU job is requeued whole rather than narrowed (issue 29 asks for width changes
+        in place of whole-job requeues): ``need``: a guaranteed job's need; for a move, ``rigid`` (not
+        elastic: wider than a node, or not submitted elastic), ``all_shared`` (every GPU it runs on has a guaranteed job,
+        so giving one up leaves it crawling on the rest), ``narrowed`` (no guaranteed neighbour: moved
+        to run at its full width again, nothing of its own set being free to grow into) or
+        ``some_shared`` (where giving up the shared GPUs might have done)."""
+        if not move:
+            return "need"
+        if not j.elastic:
+            return "rigid"
+        shared = sum(1 for i in j.gpus if self.gpus[i].guar)
+        if shared == len(j.gpus):
+            return "all_shared"
+        return "narrowed" if shared == 0 else "some_shared"
+
     def _apply(self, d: cp.Decision) -> None:
         kind = d.kind
         if kind == "set_opp_slots":
@@ -343,6 +359,9 @@ class AntmanAdapter:
             j.notice_at = self.now
             if d.inputs.get("move"):
                 self.counts["moves"] += 1
+            if j.job.gpus > 1 and j.array is None:
+                cause = self._whole_requeue_cause(j, bool(d.inputs.get("move")))
+                self.whole_requeues[cause] = self.whole_requeues.get(cause, 0) + 1
         elif kind == "checkpoint_notice" and j.array is not None:
             self._task_checkpoint(j, self.now + d.at_s)  # elastic_array.py
         elif kind == "make_eligible" and j.array is not None:

@@ -114,6 +114,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
                        "array_grows": 0, "array_requeues": 0, "array_stalls": 0, "array_shared_gpu_starts": 0,
                        "array_task_requeues": 0, "array_host_alone": 0}
         self.array_idle_gpu_s = 0.0  # held by tasks of elastic arrays whose training did not run
+        self.whole_requeues: dict[str, int] = {}  # multi-GPU jobs' preemption notices, by cause (antman.py)
         self.paused_s = 0.0      # job-seconds spent paused in place (ended pauses)
         self.pause_cost_s = 0.0  # progress lost moving state out and back
         # Jobs that are PENDING or RUNNING, in submission order: what a cycle looks at (not all jobs).
@@ -412,6 +413,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
             pauses=self.counts["pauses"], resumes=self.counts["resumes"], paused_s=self.paused_s,
             pause_cost_s=self.pause_cost_s, width_changes=self.counts["width_changes"],
             shrinks=self.counts["shrinks"], grows=self.counts["grows"], elastic_share=self.cfg.elastic_share,
+            multi_gpu_whole_requeues=dict(sorted(self.whole_requeues.items())),
             elastic_arrays=self.counts["arrays"], array_shrinks=self.counts["array_shrinks"],
             array_grows=self.counts["array_grows"], array_requeues=self.counts["array_requeues"],
             array_stalls=self.counts["array_stalls"], array_idle_gpu_s=self.array_idle_gpu_s,
