@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Optional
 
-from slurm_antman.lab.evaluation import report, traces, utilisation
+from slurm_antman.lab.evaluation import perturb, report, traces, utilisation
 from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
 from slurm_antman.lab.evaluation.simulator.config import BACKFILLS, PLACEMENTS
 from slurm_antman.lab.evaluation.simulator.slot_fill import COMPUTE_MODES, SlotFillParams
@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     add_trace_args(p, nodes=4, gpus=8, speedup=1.0)
     p.add_argument("--cycle-s", type=float, default=SimConfig.cycle_s,
                    help="least simulated seconds between coordinator cycles (and quota-file rewrites)")
+    p.add_argument("--perturb", type=int, default=1, metavar="N",
+                   help="run each policy N times, the coordinator cycle shifted by whole seconds around --cycle-s "
+                        "(5: -2 to +2 s), and report each metric's mean and range: one run moves by a few percent "
+                        "with the cycle's phase (lab/evaluation/perturb.py). The tables and CSVs stay the nominal run's")
     p.add_argument("--slow-preempt-s", type=_seconds_or_none, default=SimConfig.slow_preempt_s,
                    help="the sidecar's slow_preempt_s: seconds over the slowdown target at the minimum share "
                         "before an opportunistic neighbour is preempted; 'none': throttle only")
@@ -180,6 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           elastic_array_host_first=a.elastic_array_host_first,
                           wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s)
                 for p in policies]
+        perturb_cycles = perturb.cycles(a.cycle_s, a.perturb)
     except (traces.TraceError, ValueError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
         return 2
@@ -206,6 +211,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "elastic_array_grow_s": a.elastic_array_grow_s,
             "elastic_array_min_tasks": a.elastic_array_min_tasks,
             "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3)}
+    if a.perturb > 1:
+        meta["perturbed"] = {cfg.policy: perturb.run(cfg, a.perturb, lambda c: simulate(jobs, c), r.metrics)
+                             for cfg, r in zip(cfgs, results)}
+        meta["perturb_cycles_s"] = perturb_cycles
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))
@@ -217,6 +226,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             vals = [r.metrics.get(k) for k in keys]
             print(f"{r.policy:<11} " + " ".join(f"{v:>22.4g}" if isinstance(v, float) else f"{str(v):>22}"
                                                for v in vals))
+        if a.perturb > 1:
+            print(f"over {a.perturb} runs, cycle {perturb_cycles[0]:g}-{perturb_cycles[-1]:g} s: mean [min, max]")
+            for name, summary in meta["perturbed"].items():
+                print(perturb.line(name, summary))
     for n in notes:
         print(n, file=sys.stderr)
     return 0
