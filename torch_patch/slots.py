@@ -1,7 +1,7 @@
 """Idle-slot filling in the job (issue 30, items 2 and 3): the guaranteed job's agent publishes its
 device phases on the GPU's idle-slot page (``slurm_antman/protocol/slot_page.py``), and an
-opportunistic job's agent launches only into the slots the page shows, with at most one module's
-work in flight. AntMan's GpuOpManager (OSDI'20, §4.2) does this inside the framework's executor,
+opportunistic job's agent launches only into the slots the page shows, with a bounded amount of work
+in flight (one module without CUDA, ``INFLIGHT_S`` of it on CUDA: the Gate below). AntMan's GpuOpManager (OSDI'20, §4.2) does this inside the framework's executor,
 per operator; here the hook points are the throttle's (every module's forward and, through its
 output's autograd node, its backward), so the granularity is a module.
 
@@ -22,8 +22,8 @@ previous hook and times it. On CUDA that wait costs a whole launch latency per m
 H100 filled only 0.27 of the idle time that way (docs/benchmarks.md, GPU proof run 4), the device idle
 while Python launched the next module. So on CUDA each module is bracketed by two timing events, the
 ones that completed are retired (their elapsed time is the module's device time), and the gate waits
-only while ``INFLIGHT_S`` of estimated work is queued: the host runs ahead of the device by that much. When the page tells nothing (no publisher, stale, torn) it does
-not wait: the duty throttle and the sidecar's AIMD loop, which stay underneath, are the safety net.
+only while ``INFLIGHT_S`` of estimated work is queued: the host runs ahead of the device by that
+much. When the page tells nothing (no publisher, stale, torn) it does not wait: the duty throttle and the sidecar's AIMD loop, which stay underneath, are the safety net.
 A pause's ``hurry`` ends a wait at once.
 """
 
