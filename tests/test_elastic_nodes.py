@@ -292,6 +292,26 @@ def _check_log(log: Path, steps: int) -> list[int]:
     return worlds
 
 
+def test_the_log_check_takes_a_redone_step_and_refuses_a_skipped_one(tmp_path) -> None:
+    """The training test's own check (``_check_log``) must be able to fail: a step redone from the
+    checkpoint after a restart passes, a gap in the steps does not."""
+    def step(n: int, world: int) -> dict:
+        return {"event": "step", "step": n, "first": (n - 1) * 8, "last": n * 8 - 1, "world_size": world}
+
+    def log(*xs: dict) -> Path:
+        f = tmp_path / "log.jsonl"
+        f.write_text("".join(json.dumps(x) + "\n" for x in xs))
+        return f
+
+    redone = log({"event": "start", "step": 0}, step(1, 2), step(2, 2), {"event": "start", "step": 1},
+                 step(2, 1), step(3, 1), {"event": "end", "step": 3})
+    assert _check_log(redone, 3) == [2, 1]
+    with pytest.raises(AssertionError, match="a step skipped"):
+        _check_log(log({"event": "start", "step": 0}, step(1, 2), step(3, 2), {"event": "end", "step": 3}), 3)
+    with pytest.raises(AssertionError, match="a start ahead"):
+        _check_log(log({"event": "start", "step": 0}, step(1, 2), {"event": "start", "step": 2}), 2)
+
+
 @pytest.mark.slow  # ~30 s of torch imports and rendezvous: `make test-slow` (make test's 15 minutes)
 def test_two_tasks_train_shrink_to_one_and_grow_back_losing_nothing(tmp_path) -> None:
     steps = 120  # about 30 are done when the grow is back at world size 2: room for a slow machine

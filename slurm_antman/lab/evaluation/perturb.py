@@ -49,10 +49,10 @@ def summarize(runs: Sequence[dict]) -> dict:
 def run(cfg, n: int, simulate_one: Callable, nominal: dict) -> dict:
     """The policy of ``cfg`` over ``n`` cycles (the nominal run's metrics are ``nominal``, not rerun):
     ``{"cycle_s": [...], "metrics": summarize(...)}``."""
-    per_run = []
-    for c in cycles(cfg.cycle_s, n):
-        per_run.append(nominal if c == cfg.cycle_s else simulate_one(dataclasses.replace(cfg, cycle_s=c)).metrics)
-    return {"cycle_s": cycles(cfg.cycle_s, n), "metrics": summarize(per_run)}
+    each = cycles(cfg.cycle_s, n)
+    per_run = [nominal if c == cfg.cycle_s else simulate_one(dataclasses.replace(cfg, cycle_s=c)).metrics
+               for c in each]
+    return {"cycle_s": each, "metrics": summarize(per_run)}
 
 
 def line(policy: str, summary: dict) -> str:

@@ -299,10 +299,10 @@ class AntmanAdapter:
     def _whole_requeue_cause(self, j: SimJob, move: bool) -> str:
         """Why a multi-GPU job is requeued whole rather than narrowed (issue 29 asks for width changes
         in place of whole-job requeues): ``need``: a guaranteed job's need; for a move, ``rigid`` (not
-        elastic: wider than a node, or not submitted elastic), ``all_shared`` (every GPU it runs on has a guaranteed job,
-        so giving one up leaves it crawling on the rest), ``narrowed`` (no guaranteed neighbour: moved
-        to run at its full width again, nothing of its own set being free to grow into) or
-        ``some_shared`` (where giving up the shared GPUs might have done)."""
+        elastic: wider than a node, or not submitted elastic), ``all_shared`` (every GPU it runs on has
+        a guaranteed job, so giving one up leaves it crawling on the rest), ``narrowed`` (no guaranteed
+        neighbour: moved to run at its full width again, nothing of its own set being free to grow
+        into) or ``some_shared`` (where giving up the shared GPUs might have done)."""
         if not move:
             return "need"
         if not j.elastic:
