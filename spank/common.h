@@ -31,6 +31,7 @@
 #define ANTMAN_ENV_REFUSED "ANTMAN_REFUSED"
 #define ANTMAN_ENV_JOB_NODEID "ANTMAN_JOB_NODEID"
 #define ANTMAN_ENV_PROLOG_FROM_SPANK "ANTMAN_PROLOG_FROM_SPANK"
+#define ANTMAN_ENV_DEVICE_FAILURE "ANTMAN_DEVICE_FAILURE"
 
 /* The job env value of name, or "" when the step has none. */
 static inline void job_getenv(spank_t sp, const char *name, char *buf, size_t len)

@@ -1,16 +1,21 @@
 /*
  * Runs the Prolog hook from slurmstepd (remote context), as root, once per step: slurmd skips the
  * Prolog when a job preempted by requeue restarts on the same node while its credential is still
- * cached, but the Epilog of the first run did remove the env file.
+ * cached, but the Epilog of the first run did remove the env file. Also when a placed GPU could not
+ * be allowed in the task's device cgroup: with ANTMAN_DEVICE_FAILURE set, the hook refuses the job
+ * and has Slurm requeue it.
  */
 #define _GNU_SOURCE /* asprintf, pipe2 */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <pwd.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -22,6 +27,7 @@
 #define PROLOG_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #define PROLOG_TIMEOUT_S 30
 #define PROLOG_ENV_MAX 16
+#define DEVICE_FAILURE_MAX 512
 
 struct prolog_env {
 	char *vars[PROLOG_ENV_MAX + 1];
@@ -47,8 +53,25 @@ static void prolog_env_free(struct prolog_env *e)
 	e->n = 0;
 }
 
+/*
+ * ANTMAN_DEVICE_FAILURE's value: the plugin's own text (devices.c), kept to [A-Za-z0-9 _:.,()/-]
+ * all the same, any other byte becoming '_', so the hook can log and pass it on without quoting.
+ */
+static void device_failure_value(const char *failure, char *buf, size_t len)
+{
+	size_t i;
+
+	for (i = 0; failure[i] && i + 1 < len; i++) {
+		unsigned char c = (unsigned char)failure[i];
+
+		buf[i] = (isalnum(c) && c < 0x80) || strchr(" _:.,()/-", c) ? (char)c : '_';
+	}
+	buf[i] = '\0';
+}
+
 /* A Prolog environment from what slurmstepd knows, never from the job's own environment. */
-static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class, struct prolog_env *e)
+static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class, const char *device_failure,
+			     struct prolog_env *e)
 {
 	char buf[1024];
 	uid_t uid = 0;
@@ -97,6 +120,12 @@ static void build_prolog_env(spank_t sp, uint32_t job_id, const char *job_class,
 	prolog_env_add(e, "SLURM_CONF", getenv("SLURM_CONF"));
 	prolog_env_add(e, "PATH", PROLOG_PATH);
 	prolog_env_add(e, ANTMAN_ENV_PROLOG_FROM_SPANK, "1");
+	if (device_failure) {
+		char value[DEVICE_FAILURE_MAX];
+
+		device_failure_value(device_failure, value, sizeof(value));
+		prolog_env_add(e, ANTMAN_ENV_DEVICE_FAILURE, value);
+	}
 }
 
 /* Only async-signal-safe calls: slurmstepd has threads, and this is the child of its fork. */
@@ -138,8 +167,11 @@ static double monotonic_s(void)
 	return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* Runs the hook and waits for it, at most PROLOG_TIMEOUT_S. Every failure is logged only. */
-static void run_prolog(const char *prolog, uint32_t job_id, char **envp)
+/*
+ * Runs the hook and waits for it, at most PROLOG_TIMEOUT_S. Every failure is logged only; requeue
+ * says why it runs (a device failure: the hook is to requeue the job) for the log lines.
+ */
+static void run_prolog(const char *prolog, uint32_t job_id, char **envp, bool requeue)
 {
 	int report[2];
 	int exec_errno = 0;
@@ -170,8 +202,8 @@ static void run_prolog(const char *prolog, uint32_t job_id, char **envp)
 	close(report[0]);
 	if (got == (ssize_t)sizeof(exec_errno)) {
 		errno = exec_errno;
-		slurm_error("antman: job %u: cannot execute prolog %s: %m; tasks start without the env file",
-			    job_id, prolog);
+		slurm_error("antman: job %u: cannot execute prolog %s: %m; %s", job_id, prolog,
+			    requeue ? "the job is not requeued" : "tasks start without the env file");
 		while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
 			;
 		return;
@@ -196,7 +228,10 @@ static void run_prolog(const char *prolog, uint32_t job_id, char **envp)
 		}
 		poll(NULL, 0, 20);
 	}
-	if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+	if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && requeue)
+		slurm_info("antman: job %u: ran prolog %s with %s to requeue it", job_id, prolog,
+			   ANTMAN_ENV_DEVICE_FAILURE);
+	else if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
 		slurm_info("antman: job %u: env file was missing; ran prolog %s", job_id, prolog);
 	else if (WIFEXITED(status))
 		slurm_error("antman: job %u: prolog %s exited with status %d", job_id, prolog,
@@ -206,11 +241,12 @@ static void run_prolog(const char *prolog, uint32_t job_id, char **envp)
 			    WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
 
-void run_prolog_hook(spank_t sp, const char *prolog, uint32_t job_id, const char *job_class)
+void run_prolog_hook(spank_t sp, const char *prolog, uint32_t job_id, const char *job_class,
+		     const char *device_failure)
 {
 	struct prolog_env env;
 
-	build_prolog_env(sp, job_id, job_class, &env);
-	run_prolog(prolog, job_id, env.vars);
+	build_prolog_env(sp, job_id, job_class, device_failure, &env);
+	run_prolog(prolog, job_id, env.vars, device_failure != NULL);
 	prolog_env_free(&env);
 }

@@ -18,7 +18,8 @@
 #include "slurmstepd.h"
 
 static struct {
-	bool no_env_file; /* an opportunistic job whose env file no Prolog could write here */
+	bool no_env_file;         /* an opportunistic job whose env file no Prolog could write here */
+	bool device_failure_sent; /* the Prolog hook was asked to requeue the job (once per step, not per task) */
 } stepd;
 
 static int job_id_of(spank_t sp, uint32_t *job_id)
@@ -73,7 +74,7 @@ int antman_stepd_post_opt(spank_t sp)
 		return 0;
 	if (env_file_present(sp, job_id))
 		return 0;
-	run_prolog_hook(sp, args->prolog, job_id, job_class);
+	run_prolog_hook(sp, args->prolog, job_id, job_class, NULL);
 	/*
 	 * Still no file (the state directory full or unwritable, the hook broken): the Prolog could not
 	 * even record a refusal. An opportunistic job must not run unmanaged beside a guaranteed one, so
@@ -173,10 +174,13 @@ int antman_stepd_task_init(spank_t sp)
  * As root in slurmstepd, once per task, after Slurm has set up the step's cgroups: an opportunistic
  * job may open the GPU(s) its sidecar placed it on, which Slurm's ConstrainDevices denied it (it
  * holds no GPU GRES). A grant that fails fails the task: the job would otherwise start on a GPU it
- * cannot open, and crash later with a less telling error.
+ * cannot open, and crash later with a less telling error. It also runs the Prolog hook with
+ * ANTMAN_DEVICE_FAILURE, once per step, which refuses the job on this node and requeues it.
  */
 int antman_stepd_task_post_fork(spank_t sp)
 {
+	const char *prolog = antman_args_get()->prolog;
+	char failure[1024], job_class[ANTMAN_CLASS_MAX];
 	uint32_t job_id, uid;
 	pid_t pid;
 
@@ -187,11 +191,16 @@ int antman_stepd_task_post_fork(spank_t sp)
 		slurm_error("antman: job %u: cannot get the task's uid or pid; its GPUs are not allowed", job_id);
 		return -1;
 	}
-	if (antman_devices_grant(job_id, (uid_t)uid, pid) < 0) {
-		slurm_error("antman: job %u: its placed GPUs could not be allowed in its devices cgroup", job_id);
-		return -1;
+	if (antman_devices_grant(job_id, (uid_t)uid, pid, failure, sizeof(failure)) == 0)
+		return 0;
+	slurm_error("antman: job %u: %s; %s", job_id, failure,
+		    prolog[0] ? "the job is requeued" : "its tasks fail (no prolog= in plugstack.conf to requeue it)");
+	if (prolog[0] && !stepd.device_failure_sent) {
+		stepd.device_failure_sent = true;
+		requested_class(sp, job_class, sizeof(job_class));
+		run_prolog_hook(sp, prolog, job_id, job_class, failure);
 	}
-	return 0;
+	return -1;
 }
 
 int antman_stepd_exit(void)

@@ -33,24 +33,24 @@ def test_parse_version_refuses_text_without_one(text):
         v.parse_version(text)
 
 
-@pytest.mark.parametrize("have", [(22, 5, 8), (24, 11, 5), (23, 2, 1), (23, 11, 10), (22, 5, 0), (24, 11, 99)])
+@pytest.mark.parametrize("have", [(22, 5, 8), (24, 11, 5), (23, 2, 1), (23, 11, 10), (22, 5, 0), (24, 11, 99), (25, 11, 7), (26, 5, 5)])
 def test_versions_in_the_range_are_accepted(have):
     assert v.check_supported(have) == have
 
 
-@pytest.mark.parametrize("have", [(21, 8, 8), (22, 0, 1), (25, 5, 0), (24, 12, 0), (26, 5, 5), (20, 11, 9)])
+@pytest.mark.parametrize("have", [(21, 8, 8), (22, 0, 1), (26, 6, 0), (27, 5, 0), (20, 11, 9)])
 def test_a_version_outside_the_range_is_one_line_naming_it_and_the_supported_ones(have):
     with pytest.raises(v.UnsupportedSlurm) as e:
         v.check_supported(have)
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith(f"Slurm {v.fmt(have)} is not supported")
-    assert "22.05" in msg and "24.11" in msg
+    assert "22.05" in msg and "26.05" in msg
 
 
 def test_only_the_tested_versions_count_as_tested():
-    assert v.is_tested((22, 5, 8)) and v.is_tested((24, 11, 1))
-    assert not v.is_tested((23, 11, 4)) and not v.is_tested((23, 2, 0))
+    assert v.is_tested((22, 5, 8)) and v.is_tested((24, 11, 1)) and v.is_tested((26, 5, 5))
+    assert not v.is_tested((23, 11, 4)) and not v.is_tested((23, 2, 0)) and not v.is_tested((25, 11, 7))
 
 
 def test_what_differs_is_decided_by_version():
@@ -78,8 +78,8 @@ def test_installed_version_reads_the_commands_on_path(tmp_path):
 
 
 def test_adapter_refuses_an_unsupported_slurm_in_one_line(tmp_path):
-    env = _fake_slurm(tmp_path, "slurm 25.05.3")
-    with pytest.raises(v.UnsupportedSlurm, match=r"^Slurm 25\.05\.3 is not supported: .*22\.05.*24\.11"):
+    env = _fake_slurm(tmp_path, "slurm 26.11.1")
+    with pytest.raises(v.UnsupportedSlurm, match=r"^Slurm 26\.11\.1 is not supported: .*22\.05.*26\.05"):
         CliBackend(env=env).nodes()
 
 
@@ -92,14 +92,14 @@ def test_devcluster_up_refuses_an_unsupported_slurm_in_one_line_and_starts_nothi
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert "Slurm 21.08.8 is not supported" in lines[0] and "22.05" in lines[0] and "24.11" in lines[0]
+    assert "Slurm 21.08.8 is not supported" in lines[0] and "22.05" in lines[0] and "26.05" in lines[0]
     assert not (d / "etc" / "slurm.conf").exists() and not (d / "cluster.json").exists()
 
 
 def test_doctor_fails_an_unsupported_slurm_and_warns_an_untested_one(tmp_path):
     cfg = cfgmod.parse({"nodes": [{"name": "n1", "gpus": 1}], "plugin_path": str(tmp_path / "none.so")})
-    c = doctor.check_versions(cfg, {"SLURM_VERSION": "25.05.3"})
-    assert c.status == "fail" and "Slurm 25.05.3 is not supported" in c.reason
+    c = doctor.check_versions(cfg, {"SLURM_VERSION": "26.11.1"})
+    assert c.status == "fail" and "Slurm 26.11.1 is not supported" in c.reason
     # In range: the plugin is read next (none here), so the range check did not stop it.
     c = doctor.check_versions(cfg, {"SLURM_VERSION": "23.11.4"})
     assert c.status == "fail" and "cannot load" in c.reason

@@ -28,11 +28,12 @@ from slurm_antman.slurm import version as slurm_version
 
 from .dirs import DEFAULT_DIR
 from .files import (
-    CGROUP_CONF, COORDINATOR_PORT_OFFSET, DEFAULT_PORT_BASE, REPO, _base_slurm_conf, _merge, _which,
-    build_spank, dev_config, make_gpu_devices, run_dir, sidecar_socket_dir, slurmd_spool_dir, topology_conf,
+    COORDINATOR_PORT_OFFSET, DEFAULT_PORT_BASE, REPO, _base_slurm_conf, _merge, _which,
+    build_spank, cgroup_conf as files_cgroup_conf, dev_config, make_gpu_devices, run_dir, sidecar_socket_dir,
+    slurmd_spool_dir, topology_conf, unified_cgroup_host,
 )
 from .hosts import DEV_USER, Hosts, ensure_user, let_users_through  # noqa: F401 - DEV_USER: dc.DEV_USER
-from .processes import DevclusterError, Proc, _descendants, _ensure_munged, _reap, _spawn
+from .processes import DevclusterError, Proc, _descendants, delegated_scope, _ensure_munged, _reap, _spawn
 from .state import Cluster, _enter, _shape_file, _state_file, is_running, load, running, shape_differences
 
 
@@ -154,7 +155,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         topology.unlink(missing_ok=True)
     cgroup_conf = d / "etc" / "cgroup.conf"
     if cgroups:
-        cgroup_conf.write_text(CGROUP_CONF)
+        cgroup_conf.write_text(files_cgroup_conf(unified_cgroup_host()))
     else:
         cgroup_conf.unlink(missing_ok=True)
     for h in cluster.nodes:  # 24.11's slurmd does not make its spool directory (22.05's does)
@@ -164,7 +165,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     if plain:
         (d / "etc" / "plugstack.conf").write_text("# plain Slurm: no SPANK plugins\n")
     else:
-        (d / "etc" / "plugstack.conf").write_text(f"include {d}/etc/plugstack.conf.d/*.conf\n")
+        (d / "etc" / "plugstack.conf").write_text(f"include {d}/etc/plugstack.conf.d/antman.conf\n")
         # The Lua scripts as a site copies them beside slurm.conf: from the install, or this checkout.
         lua = Path(installed) / "share" / "slurm-antman" / "lua" if installed else REPO / "etc"
         # Every one of them: the scripts and the modules they load (an older install has no modules).
@@ -190,7 +191,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         _record(cluster, start_slurmctld(cluster, env, clear_state=True))
         for h in cluster.nodes:
             _record(cluster, _spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
-                                    d / "log" / f"slurmd-{h}.out", _enter(cluster, h)))
+                                    d / "log" / f"slurmd-{h}.out",
+                                    [*delegated_scope(f"antman-dev-{port_base}-slurmd-{h}"),
+                                     *(_enter(cluster, h) or [])] or None))
         if accounting:
             acct.add_tenants(cluster, cfg.tenants, cfg.slurm.gpu_gres)
         if not plain and (sidecars or coordinator):

@@ -91,6 +91,33 @@ def _ensure_munged(procs: list[Proc]) -> None:
     raise DevclusterError("munged started but wrote no pid file")
 
 
+def unified_cgroup_host(root: str = "/sys/fs/cgroup") -> bool:
+    """Whether this host boots the unified cgroup v2 hierarchy (cgroup2 mounted at the cgroup root), as
+    current distributions do, rather than cgroup v1 or the hybrid layout (v1 controllers beside an empty
+    cgroup2), where Slurm's cgroup/v2 refuses to start."""
+    try:
+        with open("/proc/self/mounts", encoding="ascii", errors="replace") as f:
+            return any(line.split()[1:3] == [root, "cgroup2"] for line in f if len(line.split()) > 2)
+    except OSError:
+        return False
+
+
+def delegated_scope(unit: str) -> list[str]:
+    """On a unified cgroup v2 host, the command that starts a daemon the way a site's systemd unit does
+    (Debian's slurmd.service sets ``Delegate=yes``): in a transient scope whose cgroup subtree is its own.
+    Slurm's cgroup/v2 needs that: it moves slurmd into a child cgroup and enables controllers below it,
+    which the kernel refuses in a cgroup that holds other processes ("Cannot migrate slurmd"). A scope
+    execs the daemon in the same process, so its PID is the daemon's. Elsewhere: nothing."""
+    if not unified_cgroup_host():
+        return []
+    run = shutil.which("systemd-run")
+    if run is None:
+        raise DevclusterError("this host boots the unified cgroup v2 hierarchy, and slurmd needs a delegated "
+                              "cgroup there: install systemd (systemd-run) or start slurmd from a unit "
+                              "with Delegate=yes")
+    return [run, "--scope", "--quiet", f"--unit={unit}", "--property=Delegate=yes", "--"]
+
+
 def _spawn(name: str, argv: list[str], env: dict, log: Path, enter: Optional[list[str]] = None) -> Proc:
     """Start a daemon; ``enter``: the command that puts it on its host (nsenter into a network
     namespace), which execs the daemon in the same process."""
