@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import config as config_mod
+from . import device_failure
 from . import envfile
 from . import protocol as p
 from .jobtag import ONE_NODE, JobTag, elastic_kind
@@ -169,6 +170,8 @@ def prolog(cfg: config_mod.AntmanConfig, env: dict[str, str]) -> int:
     if (not from_spank and job.spank_class is None and cfg.default_class.value == "none"
             and job.partition != s.opportunistic_partition):
         return 0
+    if from_spank and env.get(p.ENV_DEVICE_FAILURE):
+        return _device_failure(cfg, job, env[p.ENV_DEVICE_FAILURE])
     if from_spank:
         # slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential.
         log.info("job %s on %s: env file missing at step start; Prolog run by the SPANK plugin", job.job_id, job.node)
@@ -282,6 +285,19 @@ def _place_and_record(cfg: config_mod.AntmanConfig, slurm: SlurmBackend, job: Jo
 
 class NoRoom(Exception):
     """The opportunistic job may not start on this node now; the message says why."""
+
+
+def _device_failure(cfg: config_mod.AntmanConfig, job: JobContext, cause: str) -> int:
+    """The SPANK plugin could not grant the job its placed GPU (spank/devices.c) and failed its task: requeue
+    it with the plugin's cause, and keep opportunistic jobs off this node for a while (device_failure).
+    ``cause`` is the plugin's own text (only the plugin's fixed environment reaches this hook with it)."""
+    reason = f"its GPU could not be granted on {job.node}: {cause}"
+    try:
+        # envfile.path checks the node name: root writes here
+        device_failure.record(envfile.path(cfg.state_dir, job.node, job.job_id).parent.parent, job.job_id, cause)
+    except (OSError, envfile.EnvFileError) as e:
+        log.error("job %s: cannot record the device failure on %s: %s", job.job_id, job.node, e)
+    return refuse(cfg, job, {p.ENV_JOB_ID: job.job_id, p.ENV_NODE: job.node}, reason)
 
 
 # scontrol requeue is retried on these back-offs (s) before the hook gives up and fails.

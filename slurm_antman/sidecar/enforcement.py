@@ -10,6 +10,7 @@ import time
 from dataclasses import replace
 from typing import Optional
 
+from slurm_antman import device_failure
 from slurm_antman import protocol as p
 from slurm_antman.policy.node import compliance
 from slurm_antman.policy.node.core import (
@@ -339,11 +340,11 @@ class Enforcement:
             return
         self._health_checked = mono
         paths = [self.dir.state_dir] + ([self.opt.hooks_state_dir] if self.opt.hooks_state_dir else [])
-        why = health.node_problem(paths)
+        why = health.node_problem(paths) or device_failure.problem(self.opt.hooks_state_dir, time.time())
         if why != self.unhealthy:
             if why:
                 log.error("node %s takes no new opportunistic job: %s", self.opt.node, why)
             else:
-                log.warning("node %s takes opportunistic jobs again: its state directories have room", self.opt.node)
+                log.warning("node %s takes opportunistic jobs again (was: %s)", self.opt.node, self.unhealthy)
             self.unhealthy = why
             self._report_now = True
