@@ -6,7 +6,7 @@ APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv
                 slurmdbd mariadb-server
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-gpu test-slurm24 spank clean gpu-proof gpu-tests gpu-wheels install uninstall rollback
+.PHONY: deps demo test test-gpu test-slurm24 test-cgroup2 spank clean gpu-proof gpu-tests gpu-wheels install uninstall rollback
 .DEFAULT_GOAL := test
 
 # System packages only when something is missing, so a warm machine does not touch apt. The
@@ -103,6 +103,22 @@ test-slurm24: $(VENV)/.installed
 	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
 	    tests/test_job_submit_lua.py tests/test_spank_elastic.py tests/test_job_submit_elastic_lua.py \
 	    -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
+
+# The cluster tests once more on a node that boots the unified cgroup v2 hierarchy, with the newest
+# Slurm: a User-Mode Linux guest of Debian sid (Slurm 26.05, systemd, CgroupPlugin=autodetect ->
+# cgroup/v2, device rules as eBPF programs) built by .ci/uml with mmdebstrap and cached in
+# /var/cache/slurm-antman (UML_CACHE); the checkout and its venv are bind-mounted in. The guest has its
+# own loopback, so it may run beside a host cluster. Its munged signs the second run's sbatch calls.
+CGROUP2_PYTEST ?= -m "cluster and not slow and not slurm_neutral"
+test-cgroup2: $(VENV)/.installed
+	.ci/uml build
+	.ci/uml run 'rc=0; $(PY) -m pytest -ra $(CGROUP2_PYTEST) $(PYTEST_ARGS) || rc=1; \
+	  mkdir -p /run/munge && chown munge: /run/munge && \
+	  { [ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey --create --force; } && \
+	  { munge -n >/dev/null 2>&1 || runuser -u munge -- /usr/sbin/munged; } && \
+	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
+	    tests/test_job_submit_lua.py tests/test_spank_elastic.py tests/test_job_submit_elastic_lua.py \
+	    tests/test_spank_cgroup_bpf.py -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
 # --- GPU proof (issue 13, docs/gpu_proof.md) ------------------------------------------------------
 # The GPU node is offline and has torch, nvidia-ml-py and pytest but not pyzmq, PyYAML or pydantic:

@@ -112,7 +112,8 @@ class CliBackend(SlurmBackend):
 
     # -- running commands ------------------------------------------------------------------
     def _run(self, argv: list[str], job_id: Optional[int | str] = None, input: Optional[str] = None,
-             env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+             env: Optional[Mapping[str, str]] = None, check: bool = True) -> subprocess.CompletedProcess:
+        """``check=False``: a non-zero exit is the caller's to read (JSON output carries its own errors)."""
         run_env = dict(self.env if self.env is not None else os.environ)
         if env:
             run_env.update(env)
@@ -132,7 +133,7 @@ class CliBackend(SlurmBackend):
             raise SlurmUnavailable(f"{argv[0]} did not finish within {self.timeout:g} s "
                                    "(is slurmctld running and reachable?)", argv, err) from None
         # scancel exits 0 on an unknown job id and only says so on stderr with --verbose.
-        if r.returncode != 0 or (argv[0] == "scancel" and "error:" in r.stderr):
+        if check and (r.returncode != 0 or (argv[0] == "scancel" and "error:" in r.stderr)):
             self._raise(argv, r, job_id)
         return r
 
@@ -184,6 +185,25 @@ class CliBackend(SlurmBackend):
             raise ValueError(f"job id must be a positive integer or ARRAY_TASK, not {job_id!r}")
         return str(job_id)
 
+    def _job_json(self, argv: list[str], job_id: int | str) -> list[Job]:
+        """``scontrol show job --json ID``'s jobs; a job slurmctld does not know is JobNotFound, as from the
+        text form (its error entry says "Invalid job id specified", and scontrol may exit non-zero)."""
+        r = self._run(argv, job_id=job_id, check=False)
+        try:
+            doc = json.loads(r.stdout or "{}")
+        except json.JSONDecodeError as e:
+            raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
+        errors = doc.get("errors") if isinstance(doc, dict) else None
+        text = " ".join(str(e.get("description", "")) + " " + str(e.get("error", ""))
+                        for e in errors or [] if isinstance(e, dict))
+        if _NOT_FOUND.search(text) or _NOT_FOUND.search(r.stderr or ""):
+            raise JobNotFound(job_id, argv, text.strip() or r.stderr.strip(), r.returncode)
+        if r.returncode != 0:
+            self._raise(argv, r, job_id)
+        if errors:
+            self._json_errors(argv, errors)
+        return _parse(argv, r, lambda: jobs_from_squeue_json(doc, self.gres_name))
+
     def _json_errors(self, argv: list[str], errors: list) -> None:
         """squeue/sinfo --json exit 0 with only "Unspecified error" when the controller is down; ask
         ``scontrol ping`` so the error says what is wrong."""
@@ -222,9 +242,13 @@ class CliBackend(SlurmBackend):
         return filter_jobs(jobs, states, users) if states is not None or users is not None else jobs
 
     def job(self, job_id: int | str) -> Job:
-        argv = ["scontrol", "show", "job", "-o", "-d", self._job_arg(job_id)]
-        jobs = self._parsed(argv, lambda out: [job_from_scontrol(ln, self.gres_name)
-                                               for ln in out.splitlines() if ln.strip()], job_id=job_id)
+        if slurm_version.job_show_json(self.version()):
+            argv = ["scontrol", "show", "job", "--json", self._job_arg(job_id)]
+            jobs = self._job_json(argv, job_id)
+        else:
+            argv = ["scontrol", "show", "job", "-o", "-d", self._job_arg(job_id)]
+            jobs = self._parsed(argv, lambda out: [job_from_scontrol(ln, self.gres_name)
+                                                   for ln in out.splitlines() if ln.strip()], job_id=job_id)
         if not jobs:
             raise JobNotFound(job_id, argv, "scontrol printed nothing")
         # An array's own id prints one line per task: the one asked for is the raw id's, or the task's.

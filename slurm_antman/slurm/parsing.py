@@ -21,7 +21,8 @@ from .models import Association, Job, Node
 from .tag import AntmanTag, read_admin_comment
 
 # Order of `scontrol show job` keys in Slurm 22.05 (src/api/job_info.c); optional ones included.
-# 24.11 prints ReqTRES= and AllocTRES= where 22.05 prints TRES=.
+# 24.11 prints ReqTRES= and AllocTRES= where 22.05 prints TRES=; 25.11 adds SubmitLine= (the sbatch command
+# line verbatim, newlines included: src/scontrol/info_job.c), read from JSON there (version.job_show_json).
 JOB_KEY_ORDER: tuple[str, ...] = (
     "JobId", "ArrayJobId", "ArrayTaskId", "ArrayTaskThrottle", "HetJobId", "HetJobOffset", "HetJobIdSet",
     "JobName", "UserId", "GroupId", "MCS_label", "Priority", "Nice", "Account", "QOS", "WCKey",
@@ -34,7 +35,7 @@ JOB_KEY_ORDER: tuple[str, ...] = (
     "NtasksPerN:B:S:C", "CoreSpec", "ThreadSpec", "JOB_GRES", "Nodes", "CPU_IDs", "Mem", "GRES",
     "MinCPUsNode", "MinMemoryNode", "MinMemoryCPU", "MinTmpDiskNode", "Features", "ClusterFeatures",
     "Prefer", "BatchFeatures", "Reservation", "DelayBoot", "OverSubscribe", "Contiguous", "Licenses",
-    "Network", "Command", "WorkDir", "AdminComment", "SystemComment", "Comment", "StdErr", "StdIn",
+    "Network", "Command", "SubmitLine", "WorkDir", "AdminComment", "SystemComment", "Comment", "StdErr", "StdIn",
     "StdOut", "BurstBuffer", "BurstBufferState", "CpuFreqMin", "CpuFreqMax", "CpuFreqGov",
     "Switches", "Wait-for-Switch", "Power", "MailUser", "MailType", "TresBind", "TresFreq",
     "CpusPerTres", "MemPerTres", "TresPerJob", "TresPerNode", "TresPerSocket", "TresPerTask",
@@ -43,7 +44,7 @@ JOB_KEY_ORDER: tuple[str, ...] = (
 _ORDER = {k: i for i, k in enumerate(JOB_KEY_ORDER)}
 # Values that are user or admin text and may contain spaces (and look-alike keys).
 FREE_TEXT_KEYS = frozenset({
-    "JobName", "Command", "WorkDir", "AdminComment", "SystemComment", "Comment", "StdErr", "StdIn",
+    "JobName", "Command", "SubmitLine", "WorkDir", "AdminComment", "SystemComment", "Comment", "StdErr", "StdIn",
     "StdOut", "Reason", "MailUser", "Features", "Prefer", "BatchFeatures", "Licenses",
 })
 # The per-node allocation lines of `-d` (Nodes= CPU_IDs= Mem= GRES=) repeat once per node.

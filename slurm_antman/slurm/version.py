@@ -40,7 +40,8 @@ def fmt(v: tuple[int, ...]) -> str:
 
 def supported_text() -> str:
     """One phrase naming what is supported, for messages and docs."""
-    tested = " and ".join(fmt(v) for v in TESTED)
+    names = [fmt(v) for v in TESTED]
+    tested = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
     return f"Slurm {fmt(OLDEST)} to {fmt(NEWEST)} (tested on {tested})"
 
 
@@ -116,3 +117,12 @@ def many_prolog_lines(v: Version) -> bool:
     run. 24.11's slurm.conf(5) says so; 22.05 keeps the last line only, so a second line would drop the
     site's own hook. 23.02 and 23.11 are untested here: treated as one program, the safe side."""
     return tuple(v[:2]) >= (24, 11)
+
+
+def job_show_json(v: Version) -> bool:
+    """Whether one job is read from ``scontrol show job --json`` rather than ``scontrol show job -o -d``.
+    From 25.11 the one-line form prints ``SubmitLine=``, the submission's command line verbatim
+    (src/scontrol/info_job.c): an ``sbatch --wrap`` script's newlines split the "one line" into many, and
+    a user's text could then pass for another job's record. The JSON form (data_parser, 23.02 on) has the
+    same fields without that ambiguity; the text form stays where it is unambiguous, as tested."""
+    return tuple(v[:2]) >= (25, 11)

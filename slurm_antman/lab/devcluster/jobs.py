@@ -88,7 +88,8 @@ class ClusterJobs:
         if r.returncode != 0 or not r.stdout.strip():
             raise JobsError(f"scontrol show job {job_id} failed: {r.stderr.strip()}")
         fields: dict[str, str] = {}
-        for k, v in parse_scontrol_line(r.stdout.splitlines()[0]):
+        # One job, one record: from 25.11 its SubmitLine= may hold the newlines of an sbatch --wrap script.
+        for k, v in parse_scontrol_line(" ".join(r.stdout.strip().splitlines())):
             fields.setdefault(k, v)
         return fields
 
