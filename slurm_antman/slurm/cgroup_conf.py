@@ -39,3 +39,41 @@ def constrain_devices(slurm_conf: str | None = None) -> bool:
     except FileNotFoundError:
         return False
     return parse(text).get("constraindevices", "no").lower() in ("yes", "true", "1")
+
+
+def cgroup_plugin(slurm_conf: str | None = None) -> str:
+    """cgroup.conf's ``CgroupPlugin`` (Slurm's default: ``autodetect``); "" without a cgroup.conf."""
+    try:
+        text = cgroup_conf_path(slurm_conf).read_text()
+    except FileNotFoundError:
+        return ""
+    return parse(text).get("cgroupplugin", "autodetect")
+
+
+def hierarchy(mounts_text: str) -> str:
+    """Which cgroup hierarchy a node runs, from /proc/self/mounts (the same reading as the SPANK plugin's
+    cgroup_device_control in spank/cgroup_bpf.c): ``v1`` (a cgroup v1 hierarchy holds the devices
+    controller), ``unified`` (cgroup2 and no v1 controller: device rules are eBPF programs), ``hybrid`` (v1
+    controllers without devices, cgroup2 beside them) or ``none``."""
+    v1_devices = v1_any = v2 = False
+    for line in mounts_text.splitlines():
+        f = line.split()
+        if len(f) < 4:
+            continue
+        if f[2] == "cgroup2":
+            v2 = True
+        elif f[2] == "cgroup":
+            opts = set(f[3].split(","))
+            if "devices" in opts:
+                v1_devices = True
+            if any(not o.startswith("name=") and o not in ("rw", "ro", "nosuid", "nodev", "noexec", "relatime",
+                                                            "clone_children", "xattr", "noprefix")
+                   for o in opts):
+                v1_any = True
+    if v1_devices:
+        return "v1"
+    if v2 and not v1_any:
+        return "unified"
+    if v2:
+        return "hybrid"
+    return "none"

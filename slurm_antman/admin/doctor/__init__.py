@@ -26,7 +26,7 @@ from .controller import (
     slurm_config,
 )
 from .node import (
-    check_agent_bundle, check_coordinator, check_enforcement, check_nvml, check_plugin_file, check_sidecar,
+    check_agent_bundle, check_coordinator, check_device_control, check_enforcement, check_nvml, check_plugin_file, check_sidecar,
     check_socket_dir, driver_memory_caps,
 )
 from .report import Check, fail, ok, render_text, skip, warn
@@ -34,7 +34,7 @@ from .report import Check, fail, ok, render_text, skip, warn
 __all__ = [
     "CHAIN_LINE", "COMMAND_TIMEOUT_S", "JOB_SUBMIT_FILES", "JOB_SUBMIT_MODULE", "QUOTA_FILE_NAME", "SKEW_FAIL_S",
     "SKEW_WARN_S", "Check", "check_agent_bundle", "check_clock", "check_config", "check_coordinator",
-    "check_enforcement", "check_hooks", "check_job_submit", "check_nvml", "check_plugin_file", "check_plugstack",
+    "check_device_control", "check_enforcement", "check_hooks", "check_job_submit", "check_nvml", "check_plugin_file", "check_plugstack",
     "check_quota_file", "check_quotas", "check_sbatch_option", "check_sidecar", "check_slurm_conf",
     "check_socket_dir", "check_versions", "controller_time", "driver_memory_caps", "fail", "main", "ok",
     "plugin_slurm_version", "render_text", "run_checks", "skip", "slurm_config", "warn",
@@ -84,6 +84,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     checks.append(check_coordinator(cfg, node) if cfg else skip("coordinator_link", need_cfg))
     checks.append(check_nvml())
     checks.append(check_enforcement(cfg, sconf) if cfg else skip("enforcement", need_cfg))
+    checks.append(check_device_control(cfg, node) if cfg else skip("device_control", need_cfg))
     checks.append(check_quotas(cfg, sconf) if cfg and sconf else skip("quotas", need_cfg if not cfg else need_slurm))
     checks.append(check_clock() if sconf else skip("clock_skew", need_slurm))
     checks.append(check_socket_dir(cfg) if cfg else skip("socket_dir", need_cfg))

@@ -1,5 +1,6 @@
 """Checks of this host as a GPU node: the agent bundle and SPANK plugin file, the sidecar, its link to
-the coordinator, NVML, which enforcement is in force, and the sidecar's socket directory."""
+the coordinator, NVML, which enforcement is in force, whether an opportunistic job's GPU can be granted
+(device control), and the sidecar's socket directory."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from slurm_antman import config as cfgmod
+from slurm_antman import device_failure
+from slurm_antman.slurm import cgroup_conf
 from .report import Check, fail, ok, skip, warn
 
 def check_agent_bundle(cfg: cfgmod.AntmanConfig, node: str) -> Check:
@@ -212,3 +215,36 @@ def check_socket_dir(cfg: cfgmod.AntmanConfig) -> Check:
         return fail("socket_dir", f"{d} is group/world-writable (mode {stat.S_IMODE(st.st_mode):o})",
                     f"chmod 755 {d}: anyone could create a fake sidecar socket there")
     return ok("socket_dir", f"{d} root-owned, mode {stat.S_IMODE(st.st_mode):o}")
+
+
+def check_device_control(cfg: cfgmod.AntmanConfig, node: str, slurm_conf: Optional[str] = None,
+                         mounts: str = "/proc/self/mounts", now: Optional[float] = None) -> Check:
+    """Whether the SPANK plugin can grant an opportunistic job its placed GPU here: which cgroup hierarchy
+    the node runs, which plugin cgroup.conf names, and whether a recent grant failed (device_failure)."""
+    if not cgroup_conf.constrain_devices(slurm_conf):
+        return ok("device_control", "ConstrainDevices is off (cgroup.conf): jobs are not confined to their "
+                                    "devices, so there is nothing to grant")
+    try:
+        with open(mounts, encoding="ascii", errors="replace") as f:
+            kind = cgroup_conf.hierarchy(f.read())
+    except OSError as e:
+        return fail("device_control", f"cannot read {mounts}: {e.strerror}", "run antman doctor on the node itself")
+    plugin = cgroup_conf.cgroup_plugin(slurm_conf)
+    hint_v2 = "docs/admin.md, \"A node that boots the unified cgroup v2 hierarchy\""
+    if kind == "hybrid" and plugin == "cgroup/v2":
+        return fail("device_control", "CgroupPlugin=cgroup/v2 on a hybrid node (cgroup v1 controllers beside "
+                    "cgroup2): Slurm's cgroup/v2 refuses it (\"Hybrid mode is not supported\")",
+                    "boot the unified hierarchy (systemd.unified_cgroup_hierarchy=1) or set CgroupPlugin=cgroup/v1")
+    if kind == "unified" and plugin == "cgroup/v1":
+        return fail("device_control", "CgroupPlugin=cgroup/v1 on a node that boots the unified cgroup v2 hierarchy",
+                    f"set CgroupPlugin=autodetect (or cgroup/v2); see {hint_v2}")
+    if kind in ("none", "hybrid"):
+        return fail("device_control", f"ConstrainDevices=yes but no devices controller Slurm can use here "
+                    f"(cgroup hierarchy: {kind})", f"see {hint_v2}")
+    how = ("cgroup v1: the plugin writes devices.allow" if kind == "v1" else
+           "unified cgroup v2: the plugin amends the task cgroup's eBPF device program")
+    recent = device_failure.problem(os.path.join(cfg.state_dir, node), time.time() if now is None else now)
+    if recent:
+        return warn("device_control", f"{how}; a grant failed recently: {recent}",
+                    "the cause is in slurmd's log (\"antman: job N: cannot allow its GPU\"); " + hint_v2)
+    return ok("device_control", f"{how} (CgroupPlugin={plugin or 'autodetect'}, ConstrainDevices=yes)")
