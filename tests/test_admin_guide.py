@@ -107,7 +107,7 @@ def test_admin_guide_installs_on_plain_slurm(tmp_path):
         assert (plugin_dir / "antman_spank.so").is_file()
         assert os.readlink(bin_dir / "antman") == str(prefix / "bin" / "antman")
         assert (prefix / "agent" / "sitecustomize.py").is_file()
-        assert f"include {etc}/plugstack.conf.d/*.conf" in (etc / "plugstack.conf").read_text().splitlines()
+        assert f"include {etc}/plugstack.conf.d/antman.conf" in (etc / "plugstack.conf").read_text().splitlines()
         assert (antman_etc / "rendered" / "antman-prolog").stat().st_mode & 0o111
         assert (antman_etc / "keys" / "coordinator.key").is_file()
         assert (antman_etc / "keys" / "sidecars" / "node1.key").is_file()

@@ -81,14 +81,14 @@ def check_plugstack(cfg: cfgmod.AntmanConfig, sconf: dict[str, str]) -> Check:
                                                  / "plugstack.conf")
     if not Path(stack).is_file():
         return fail("plugstack", f"PlugStackConfig {stack} does not exist",
-                    f"create it with the line: include {Path(stack).parent}/plugstack.conf.d/*.conf")
+                    f"create it with the line: include {Path(stack).parent}/plugstack.conf.d/antman.conf")
     for where, line in _plugstack_lines(stack):
         words = line.split()
         if len(words) >= 2 and words[0] in ("required", "optional") and words[1] == cfg.plugin_path:
             return ok("plugstack", f"{where} loads {cfg.plugin_path} ({words[0]})")
     return fail("plugstack", f"{stack} (with its includes) does not list {cfg.plugin_path}",
                 f"`antman config render` writes plugstack.conf.d/antman.conf; add `include "
-                f"{Path(stack).parent}/plugstack.conf.d/*.conf` to {stack}")
+                f"{Path(stack).parent}/plugstack.conf.d/antman.conf` to {stack}")
 
 
 def check_sbatch_option() -> Check:
