@@ -116,3 +116,17 @@ def test_a_job_its_prolog_requeued_is_made_eligible_once_kept_off():
     # A job that was never requeued has no BeginTime wait to lift.
     ds, _ = decide(snap([job("8", requested="opportunistic", excluded=("n1",))], nodes), EMPTY, WAIT)
     assert [d for d in ds if getattr(d, "job_id", None) == "8"] == []
+
+
+def test_a_node_that_takes_no_opportunistic_job_is_named_with_its_sidecars_reason():
+    """An idle node whose sidecar reports it unhealthy (a failed device grant, a full state directory) has no
+    room; the job is kept off it, and the reason `antman explain` shows says why, not only that."""
+    sick = node("n1", (gpu(0),), configured=2, in_slurm=1, unhealthy="job 5's GPU could not be granted here (BPF refused)")
+    ds, _ = decide(snap([job("7", requested="opportunistic")], [sick, idle_node("n2")]), EMPTY, WAIT)
+    [k] = keep_offs(ds)
+    assert k == KeepOff("7", ("n1",))
+    assert "n1 takes no opportunistic job: job 5's GPU could not be granted here (BPF refused)" in k.reason
+    assert k.inputs["unhealthy"] == {"n1": "job 5's GPU could not be granted here (BPF refused)"}
+    # A node merely without room says nothing of health.
+    ds, _ = decide(snap([job("8", requested="opportunistic")], [busy_node("n1"), idle_node("n2")]), EMPTY, WAIT)
+    assert "takes no opportunistic job" not in keep_offs(ds)[0].reason and "unhealthy" not in keep_offs(ds)[0].inputs

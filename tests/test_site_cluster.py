@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from slurm_antman.jobtag import parse_tag
+from slurm_antman.lab.devcluster.processes import unified_cgroup_host
 from slurm_antman.slurm import CliBackend, JobNotFound
 
 pytestmark = pytest.mark.cluster
@@ -240,6 +241,92 @@ def probe_file(c, tag: str):
     path = c.workdir / f"probe-{tag}.sh"
     path.write_text("#!/bin/bash\n" + probe(c, tag))
     return path
+
+
+# Probes the GPUs over and over, each round one line: when, and what it could open. Written to a file of the
+# process's own (step id and pid in its name), so that lines of processes running at once never mix.
+PROBE_LOOP = """python3 - <<'EOF'
+import errno, os, time
+env = os.environ
+# The batch step: no SLURM_STEP_ID up to 25.11, SLURM_BATCH_SCRIPT (-5) from 26.05.
+step = {{None: "batch", "-5": "batch"}}.get(env.get("SLURM_STEP_ID"), env.get("SLURM_STEP_ID"))
+out = open("{out}/conc-%s-%s-%d.log" % (env["SLURM_JOB_ID"], step, os.getpid()), "w")
+for k in range({rounds}):
+    seen = []
+    for i in range({n}):
+        try:
+            os.close(os.open("{dev}/nvidia%d" % i, os.O_RDWR))
+            seen.append("open")
+        except OSError as e:
+            seen.append({{errno.ENXIO: "allowed", errno.EPERM: "denied"}}.get(e.errno, errno.errorcode.get(e.errno, "?")))
+    print("CONC", "job=%s" % env.get("SLURM_JOB_ID", ""), "step=%s" % step,
+          "round=%d" % k, "t=%.3f" % time.time(), "gpus=%s" % env.get("ANTMAN_GPUS", ""),
+          "dev=" + ",".join(seen), file=out, flush=True)
+    time.sleep({every})
+EOF
+"""
+
+CONCURRENT_STEPS = """#!/bin/bash
+set -u
+# The batch step probes, and three steps start a second apart while it and the steps before them probe.
+bash {probe} &
+for i in 1 2 3; do sleep 1; srun -n1 --overlap bash {probe} & done
+wait
+echo CONC-DONE
+"""
+
+
+@pytest.mark.parametrize("job_class", ["opportunistic", pytest.param("guaranteed", marks=pytest.mark.slow)])
+def test_concurrent_srun_steps_each_open_exactly_the_jobs_gpu_throughout(clean_cluster, job_class):
+    """Steps of one job started while others run: under cgroup v1 each new step's slurmstepd rewrites the
+    job-level device rules (a deny on the job's cgroup takes an exception away from every cgroup below it),
+    under cgroup v2 it attaches the job-level program again; every round of every running step must still
+    open exactly the job's GPU and no other (spank/README.md, "Devices under cgroup v2" and "cgroup v1")."""
+    c = clean_cluster
+    rounds, every = 80, 0.1  # 8 s and more of probing per process: longer than the steps take to start
+    path = c.workdir / f"conc-probe-{job_class}.sh"
+    path.write_text("#!/bin/bash\n" + PROBE_LOOP.format(out=c.workdir, rounds=rounds, n=GPUS_PER_NODE,
+                                                        dev=c.c.dir / "dev", every=every))
+    jid = c.sbatch(f"--antman={job_class}", "--gres=gpu:1", "-n2", "-w", "node2",
+                   script=CONCURRENT_STEPS.format(probe=path))
+    text = c.wait_output(jid, r"^CONC-DONE", timeout=120)
+    assert "error" not in text.lower(), text
+    logs = sorted(c.workdir.glob(f"conc-{jid}-*.log"))
+    runs = {p.name: lines(p.read_text(), "CONC") for p in logs}
+    # The batch step and three srun steps, each a process of its own that probed every round.
+    assert len(runs) == 4 and {len(r) for r in runs.values()} == {rounds}, {k: len(v) for k, v in runs.items()}
+    steps = sorted(r[0]["step"] for r in runs.values())
+    assert steps == ["0", "1", "2", "batch"], steps
+    # They ran at once: some moment lies within every process's probing.
+    assert max(float(r[0]["t"]) for r in runs.values()) < min(float(r[-1]["t"]) for r in runs.values()), \
+        {k: (v[0]["t"], v[-1]["t"]) for k, v in runs.items()}
+    placed = parse_tag(CliBackend(env=c.env).job(jid).admin_comment).gpus["node2"]
+    assert len(placed) == 1
+    # No round of any process opened a GPU other than the job's: each one was allowed or denied.
+    leaked = [(name, s["round"], s["dev"]) for name, r in runs.items() for s in r
+              if set(allowed(s)) - set(placed) or s["dev"].count("denied") + len(allowed(s)) != GPUS_PER_NODE
+              or s["job"] != str(jid)]
+    assert not leaked, (placed, leaked)
+    if job_class == "opportunistic":
+        assert all(gpus(s) == placed for r in runs.values() for s in r), runs
+    lost = {(name, int(s["round"])): float(s["t"]) for name, r in runs.items() for s in r if allowed(s) != placed}
+    if unified_cgroup_host():
+        # cgroup v2: each task runs a program of its own; a new step's job-level program does not reach it.
+        assert not lost, (placed, sorted(lost))
+        return
+    # cgroup v1: a new step's slurmstepd denies every GPU the job holds no GRES for at the job's cgroup, which
+    # takes the exception away from every running task, before the plugin's grant in that step's
+    # task_post_fork puts it back in every cgroup of the job. A running task's open() in between is refused:
+    # measured on Slurm 22.05, every running task loses its GPU for 5-16 ms at each step start, 60-110 ms
+    # before the new step's first round. The window is Slurm's: it writes the job's rules before it forks the
+    # new step's tasks, and the plugin grants from that step's task_post_fork. So here a lost round must lie
+    # within the second before a later process's first round, and never three rounds in a row: the grant
+    # comes back at once, not at some later step's start.
+    firsts = [float(r[0]["t"]) for r in runs.values()]
+    late = sorted(k + (t,) for k, t in lost.items() if not any(0 <= f - t <= 1.0 for f in firsts))
+    assert not late, (placed, late, sorted(firsts))
+    long = sorted(k for k in lost if (k[0], k[1] - 1) in lost and (k[0], k[1] - 2) in lost)
+    assert not long, (placed, long)
 
 
 def test_srun_with_antman_makes_its_own_allocation(clean_cluster):

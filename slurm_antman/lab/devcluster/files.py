@@ -4,6 +4,7 @@ from this checkout, the emulated GPU device nodes, and where each daemon keeps i
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -209,15 +210,26 @@ def topology_conf(nodes: list[str], switches: int) -> str:
 
 
 def build_spank(dest: Path) -> Path:
-    """Build the SPANK plugin from the source tree (so the devcluster always runs the current code)."""
+    """Build the SPANK plugin from the source tree (so the devcluster always runs the current code), against
+    the Slurm headers under ``$SLURM_INCLUDE`` (default /usr/include), in a build directory of that Slurm's
+    own: one checkout serves clusters of several releases at once (the host's, a chroot's, a guest's)
+    without one build overwriting another's objects."""
     src = REPO / "spank"
     if not (src / "Makefile").exists():
         raise DevclusterError(f"{src}/Makefile missing: the SPANK plugin sources are not in this checkout")
-    r = subprocess.run(["make", "-s", "-C", str(src)], capture_output=True, text=True)
+    include = Path(os.environ.get("SLURM_INCLUDE") or "/usr/include")
+    try:
+        header = (include / "slurm" / "slurm_version.h").read_text()
+        number = re.search(r"^#define SLURM_VERSION_NUMBER\s+(\S+)", header, re.M).group(1)  # type: ignore[union-attr]
+    except (OSError, AttributeError):
+        raise DevclusterError(f"no Slurm headers in {include}/slurm (install libslurm-dev, or set SLURM_INCLUDE)") from None
+    build = src / f"build-{number}"
+    r = subprocess.run(["make", "-s", "-C", str(src), f"BUILDDIR={build}", f"SLURM_INCLUDE={include}"],
+                       capture_output=True, text=True)
     if r.returncode:
         raise DevclusterError(f"building the SPANK plugin failed:\n{r.stdout}{r.stderr}")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(src / "antman_spank.so", dest)
+    shutil.copy2(build / "antman_spank.so", dest)
     return dest
 
 NVIDIA_MAJOR = 195  # the character-device major of /dev/nvidiaN (NVIDIA's driver; minor N is GPU N)

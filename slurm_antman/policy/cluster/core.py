@@ -52,7 +52,8 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
     first: list[Decision] = []
     if params.keep_off_no_room:
         apart = placement.no_room_apart(snap.nodes, jobs.values(), params, need_gpus)
-        kept, kept_off = keep_off.step(jobs.values(), no_room, state.kept_off, skip, apart)
+        unhealthy = {n.name: n.unhealthy for n in snap.nodes if n.unhealthy and n.name in no_room}
+        kept, kept_off = keep_off.step(jobs.values(), no_room, state.kept_off, skip, apart, unhealthy)
         first = [d for d in kept if d.kind == "keep_off"]
         derived.extend(d for d in kept if d.kind != "keep_off")
 

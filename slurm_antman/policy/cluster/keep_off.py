@@ -25,6 +25,7 @@ from .model import JobView, KeptOff
 
 def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str, KeptOff],
          skip: Collection[str], apart: Mapping[str, Collection[str]] = MappingProxyType({}),
+         unhealthy: Mapping[str, str] = MappingProxyType({}),
          ) -> tuple[list[Decision], dict[str, KeptOff]]:
     """One ``KeepOff`` per pending opportunistic job whose ExcNodeList differs from what it should be
     (its user's exclusions plus ``no_room``, plus ``apart[group]`` for a task of elastic array ``group``);
@@ -34,7 +35,9 @@ def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str,
     caller issues it before the ``MakeEligible`` that lets Slurm start them. A job that Slurm holds in
     its post-requeue BeginTime wait and that is already kept off every node without room (its Prolog
     refused it on one, in the moment before its list caught up) is made eligible: the wait would only
-    delay it, the exclusions already keep it from crawling."""
+    delay it, the exclusions already keep it from crawling. ``unhealthy``: the sidecar's reason for each
+    node without room that takes no opportunistic job at all (a full state directory, a failed device
+    grant), named in the reason so that ``antman explain`` says why."""
     out: list[Decision] = []
     records: dict[str, KeptOff] = {}
     room_less = frozenset(no_room)
@@ -56,10 +59,13 @@ def step(jobs: Collection[JobView], no_room: Collection[str], kept: Mapping[str,
         if want != tuple(sorted(current)):
             inputs = {"no_room": sorted(room_less - users), "user_excluded": sorted(users),
                       "excluded_before": sorted(current)}
+            sick = {n: unhealthy[n] for n in sorted(room_less - users) if n in unhealthy}
+            if sick:
+                inputs["unhealthy"] = sick
             if siblings:
                 inputs["apart"] = sorted(siblings)
             out.append(KeepOff(j.job_id, want, reason=_why(sorted(room_less - users), sorted(siblings),
-                                                           j.elastic_group), inputs=inputs))
+                                                           j.elastic_group, sick), inputs=inputs))
         elif j.begin_wait and j.restarts > 0 and j.job_id not in skip:
             out.append(MakeEligible(j.job_id, reason=(
                 # Slurm's own preemption (a guaranteed job taking the node back) requeues the same way as
@@ -74,13 +80,14 @@ def _names(nodes: list[str]) -> str:
     return ", ".join(nodes[:8]) + (", ..." if len(nodes) > 8 else "")
 
 
-def _why(room_less: list[str], siblings: list[str], group: str) -> str:
+def _why(room_less: list[str], siblings: list[str], group: str, sick: Mapping[str, str] = MappingProxyType({})) -> str:
     if not room_less and not siblings:
         return "every node it may use has room again"
     parts = []
     if room_less:
         parts.append(f"kept off {len(room_less)} node(s) where no GPU meets the opportunistic rules "
                      f"({_names(room_less)}); each keeps one slot only so that Slurm accepts submissions")
+    parts += [f"{node} takes no opportunistic job: {why}" for node, why in list(sick.items())[:8]]
     if siblings:
         parts.append(f"kept off {len(siblings)} node(s) where every GPU with room already holds a task of elastic "
                      f"array {group} ({_names(siblings)}): two ranks of one training never share a GPU")
