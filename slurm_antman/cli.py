@@ -109,7 +109,8 @@ def _cmd_demo(a: argparse.Namespace) -> int:
 _BENCHES = {"submit": "lab.bench.submit", "control": "lab.bench.control", "coordinator": "lab.bench.coordinator",
             "simulate": "lab.bench.simulate", "trace": "lab.bench.trace", "models": "lab.bench.models",
             "gpu": "lab.bench.gpu", "faults": "lab.bench.faults", "pause": "lab.bench.pause",
-            "elastic": "lab.bench.elastic", "interleave": "lab.bench.interleave"}
+            "elastic": "lab.bench.elastic", "interleave": "lab.bench.interleave",
+            "slurm-backend": "lab.bench.slurm_backend"}
 
 
 def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:

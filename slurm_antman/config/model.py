@@ -253,15 +253,18 @@ class SlurmNames(_Strict):
     )
     guaranteed_partition: str = Field(default="gpu", pattern=_SLURM_NAME)
     opportunistic_partition: str = Field(default="opportunistic", pattern=_SLURM_NAME)
-    opportunistic_qos: Optional[str] = Field(
-        default=None, description="QOS given to opportunistic jobs; none keeps the job's own."
-    )
+    opportunistic_qos: Optional[str] = Field(default=None, description="QOS given to opportunistic jobs; none keeps "
+                                                                         "the job's own.")
     default_partition: str = Field(
         default="gpu", pattern=_SLURM_NAME,
         description="Partition marked Default=YES (unless partitions.*.default says otherwise); a name other "
                     "than the two leaves both Default=NO (a partition of the site's is the default).")
     partitions: Partitions = Field(default_factory=Partitions,
                                    description="Options of the two partitions (time limits, who may use them).")
+    backend: Literal["auto", "cli", "pyslurm"] = Field(default="auto", description=(
+        "How the coordinator reads Slurm's jobs each cycle. auto: pyslurm where the one installed was built for the "
+        "running Slurm (11 ms against the CLI's 125 ms for 120 jobs on 25.11: docs/benchmarks.md, \"The Slurm "
+        "adapter\"), else the CLI; cli; pyslurm: or refuse to start. Hooks keep the CLI (cheaper in a new process)."))
 
     @model_validator(mode="after")
     def _distinct(self) -> "SlurmNames":

@@ -26,6 +26,7 @@ from slurm_antman.policy.cluster import (
     HOLDING_STATES, CoordinatorState, PolicyParams, Preemption, Requeued, decide,
 )
 from slurm_antman.slurm import CliBackend, SlurmError
+from slurm_antman.slurm.pyslurm_backend import long_lived_backend
 from .tenants import TenantQuotas
 
 from ..service import serve_until_stopped
@@ -124,7 +125,8 @@ class Coordinator:
     def __init__(self, cfg: cfgmod.AntmanConfig, backend: Optional[CliBackend] = None, hub: Any = None,
                  clock: Callable[[], float] = time.time):
         self.cfg = cfg
-        self.backend = backend or CliBackend(gres_name=cfg.slurm.gpu_gres)
+        self.backend = backend or long_lived_backend(gres_name=cfg.slurm.gpu_gres, choice=cfg.slurm.backend)
+        log.info("reading Slurm through %s", "pyslurm" if type(self.backend).__name__ == "PyslurmBackend" else "the CLI")
         self.hub = hub
         self.clock = clock
         self.params = params_from_config(cfg)

@@ -343,7 +343,8 @@ class CliBackend(SlurmBackend):
 
 def default_backend(env: Optional[Mapping[str, str]] = None, gres_name: str = "gpu",
                     timeout: float = DEFAULT_TIMEOUT_S) -> SlurmBackend:
-    """The backend the CLI uses. Where a pyslurm backend is added, this is where to choose it."""
+    """The backend of short-lived processes (hooks, commands): the CLI. The coordinator, which reads every
+    job each cycle, chooses with ``pyslurm_backend.long_lived_backend``."""
     return CliBackend(env=env, timeout=timeout, gres_name=gres_name)
 
 
