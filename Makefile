@@ -108,11 +108,13 @@ test-slurm24: $(VENV)/.installed
 # Slurm: a User-Mode Linux guest of Debian sid (Slurm 26.05, systemd, CgroupPlugin=autodetect ->
 # cgroup/v2, device rules as eBPF programs) built by .ci/uml with mmdebstrap and cached in
 # /var/cache/slurm-antman (UML_CACHE); the checkout and its venv are bind-mounted in. The guest has its
-# own loopback, so it may run beside a host cluster. Its munged signs the second run's sbatch calls.
+# own loopback, so it may run beside a host cluster. The demo's AntMan loop (a slow test on the host) runs
+# there too. Its munged signs the last run's sbatch calls.
 CGROUP2_PYTEST ?= -m "cluster and not slow and not slurm_neutral"
 test-cgroup2: $(VENV)/.installed
 	.ci/uml build
 	.ci/uml run 'rc=0; $(PY) -m pytest -ra $(CGROUP2_PYTEST) $(PYTEST_ARGS) || rc=1; \
+	  $(PY) -m pytest -ra tests/test_demo.py $(PYTEST_ARGS) || rc=1; \
 	  mkdir -p /run/munge && chown munge: /run/munge && \
 	  { [ -s /etc/munge/munge.key ] || runuser -u munge -- mungekey --create --force; } && \
 	  { munge -n >/dev/null 2>&1 || runuser -u munge -- /usr/sbin/munged; } && \

@@ -106,6 +106,7 @@ class CliBackend(SlurmBackend):
     def version(self) -> "slurm_version.Version":
         """The installed Slurm's version; UnsupportedSlurm (one line) outside the supported range."""
         if self._version is None:
+            self._check_conf(["slurmctld", "-V"])
             self._version = slurm_version.check_supported(
                 slurm_version.installed_version(self.env, timeout=self.timeout))
         return self._version
@@ -120,11 +121,7 @@ class CliBackend(SlurmBackend):
         exe = shutil.which(argv[0], path=run_env.get("PATH"))
         if exe is None:
             raise SlurmUnavailable(f"{argv[0]} not found on PATH: are the Slurm client commands installed?", argv)
-        conf = run_env.get("SLURM_CONF")
-        if conf and not os.path.exists(conf):
-            # Slurm's commands retry a missing slurm.conf once a second for 60 s before they give up
-            # (22.05: "retrying in 1sec up to 60sec"): a hook or daemon would stall on every call.
-            raise SlurmUnavailable(f"SLURM_CONF names {conf}, which does not exist", argv)
+        self._check_conf(argv, run_env)
         try:
             r = subprocess.run([exe, *argv[1:]], env=run_env, input=input, capture_output=True, text=True,
                                timeout=self.timeout, stdin=None if input is not None else subprocess.DEVNULL)
@@ -136,6 +133,13 @@ class CliBackend(SlurmBackend):
         if check and (r.returncode != 0 or (argv[0] == "scancel" and "error:" in r.stderr)):
             self._raise(argv, r, job_id)
         return r
+
+    def _check_conf(self, argv: list[str], run_env: Optional[Mapping[str, str]] = None) -> None:
+        """Slurm's commands retry a missing slurm.conf once a second for 60 s before they give up (22.05:
+        "retrying in 1sec up to 60sec"): a hook or daemon would stall on every call, so say it at once."""
+        conf = (run_env if run_env is not None else (self.env if self.env is not None else os.environ)).get("SLURM_CONF")
+        if conf and not os.path.exists(conf):
+            raise SlurmUnavailable(f"SLURM_CONF names {conf}, which does not exist", argv)
 
     @staticmethod
     def _raise(argv: list[str], r: subprocess.CompletedProcess, job_id: Optional[int | str]) -> None:

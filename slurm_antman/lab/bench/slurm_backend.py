@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=16, help="slurmd nodes (default 16)")
     ap.add_argument("--jobs", type=int, default=120, help="jobs of the ordinary user, half running (default 120)")
     ap.add_argument("--rounds", type=int, default=40, help="timed rounds, each backend once per round (default 40)")
-    ap.add_argument("--port-base", type=int, default=19117)
+    ap.add_argument("--port-base", type=int, default=19117, help="the cluster's slurmctld port (default 19117)")
     ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here too")
     a = ap.parse_args(argv)
     if a.nodes < 1 or a.jobs < 1 or a.rounds < 1:
