@@ -537,3 +537,24 @@ int antman_devices_grant(uint32_t job_id, uid_t uid, pid_t task_pid, char *failu
 		    cgroup_devctl_name(ctl), value);
 	return 0;
 }
+
+int antman_devices_refused(uint32_t job_id, uid_t uid, pid_t task_pid)
+{
+	struct cgroup_mounts m;
+	enum cgroup_devctl ctl = cgroup_device_control("/proc/self/mounts", &m);
+	char cgroup[PATH_MAX], job_dir[PATH_MAX], node[256], value[DEVICES_VALUE_MAX];
+	const char *cause = NULL;
+	bool unified_only = false;
+
+	node[0] = '\0';
+	if (ctl == CGROUP_DEVCTL_V1) {
+		if (task_devices_cgroup(task_pid, cgroup, sizeof(cgroup)) < 0 ||
+		    job_cgroup(cgroup, uid, job_id, job_dir, sizeof(job_dir), node, sizeof(node)) < 0)
+			node[0] = '\0';
+	} else if (m.v2[0] && cgroup_pid_v2_path(task_pid, cgroup, sizeof(cgroup), &unified_only, &cause) == 0 &&
+		   unified_only) {
+		if (!v2_job_cgroup(cgroup, job_id, node, sizeof(node)))
+			node[0] = '\0';
+	}
+	return env_file_value(job_id, node[0] ? node : NULL, ANTMAN_ENV_REFUSED, value, sizeof(value)) > 0;
+}

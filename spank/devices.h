@@ -26,4 +26,10 @@
  */
 ANTMAN_INTERNAL int antman_devices_grant(uint32_t job_id, uid_t uid, pid_t task_pid, char *failure, size_t failure_len);
 
+/*
+ * Whether the job's env file on the task's node now says ANTMAN_REFUSED (the Prolog hook, run after a grant
+ * failed, wrote it and asked Slurm to requeue the job): the task's own task_init then refuses to start it.
+ */
+ANTMAN_INTERNAL int antman_devices_refused(uint32_t job_id, uid_t uid, pid_t task_pid);
+
 #endif /* ANTMAN_DEVICES_H */

@@ -200,6 +200,17 @@ int antman_stepd_task_post_fork(spank_t sp)
 		requested_class(sp, job_class, sizeof(job_class));
 		run_prolog_hook(sp, prolog, job_id, job_class, failure);
 	}
+	/*
+	 * The hook refused the job in its env file and asked Slurm to requeue it: the task's own task_init now
+	 * declines to start it, before it runs anything of the user's, as for every refusal (unless the requeue
+	 * ends the task first). Failing here instead would be a failed launch,
+	 * which Slurm answers by draining the whole node ("Slurmd could not execve job", drain_nodes; seen with
+	 * 26.05), guaranteed jobs and all. Only when the refusal could not be recorded does the launch fail.
+	 */
+	if (antman_devices_refused(job_id, (uid_t)uid, pid))
+		return 0;
+	if (prolog[0])
+		slurm_error("antman: job %u: its refusal could not be recorded in its env file: the launch fails", job_id);
 	return -1;
 }
 
