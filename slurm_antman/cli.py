@@ -58,6 +58,7 @@ def _cmd_devcluster(a: argparse.Namespace) -> int:
 def _cmd_config(a: argparse.Namespace) -> int:
     from . import config as cm
     from slurm_antman.admin.render import RenderOptions, write_all
+    from slurm_antman.slurm import version as slurm_version
 
     try:
         cfg = cm.load(a.file)
@@ -76,7 +77,8 @@ def _cmd_config(a: argparse.Namespace) -> int:
         return 0
     out = Path(a.out)
     opts = RenderOptions(config_path=a.config_path or str(Path(a.file).resolve()),
-                         hook_dir=a.hook_dir or str(out.resolve()), slurm_conf=a.slurm_conf)
+                         hook_dir=a.hook_dir or str(out.resolve()), slurm_conf=a.slurm_conf,
+                         slurm_bin=slurm_version.commands_dir())
     for path in write_all(cfg, out, opts):
         print(path)
     return 0

@@ -222,3 +222,19 @@ def test_site_node_params_reach_the_node_lines():
     with pytest.raises(config.ConfigError) as e:
         config.parse({"nodes": [{"name": "g1", "gpus": 1, "slurm_params": "Sockets=2\nEvil"}]})
     assert "nodes.0.slurm_params" in str(e.value)
+
+
+def test_hooks_find_a_prefix_installed_slurm(tmp_path):
+    """slurmd runs the Prolog without a PATH; a Slurm built into a prefix (/opt/slurm/bin) must come first on
+    the hooks' own, or their scontrol is the system's (another release, or none)."""
+    from slurm_antman.admin.render import hook_script
+    from slurm_antman.slurm.version import commands_dir as slurm_bin_dir
+
+    cfg = config.parse({"nodes": [{"name": "n1", "gpus": 1}]})
+    text = hook_script(cfg, RenderOptions(slurm_bin="/opt/slurm 25/bin"), "prolog")
+    assert "export PATH='/opt/slurm 25/bin':/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n" in text
+    assert "export PATH" not in hook_script(cfg, RenderOptions(), "prolog")
+    (tmp_path / "bin").mkdir()
+    assert slurm_bin_dir(lambda name: str(tmp_path / "bin" / name)) == str(tmp_path / "bin")
+    assert slurm_bin_dir(lambda name: "/usr/bin/scontrol") is None
+    assert slurm_bin_dir(lambda name: None) is None

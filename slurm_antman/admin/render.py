@@ -34,6 +34,10 @@ class RenderOptions:
     config_path: str = "/etc/slurm-antman/antman.yaml"
     hook_dir: str | None = None  # default: the output directory
     slurm_conf: str | None = None  # exported to the hooks when slurm.conf is not in the default place
+    # Where Slurm's commands are, when not in the system's own directories (a Slurm built into a prefix,
+    # /opt/slurm/bin): first on the hooks' PATH. slurmd runs the Prolog with Slurm's own environment, which
+    # has no PATH, so scontrol is looked up in /bin:/usr/bin and a prefix install's is never found.
+    slurm_bin: str | None = None
     with_antman: bool = True  # False renders the same cluster without the slurm-antman stack (benchmarks)
     node_params: dict[str, str] = field(default_factory=dict)  # per-node extra slurm.conf words
 
@@ -199,6 +203,8 @@ def job_submit_settings(cfg: AntmanConfig, src: str) -> str:
 
 def hook_script(cfg: AntmanConfig, opts: RenderOptions, hook: str) -> str:
     env = f"export SLURM_CONF={shlex.quote(opts.slurm_conf)}\n" if opts.slurm_conf else ""
+    if opts.slurm_bin:
+        env += f"export PATH={shlex.quote(opts.slurm_bin)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
     # A Prolog that exits non-zero drains the node, so the hook itself never fails on a policy
     # problem; `antman node` logs and exits 0 unless the node really cannot run the job.
     return (
@@ -207,3 +213,4 @@ def hook_script(cfg: AntmanConfig, opts: RenderOptions, hook: str) -> str:
         + env
         + f"exec {cfg.antman_command} node {hook} --config {shlex.quote(opts.config_path)}\n"
     )
+

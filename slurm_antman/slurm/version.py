@@ -126,3 +126,13 @@ def job_show_json(v: Version) -> bool:
     a user's text could then pass for another job's record. The JSON form (data_parser, 23.02 on) has the
     same fields without that ambiguity; the text form stays where it is unambiguous, as tested."""
     return tuple(v[:2]) >= (25, 11)
+
+
+def commands_dir(which=shutil.which) -> Optional[str]:
+    """The directory of the ``scontrol`` on this PATH when it is not a system directory (a Slurm built into a
+    prefix, /opt/slurm/bin), for the hooks' PATH (admin.render.RenderOptions.slurm_bin); None otherwise."""
+    found = which("scontrol")
+    if not found:
+        return None
+    d = os.path.dirname(os.path.realpath(found))
+    return None if d in ("/usr/bin", "/bin", "/usr/sbin", "/sbin", "/usr/local/bin", "/usr/local/sbin") else d

@@ -131,7 +131,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     else:
         node_params = {h: f"Port={port_base + 1 + i} NodeHostname=localhost" for i, h in enumerate(cluster.nodes)}
     opts = RenderOptions(config_path=str(d / "antman.yaml"), hook_dir=str(d / "etc"),
-                         slurm_conf=str(cluster.slurm_conf), with_antman=not plain, node_params=node_params)
+                         slurm_conf=str(cluster.slurm_conf), with_antman=not plain, node_params=node_params,
+                         slurm_bin=slurm_version.commands_dir())
     write_all(cfg, d / "etc", opts)
     acct_lines = None
     if accounting:
