@@ -38,7 +38,9 @@ def test_hold_release_update_requeue_cancel(backend):
     assert (job.state, job.reason) == ("PENDING", "JobHeldUser")
     backend.update(jid, admin_comment="antman:class=opportunistic;gpus=node2:3", TimeLimit=5)
     job = backend.job(jid)
-    assert job.antman_class == "opportunistic" and job.raw["TimeLimit"] == "00:05:00"
+    # raw is what the backend read: scontrol's text (TimeLimit=00:05:00) or, from 25.11, its JSON (minutes)
+    limit = job.raw.get("TimeLimit", job.raw.get("time_limit"))
+    assert job.antman_class == "opportunistic" and limit in ("00:05:00", {"set": True, "infinite": False, "number": 5})
     backend.release(jid)
     job = backend.wait_for(jid, ["RUNNING"], timeout=30)
     assert job.gpus_by_node == {"node2": [3]}  # an opportunistic job's GPUs come from its tag

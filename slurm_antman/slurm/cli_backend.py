@@ -206,7 +206,12 @@ class CliBackend(SlurmBackend):
             self._raise(argv, r, job_id)
         if errors:
             self._json_errors(argv, errors)
-        return _parse(argv, r, lambda: jobs_from_squeue_json(doc, self.gres_name))
+        jobs = _parse(argv, r, lambda: jobs_from_squeue_json(doc, self.gres_name))
+        if not jobs:
+            # 25.11 answers an unknown id with an empty list and no error: say it as Slurm's text form does.
+            raise JobNotFound(job_id, argv, "Invalid job id specified (scontrol show job --json lists no such job)",
+                              r.returncode)
+        return jobs
 
     def _json_errors(self, argv: list[str], errors: list) -> None:
         """squeue/sinfo --json exit 0 with only "Unspecified error" when the controller is down; ask
