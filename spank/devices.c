@@ -300,10 +300,34 @@ static int allow_rest(int dirfd, const struct cgroup_dev *devs, size_t n, int de
 	return refused;
 }
 
+/*
+ * The job's placed devices from its env file on node ("" for the only node directory that has one): 1 with
+ * devs, n and what ("GPU 195:2") set, 0 when it has none, -1 with failure set (where: "in cgroup v1", ...).
+ */
+static int placed_devices(uint32_t job_id, const char *node, const char *where, struct cgroup_dev *devs, size_t *n,
+			  char *what, size_t what_len, char *failure, size_t failure_len)
+{
+	char value[DEVICES_VALUE_MAX];
+	int rc = env_file_value(job_id, node[0] ? node : NULL, ANTMAN_ENV_GPU_DEVICES, value, sizeof(value));
+
+	if (rc <= 0) {
+		if (rc < 0)
+			snprintf(failure, failure_len, "cannot allow its GPUs %s: its env file is unreadable", where);
+		return rc;
+	}
+	if (parse_devices(value, devs, n) < 0) {
+		snprintf(failure, failure_len, "cannot allow its GPUs: %s in its env file is not a list of MAJOR:MINOR",
+			 ANTMAN_ENV_GPU_DEVICES);
+		return -1;
+	}
+	describe_devices(devs, *n, what, what_len);
+	return 1;
+}
+
 static int grant_v1(uint32_t job_id, uid_t uid, pid_t task_pid, const char *mount, char *failure, size_t failure_len)
 {
 	char cgroup[PATH_MAX], job_dir[PATH_MAX], node[256], path[PATH_MAX * 2], where[NAME_MAX + 1];
-	char value[DEVICES_VALUE_MAX], what[DEVICES_VALUE_MAX];
+	char what[DEVICES_VALUE_MAX];
 	struct cgroup_dev devs[CGROUP_BPF_MAX_DEVICES];
 	const char *job_name, *rel;
 	size_t n;
@@ -317,19 +341,9 @@ static int grant_v1(uint32_t job_id, uid_t uid, pid_t task_pid, const char *moun
 			    job_id, (int)task_pid, cgroup);
 		return 0;
 	}
-	rc = env_file_value(job_id, node[0] ? node : NULL, ANTMAN_ENV_GPU_DEVICES, value, sizeof(value));
-	if (rc == 0)
-		return 0; /* no placed devices (a guaranteed or plain job: Slurm's own rules stand) */
-	if (rc < 0) {
-		snprintf(failure, failure_len, "cannot allow its GPUs in cgroup v1: its env file is unreadable");
-		return -1;
-	}
-	if (parse_devices(value, devs, &n) < 0) {
-		snprintf(failure, failure_len, "cannot allow its GPUs: %s in its env file is not a list of MAJOR:MINOR",
-			 ANTMAN_ENV_GPU_DEVICES);
-		return -1;
-	}
-	describe_devices(devs, n, what, sizeof(what));
+	rc = placed_devices(job_id, node, "in cgroup v1", devs, &n, what, sizeof(what), failure, failure_len);
+	if (rc <= 0)
+		return rc; /* 0: no placed devices (a guaranteed or plain job: Slurm's own rules stand) */
 	snprintf(path, sizeof(path), "%s/%s", mount, job_dir);
 	job_fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
 	if (job_fd < 0) {
@@ -465,26 +479,16 @@ static bool v2_job_cgroup(const char *cgroup, uint32_t job_id, char *node, size_
 
 static int grant_v2(uint32_t job_id, const char *mount, const char *cgroup, char *failure, size_t failure_len)
 {
-	char node[256], value[DEVICES_VALUE_MAX], what[DEVICES_VALUE_MAX];
+	char node[256], what[DEVICES_VALUE_MAX];
 	struct cgroup_dev devs[CGROUP_BPF_MAX_DEVICES];
 	const char *cause = NULL;
 	bool shaped = v2_job_cgroup(cgroup, job_id, node, sizeof(node));
 	size_t n;
 	int rc;
 
-	rc = env_file_value(job_id, node[0] ? node : NULL, ANTMAN_ENV_GPU_DEVICES, value, sizeof(value));
-	if (rc == 0)
-		return 0; /* no placed devices (a guaranteed or plain job: Slurm's own rules stand) */
-	if (rc < 0) {
-		snprintf(failure, failure_len, "cannot allow its GPUs on this cgroup v2 node: its env file is unreadable");
-		return -1;
-	}
-	if (parse_devices(value, devs, &n) < 0) {
-		snprintf(failure, failure_len, "cannot allow its GPUs: %s in its env file is not a list of MAJOR:MINOR",
-			 ANTMAN_ENV_GPU_DEVICES);
-		return -1;
-	}
-	describe_devices(devs, n, what, sizeof(what));
+	rc = placed_devices(job_id, node, "on this cgroup v2 node", devs, &n, what, sizeof(what), failure, failure_len);
+	if (rc <= 0)
+		return rc; /* 0: no placed devices (a guaranteed or plain job: Slurm's own rules stand) */
 	if (!shaped) {
 		/* Not Slurm's task cgroup: no grant there. Only where no device program confines the task
 		   (no task/cgroup, or ConstrainDevices=no) was nothing taken away. */
