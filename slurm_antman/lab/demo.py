@@ -11,6 +11,7 @@ SPANK plugin, job_submit.lua, the sidecar, the coordinator and the agents inside
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shlex
 import shutil
@@ -43,6 +44,7 @@ class Demo:
         self.c = cluster
         self.work = work
         self._sockdir: str | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def submit(self, name: str, flags: list[str], script: str, env: Optional[dict[str, str]] = None) -> int:
         """``script``: a Python file and its arguments, run by this interpreter as the job's step, with
@@ -65,7 +67,16 @@ class Demo:
         return {j["job_id"]: j for j in json.loads(r.stdout)}
 
     def show_queue(self, title: str) -> None:
-        r = self.c.run([sys.executable, "-m", "slurm_antman.cli", "squeue"], env={**self.c.env, "COLUMNS": "154"})
+        self.print_queue(self.take_queue(), title)
+
+    def take_queue(self) -> concurrent.futures.Future:
+        """``antman squeue`` now, in the background: the demo goes on meanwhile (on a slow node, a guest, the
+        command takes seconds that a burst's timing must not wait for)."""
+        return self._pool.submit(self.c.run, [sys.executable, "-m", "slurm_antman.cli", "squeue"],
+                                 env={**self.c.env, "COLUMNS": "154"})
+
+    def print_queue(self, taken: concurrent.futures.Future, title: str) -> None:
+        r = taken.result()
         console.print(Panel(r.stdout.rstrip() or r.stderr.strip(), title=f"antman squeue: {title}", expand=False))
 
     def output(self, name: str) -> str:
@@ -245,12 +256,13 @@ def main(args) -> int:
         console.print("  the guaranteed job bursts to 3.3 GiB: what is left is under the opportunistic job's 1 GiB "
                       "minimum")
         demo.wait("the opportunistic job to pause", lambda: demo.state(o) == "PAUSED", 30)
-        demo.show_queue("paused in place: its GPU state on the host, its GPU memory freed")
+        paused_view = demo.take_queue()
         at = _steps(demo.output("bert-opportunistic"))
         time.sleep(3)
         if _steps(demo.output("bert-opportunistic")) > at:
             raise RuntimeError("the paused job kept training")
         phase.write_text("grow")
+        demo.print_queue(paused_view, "paused in place: its GPU state on the host, its GPU memory freed")
         console.print("  the burst passes after a few seconds ...")
         demo.wait("the opportunistic job to resume", lambda: demo.state(o) == "RUNNING"
                   and _steps(demo.output("bert-opportunistic")) > at, 30)
