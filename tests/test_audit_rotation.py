@@ -1,4 +1,4 @@
-"""The coordinator's audit log rotates by size (issue 27): nothing written is lost while the rotated files
+"""The coordinator's audit log rotates by size (docs/admin.md, "Install", the daemons' units): nothing written is lost while the rotated files
 are kept, `antman explain` (local and through the query endpoint) reads the rotated files oldest first,
 and a restarted coordinator restores the state it had, after its own rotation or a logrotate's rename."""
 
@@ -111,6 +111,14 @@ def test_restore_after_rotation_and_after_a_logrotate_rename(tmp_path):
     log.close()
     st, replayed = restore_state(str(path), 30.0)
     assert replayed == 1 and not st.preempting and set(st.requeued) == {"5"}
+    # Its MakeEligible is replayed with when it asked the job to start, so a restarted coordinator
+    # neither sends it again at once nor forgets how many it sent.
+    log.reopen()
+    log.append(_decision("5", 45.0, kind="make_eligible"))
+    log.close()
+    st, replayed = restore_state(str(path), 30.0)
+    r = st.requeued["5"]
+    assert replayed == 2 and (r.made_eligible, r.eligible_sent, r.eligible_unix) == (True, 1, 45.0)
 
 
 def _coordinator(tmp_path, **coordinator) -> Coordinator:

@@ -348,6 +348,53 @@ def test_make_eligible_the_daemon_forgot_is_made_again_next_cycle():
     assert not any(d.kind == "make_eligible" for d in ds)
 
 
+def test_make_eligible_again_when_slurm_sets_the_begin_wait_after_it():
+    """Slurm 26.05 on a slow node: the requeued job shows PENDING with its restart counted, gets its
+    MakeEligible, and slurmctld's late requeue sets the ~121 s BeginTime wait again. The wait is lifted
+    again once it outlasts the recheck, a bounded number of times, and never while the job starts."""
+    from slurm_antman.policy.cluster.preemption import BEGIN_WAIT_RECHECK_S, MAKE_ELIGIBLE_AT_MOST
+    jobs, st = _requeued_state()
+    pending = job("o1", state="PENDING", requested="opportunistic", restarts=1, submit=0)
+    waiting = dataclasses.replace(pending, begin_wait=True)
+    n = node("n1", (gpu(0, g=("g1",)),), configured=2, in_slurm=2)
+    t = NOW + 31
+    ds, st = run(snap([jobs[0], pending], [n], now=t), st)
+    assert [d for d in ds if d.kind == "make_eligible"] == [MakeEligible("o1")]
+    # Within the recheck a begin wait may still be the one the MakeEligible is lifting: nothing more.
+    ds, st = run(snap([jobs[0], waiting], [n], now=t + BEGIN_WAIT_RECHECK_S - 1), st)
+    assert not any(d.kind == "make_eligible" for d in ds)
+    sent = 1
+    for k in range(1, MAKE_ELIGIBLE_AT_MOST + 2):
+        ds, st = run(snap([jobs[0], waiting], [n], now=t + k * BEGIN_WAIT_RECHECK_S), st)
+        again = [d for d in ds if d.kind == "make_eligible"]
+        if sent < MAKE_ELIGIBLE_AT_MOST:
+            assert again == [MakeEligible("o1")] and again[0].inputs["sent_before"] == sent
+            assert "late" in again[0].reason and again[0].start_unix is None
+            sent += 1
+        else:
+            assert again == []  # bounded: a wait somebody keeps setting is not fought over
+    assert st.requeued["o1"].eligible_sent == MAKE_ELIGIBLE_AT_MOST
+    # A pending job without the wait (Slurm about to start it) is never sent one again.
+    _, st2 = _requeued_state()
+    _, st2 = run(snap([jobs[0], pending], [n], now=t), st2)
+    ds, _ = run(snap([jobs[0], pending], [n], now=t + 5 * BEGIN_WAIT_RECHECK_S), st2)
+    assert not any(d.kind == "make_eligible" for d in ds)
+
+
+def test_make_eligible_count_survives_the_state_file():
+    jobs, st = _requeued_state()
+    pending = job("o1", state="PENDING", requested="opportunistic", restarts=1, submit=0)
+    n = node("n1", (gpu(0, g=("g1",)),), configured=2, in_slurm=2)
+    _, st = run(snap([jobs[0], pending], [n], now=NOW + 31), st)
+    back = CoordinatorState.from_json(json.loads(json.dumps(st.to_json())))
+    assert back.requeued["o1"] == st.requeued["o1"] and back.requeued["o1"].eligible_sent == 1
+    # A state file written before these fields existed still loads: none sent yet, as before.
+    old = st.to_json()
+    for r in old["requeued"]:
+        del r["eligible_unix"], r["eligible_sent"]
+    assert CoordinatorState.from_json(old).requeued["o1"].eligible_sent == 0
+
+
 def test_pending_without_our_requeue_gets_no_make_eligible():
     ds, _ = run(snap([job("o1", state="PENDING", requested="opportunistic", restarts=3)]))
     assert ds == []

@@ -89,7 +89,10 @@ def restore_state(path: str, grace_s: float) -> tuple[CoordinatorState, int]:
             was = pre.pop(job_id)
             req[job_id] = Requeued(job_id, was.node, was.gpu, was.for_job_id, ts, was.restarts_at_decision)
         elif rec["kind"] == "make_eligible" and job_id in req:
-            req[job_id] = replace(req[job_id], made_eligible=True)
+            was = req[job_id]
+            start = params.get("start_unix")
+            req[job_id] = replace(was, made_eligible=True, eligible_sent=was.eligible_sent + 1,
+                                  eligible_unix=float(start) if start is not None else ts)
     state = replace(state, preempting=MappingProxyType(pre), requeued=MappingProxyType(req))
     return state, len(after)
 

@@ -181,7 +181,8 @@ class Preemption:
 
 @dataclass(frozen=True, slots=True)
 class Requeued:
-    """A job we requeued; it gets MakeEligible once when it is seen PENDING with a higher restart count."""
+    """A job we requeued; it gets MakeEligible when it is seen PENDING with a higher restart count, and
+    again (a few times at most) if Slurm sets its BeginTime wait once more afterwards."""
 
     job_id: str
     node: str
@@ -190,6 +191,10 @@ class Requeued:
     requeued_unix: float
     restarts_at_decision: int
     made_eligible: bool = False
+    # When the last MakeEligible asked the job to start (its start time: now, or an elastic hold's end),
+    # and how many were sent: a BeginTime wait seen well after that time is Slurm's, set again.
+    eligible_unix: float = 0.0
+    eligible_sent: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,14 @@ from .model import (
     CoordinatorState, GpuView, JobView, NodeView, PolicyParams, Preemption, PreemptNeed, Requeued,
 )
 
+# A requeued job that still waits on a BeginTime this long after its MakeEligible asked it to start is
+# sent another: on Slurm 26.05 a slow node's requeue can finish after the job already shows PENDING with
+# its restart counted, and slurmctld then sets the ~121 s wait again ("Requeuing" logged about 5 s after
+# the MakeEligible, in a User-Mode Linux guest, 2026-11-28). A few times at most: a job an admin holds
+# back on purpose is not fought over.
+BEGIN_WAIT_RECHECK_S = 10.0
+MAKE_ELIGIBLE_AT_MOST = 3
+
 # Once a job is in one of these it will not run again under this id, so nothing more is owed to it.
 TERMINAL_STATES = frozenset({
     "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -68,7 +76,7 @@ def step(now: float, needs: tuple[PreemptNeed, ...], state: CoordinatorState, pa
          jobs: Mapping[str, JobView], nodes: Mapping[str, NodeView]) -> PreemptionOutcome:
     out = PreemptionOutcome([], {}, {}, set())
     _advance_preempting(now, state, jobs, out)
-    _advance_requeued(state, params, jobs, out)
+    _advance_requeued(now, state, params, jobs, out)
     _answer_needs(now, needs, params, jobs, nodes, out)
     return out
 
@@ -101,7 +109,29 @@ def _training_on(job: JobView, jobs: Mapping[str, JobView]) -> bool:
         j.elastic_group == job.elastic_group and j.elastic_host and j.state == "RUNNING" for j in jobs.values())
 
 
-def _advance_requeued(state: CoordinatorState, params: PolicyParams, jobs: Mapping[str, JobView],
+def _make_eligible(now: float, r: Requeued, job: JobView, params: PolicyParams, jobs: Mapping[str, JobView],
+                   out: PreemptionOutcome, again: bool) -> Requeued:
+    inputs = {"restarts": job.restarts, "requeued_unix": r.requeued_unix, "for_job": r.for_job_id}
+    if again:
+        inputs["sent_before"] = r.eligible_sent
+    # Sent again, it is past any hold: the recheck waits until after the time the first one set.
+    at = r.requeued_unix + params.elastic_hold_s if not again and _training_on(job, jobs) else None
+    if at is not None:
+        out.decisions.append(MakeEligible(
+            r.job_id, start_unix=at, inputs={**inputs, "elastic_group": job.elastic_group},
+            reason=f"a task that elastic array {job.elastic_group} shed: it may start again (the job "
+                   f"grows back) {params.elastic_hold_s:g} s after its requeue, the hold"))
+    else:
+        out.decisions.append(MakeEligible(r.job_id, inputs=inputs, reason=(
+            "requeued by the coordinator, and Slurm set its BeginTime wait again after it was made eligible "
+            "(its requeue finished late): start it now" if again else
+            "requeued by the coordinator: start it without Slurm's BeginTime wait")))
+    out.touched.add(r.job_id)
+    return replace(r, made_eligible=True, eligible_sent=r.eligible_sent + 1,
+                   eligible_unix=max(at, now) if at is not None else now)
+
+
+def _advance_requeued(now: float, state: CoordinatorState, params: PolicyParams, jobs: Mapping[str, JobView],
                       out: PreemptionOutcome) -> None:
     for r in state.requeued.values():
         job = jobs.get(r.job_id)
@@ -117,19 +147,10 @@ def _advance_requeued(state: CoordinatorState, params: PolicyParams, jobs: Mappi
             continue
         if job.state == "PENDING":
             if not r.made_eligible:
-                inputs = {"restarts": job.restarts, "requeued_unix": r.requeued_unix, "for_job": r.for_job_id}
-                if _training_on(job, jobs):
-                    at = r.requeued_unix + params.elastic_hold_s
-                    out.decisions.append(MakeEligible(
-                        r.job_id, start_unix=at, inputs={**inputs, "elastic_group": job.elastic_group},
-                        reason=f"a task that elastic array {job.elastic_group} shed: it may start again (the job "
-                               f"grows back) {params.elastic_hold_s:g} s after its requeue, the hold"))
-                else:
-                    out.decisions.append(MakeEligible(
-                        r.job_id, inputs=inputs,
-                        reason="requeued by the coordinator: start it without Slurm's BeginTime wait"))
-                out.touched.add(r.job_id)
-                r = replace(r, made_eligible=True)
+                r = _make_eligible(now, r, job, params, jobs, out, again=False)
+            elif (job.begin_wait and r.eligible_sent < MAKE_ELIGIBLE_AT_MOST
+                  and now >= r.eligible_unix + BEGIN_WAIT_RECHECK_S):
+                r = _make_eligible(now, r, job, params, jobs, out, again=True)
             out.requeued[r.job_id] = r
         elif job.state not in ("RUNNING", "CONFIGURING"):
             # COMPLETING (its Epilog still runs) or REQUEUED: Slurm counted the restart before the
