@@ -1,6 +1,7 @@
-"""The coordinator's audit log rotates by size (docs/admin.md, "Install", the daemons' units): nothing written is lost while the rotated files
-are kept, `antman explain` (local and through the query endpoint) reads the rotated files oldest first,
-and a restarted coordinator restores the state it had, after its own rotation or a logrotate's rename."""
+"""The coordinator's audit log rotates by size (docs/admin.md, "Install", the daemons' units): nothing
+written is lost while the rotated files are kept, `antman explain` (local and through the query endpoint)
+reads the rotated files oldest first, and a restarted coordinator restores the state it had, after its own
+rotation or a logrotate's rename."""
 
 from __future__ import annotations
 
