@@ -111,12 +111,11 @@ test-slurm24: $(VENV)/.installed
 # own loopback, so it may run beside a host cluster. The demo's AntMan loop (a slow test on the host) runs
 # there too. Its munged signs the last run's sbatch calls.
 # What runs there: the device grants (each class, arrays, srun steps, requeues, the failure path), the
-# submission and refusal paths, the adapter's parsers, doctor and make install. Not the whole cluster suite: the single-CPU guest runs it at about a third of the host's
-# speed, past CI's budget (docs/benchmarks.md, "CI").
-# The demo is left out until its step 4 passes there: under 26.05 slurmctld finishes a requeue after the
-# coordinator has already lifted the job's BeginTime, so the requeued job waits Slurm's ~121 s (seen in the
-# guest on 2026-11-29; its steps 1-3, shrink, share cut and pause in place, passed there).
-CGROUP2_PYTEST ?= -m "cluster and not slow and not slurm_neutral" tests/test_cgroup2_devices.py tests/test_site_cluster.py \
+# submission and refusal paths, the adapter's parsers, doctor, make install and the demo. Not the whole
+# cluster suite: the single-CPU guest runs it at about a third of the host's speed, past CI's budget
+# (docs/benchmarks.md, "CI").
+CGROUP2_MARKS = cluster and not slurm_neutral and (not slow or demo)
+CGROUP2_PYTEST ?= -m "$(CGROUP2_MARKS)" tests/test_demo.py tests/test_cgroup2_devices.py tests/test_site_cluster.py \
   tests/test_cluster_submission.py tests/test_slurm_adapter.py tests/test_doctor.py tests/test_admin_guide.py
 test-cgroup2: $(VENV)/.installed
 	.ci/uml build

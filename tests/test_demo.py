@@ -13,7 +13,7 @@ import pytest
 from conftest import TEST_PORT_BASE, _require_slurm
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.demo]
 
 
 def test_the_demo_shows_shrink_pause_resume_requeue_and_explains_them(tmp_path):

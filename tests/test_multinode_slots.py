@@ -37,16 +37,17 @@ def test_a_job_on_one_node_keeps_the_plain_reading():
     assert job("9", state="PENDING").allocation() == ()
 
 
-def test_each_node_s_count_includes_what_slurm_gave_the_job_there():
+def test_each_node_s_room_includes_what_slurm_gave_the_job_there():
     """One slot per GPU. n2: the wide job's 2 slots on GPUs 0 and 1, GPU 2 free (one slot of room), GPU 3
-    busy: Slurm's count must be 3 (its 2 allocated plus 1), not 1, which would leave Slurm over-allocated.
-    n1: exactly the job's 2 slots, not the 4 of the whole job."""
+    busy: its room is 3 (its 2 allocated plus 1), so it is not without room; n1: exactly the job's 2
+    slots, not the 4 of the whole job, and no free one: without room. Slurm's counts are left alone."""
     params = replace(PARAMS, slots_per_gpu=1)
     wide = job_view(_slurm_job(["n1", "n2"], 2), CFG, {})
     n1 = node("n1", (gpu(0, o=("5",)), gpu(1, o=("5",))), in_slurm=8)
     n2 = node("n2", (gpu(0, o=("5",)), gpu(1, o=("5",)), gpu(2), gpu(3, util=0.95)), in_slurm=8)
-    changes, _ = placement.step([n1, n2], [wide], params, {})
-    assert {c.node: c.slots for c in changes} == {"n1": 2, "n2": 3}, changes
+    assert placement.node_slots(n1, params, 2, ())[0] == 2 and placement.node_slots(n2, params, 2, ())[0] == 3
+    changes, no_room = placement.step([n1, n2], [wide], params, {})
+    assert changes == [] and no_room == ["n1"]
 
 
 def test_a_job_on_two_nodes_is_upgraded_only_when_no_gpu_on_either_shares_a_guaranteed_job():

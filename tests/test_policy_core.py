@@ -10,6 +10,7 @@ import pytest
 from slurm_antman import config as cfgmod
 from slurm_antman.policy.cluster import (
     CoordinatorState, HoldForQuota, KeepOff, MakeEligible, PolicyParams, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade, decide,
+    decide_with_room,
 )
 from slurm_antman.lab.snapshots import NOW, PARAMS, gpu, job, need, node, snap
 
@@ -108,47 +109,78 @@ def test_hold_of_a_job_that_wants_no_quota_is_released():
 # --- placement -------------------------------------------------------------------------------------
 
 
-def _placement_node(in_slurm: int, reported=NOW - 1):
+def _placement_node(in_slurm: int = 8, reported=NOW - 1, configured: int = 8):
     return node("n1", (
         gpu(0),  # 2 free
         gpu(1, used_gib=10, o=("o1",)),  # 1 free
         gpu(2, util=0.9),  # too busy
         gpu(3, used_gib=79.0),  # 1 GiB spare < 1 GiB + 0.5 GiB headroom
-    ), configured=8, in_slurm=in_slurm, reported=reported)
+    ), configured=configured, in_slurm=in_slurm, reported=reported)
 
 
-def test_opp_slots_count_free_plus_allocated():
+def room(s, state=EMPTY, params=PARAMS):
+    """The decisions and the nodes the core finds without room."""
+    ds, _, no_room = decide_with_room(s, state, params)
+    return ds, no_room
+
+
+def test_the_count_in_slurm_never_follows_the_room():
+    """However the room changes, Slurm's count stays slurm.conf's: a changed count under running jobs
+    drains the node at slurmd's next registration (policy.cluster.placement)."""
     o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
-    ds, _ = run(snap([o1], [_placement_node(8)]))
-    assert ds == [SetOppSlots("n1", 4)]
-    assert ds[0].inputs["free_slots"] == 3 and ds[0].inputs["slurm_in_use"] == 1
+    full = node("n1", (gpu(0, g=("g1",), util=0.95, o=("o1",)), gpu(1, g=("g2",), util=0.95)))
+    for n in (_placement_node(), full, _placement_node(reported=None)):
+        ds, _ = room(snap([o1], [n]))
+        assert not any(isinstance(d, SetOppSlots) for d in ds), n
 
 
-def test_opp_slots_only_on_change():
+def test_a_node_is_without_room_when_no_gpu_meeting_the_rules_has_a_free_slot():
+    from slurm_antman.policy.cluster.placement import node_slots
+
     o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
-    assert run(snap([o1], [_placement_node(4)]))[0] == []
+    assert room(snap([o1], [_placement_node()]))[1] == []
+    total, inputs = node_slots(_placement_node(), PARAMS, 1, ())
+    assert (total, inputs["free_slots"], inputs["slurm_in_use"]) == (4, 3, 1)
+    # Held slots do not make room: the job's GPU busy and the rest full or too busy.
+    busy = node("n1", (gpu(0, util=0.95, o=("o1",)), gpu(1, used_gib=79.0), gpu(2, util=0.9)))
+    assert room(snap([o1], [busy]))[1] == ["n1"]
+    # A node no sidecar has reported is never called roomless: nothing is known of it.
+    assert room(snap([o1], [_placement_node(reported=None)]))[1] == []
 
 
-def test_opp_slots_untouched_for_nodes_without_report():
-    assert run(snap([], [_placement_node(8, reported=None)]))[0] == []
+def test_a_count_an_earlier_release_changed_is_put_back_only_where_no_job_holds_a_slot():
+    o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
+    ds, _ = room(snap([o1], [_placement_node(in_slurm=5)]))
+    assert not any(isinstance(d, SetOppSlots) for d in ds)  # o1 holds one: the registration would drain it
+    ds, _ = room(snap([], [_placement_node(in_slurm=5)]))
+    assert ds == [SetOppSlots("n1", 8)]
+    assert ds[0].inputs == {"in_slurm": 5, "configured": 8} and "registration" in ds[0].reason
+    _, st = run(snap([], [_placement_node(in_slurm=5)]))
+    assert run(snap([], [_placement_node(in_slurm=5)], now=NOW + 1), st)[0] == []  # not again at once
+    assert room(snap([], [_placement_node(in_slurm=8)]))[0] == []  # as slurm.conf has it: nothing
 
 
 def test_gpu_with_two_guaranteed_jobs_or_a_need_takes_no_opportunistic():
+    from slurm_antman.policy.cluster.placement import node_slots
+
     n = node("n1", (gpu(0, g=("g1", "g2")), gpu(1, g=("g3",)), gpu(2, g=("g4",))), configured=6, in_slurm=6)
     g3 = job("g3", state="RUNNING", job_class="guaranteed")
-    ds, _ = run(snap([g3], [n], needs=[need("g3", gpu_index=1)]))
-    assert ds == [SetOppSlots("n1", 2)]  # only GPU 2
+    total, inputs = node_slots(n, PARAMS, 0, {1})
+    assert (total, inputs["gpus_qualifying"]) == (2, 1)  # only GPU 2
+    busy = node("n1", (gpu(0, g=("g1", "g2")), gpu(1, g=("g3",))), configured=4, in_slurm=4)
+    assert room(snap([g3], [busy], needs=[need("g3", gpu_index=1)]))[1] == ["n1"]
 
 
 def test_gpu_whose_new_guaranteed_job_is_not_measured_yet_takes_no_opportunistic():
     # GPU 0's guaranteed job has not filled the sidecar's utilisation window: util 0.0 says nothing.
+    from slurm_antman.policy.cluster.placement import gpu_qualifies, node_slots
+
     n = node("n1", (gpu(0, g=("g1",), measured=False), gpu(1, g=("g2",))), configured=4, in_slurm=4)
-    jobs = [job(x, state="RUNNING", job_class="guaranteed") for x in ("g1", "g2")]
-    ds, _ = run(snap(jobs, [n]))
-    assert ds == [SetOppSlots("n1", 2)]  # only GPU 1
-    assert ds[0].inputs["gpus_qualifying"] == 1
-    from slurm_antman.policy.cluster.placement import gpu_qualifies
+    total, inputs = node_slots(n, PARAMS, 0, ())
+    assert (total, inputs["gpus_qualifying"]) == (2, 1)  # only GPU 1
     assert not gpu_qualifies(n.gpus[0], PARAMS) and gpu_qualifies(n.gpus[1], PARAMS)
+    only_new = node("n1", (gpu(0, g=("g1",), measured=False),), configured=2, in_slurm=2)
+    assert room(snap([], [only_new]))[1] == ["n1"]
 
 
 def test_an_unhealthy_node_gets_no_opportunistic_room_and_pending_jobs_are_kept_off_it():
@@ -157,20 +189,22 @@ def test_an_unhealthy_node_gets_no_opportunistic_room_and_pending_jobs_are_kept_
     well = node("n2", configured=8, in_slurm=8)
     pending = job("o1", requested="opportunistic", state="PENDING")
     params = dataclasses.replace(PARAMS, keep_off_no_room=True)
-    ds, _ = run(snap([pending], [sick, well]), params=params)
-    slots = {d.node: d for d in ds if isinstance(d, SetOppSlots)}
-    assert slots["n1"].slots == 1 and slots["n1"].inputs["gpus_qualifying"] == 0
-    assert slots["n1"].reason.startswith("node unhealthy (/var/lib/slurm-antman/n1 is full")
-    assert "n2" not in slots  # 4 idle GPUs x 2 slots = 8: unchanged
+    ds, no_room = room(snap([pending], [sick, well]), params=params)
+    assert no_room == ["n1"]
     kept = [d for d in ds if isinstance(d, KeepOff)]
     assert [(k.job_id, k.nodes) for k in kept] == [("o1", ("n1",))]
+    assert "n1 takes no opportunistic job: /var/lib/slurm-antman/n1 is full" in kept[0].reason
 
 
 def test_slurm_allocations_the_sidecar_has_not_seen_take_free_slots_first():
-    o1 = job("o1", state="RUNNING", requested="opportunistic", node="n1")
-    o2 = job("o2", state="RUNNING", requested="opportunistic", node="n1")  # not in the report yet
-    ds, _ = run(snap([o1, o2], [_placement_node(8)]))
-    assert ds == [SetOppSlots("n1", 4)]  # 2 allocated + (3 free - 1 unseen)
+    from slurm_antman.policy.cluster.placement import node_slots
+
+    # 2 allocated, the report shows 1: the unseen one takes one of the 3 free slots.
+    total, inputs = node_slots(_placement_node(), PARAMS, 2, ())
+    assert (total, inputs["unseen"]) == (4, 1)
+    # Unseen ones that use up the free slots leave no room.
+    o = [job(f"o{i}", state="RUNNING", requested="opportunistic", node="n1") for i in range(1, 5)]
+    assert room(snap(o, [_placement_node()]))[1] == ["n1"]
 
 
 # --- upgrade ---------------------------------------------------------------------------------------
@@ -183,7 +217,7 @@ def _opp_running(job_id="o1", requested="auto", **kw):
 def test_upgrade_when_quota_and_gpu_alone():
     n = node("n1", (gpu(0, o=("o1",)), gpu(1)))
     ds, _ = run(snap([_opp_running()], [n], quotas={"a": 1}))
-    assert ds == [Upgrade("o1"), SetOppSlots("n1", 4)]
+    assert ds == [Upgrade("o1")]
     assert ds[0].inputs["gpu_indices"] == [0] and "quota again" in ds[0].reason
 
 
@@ -416,7 +450,7 @@ def test_need_stays_served_while_the_sidecar_still_shows_the_victim():
 def test_never_preempts_guaranteed_or_for_a_non_guaranteed_job():
     g1 = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
     g2 = job("g2", state="RUNNING", job_class="guaranteed", node="n1")
-    n = node("n1", (gpu(0, g=("g1",), o=("g2",)),), configured=2, in_slurm=1)  # a confused report
+    n = node("n1", (gpu(0, g=("g1",), o=("g2",)),), configured=2, in_slurm=2)  # a confused report
     assert not run(snap([g1, g2], [n], needs=[need("g1")]))[0]
     o1 = _opp_running("o1", requested="opportunistic")
     o2 = _opp_running("o2", requested="opportunistic")
@@ -446,8 +480,7 @@ def _busy_snapshot(now=NOW):
 def test_same_snapshot_and_state_twice_gives_no_duplicates():
     s = _busy_snapshot()
     ds1, st1 = run(s)
-    assert kinds(ds1) == [("hold_for_quota", "job:2"), ("preempt_notice", "job:o1"), ("set_class", "job:3"),
-                          ("set_opp_slots", "node:n1")]
+    assert kinds(ds1) == [("hold_for_quota", "job:2"), ("preempt_notice", "job:o1"), ("set_class", "job:3")]
     ds2, st2 = run(s, st1)
     assert ds2 == []
     assert run(s, st2)[0] == []
@@ -522,15 +555,6 @@ def test_policy_core_is_pure():
                 assert name.split(".")[0] not in forbidden, f"{path.name} imports {name}"
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
                 assert n.func.id not in ("open", "print", "input"), f"{path.name} calls {n.func.id}()"
-
-
-def test_opp_slots_never_zero_so_submissions_are_not_rejected():
-    # A node whose only GPU is full: no free slot, nothing allocated. Slurm 22.05 would reject new
-    # opportunistic submissions outright at count 0, so the count stays at 1.
-    full = node("n1", (gpu(0, g=("g1",), used_gib=79.9),), configured=2, in_slurm=2)
-    g1 = job("g1", state="RUNNING", job_class="guaranteed", node="n1")
-    ds, _ = run(snap([g1], [full]))
-    assert [(d.node, d.slots) for d in ds if isinstance(d, SetOppSlots)] == [("n1", 1)]
 
 
 def test_make_eligible_survives_the_completing_step_after_requeue():

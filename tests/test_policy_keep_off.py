@@ -1,5 +1,6 @@
 """opportunistic.no_room: wait in the coordinator: pending opportunistic jobs are kept off (ExcNodeList)
-the nodes whose only opportunistic slot is the minimum one, and let back as those nodes gain room."""
+the nodes where no GPU meeting the opportunistic rules has a free slot, and let back as those nodes gain
+room. Slurm's count of slots there stays slurm.conf's (policy.cluster.placement says why)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ EMPTY = CoordinatorState.empty()
 
 
 def busy_node(name: str) -> object:
-    # One GPU, a guaranteed job keeping it 95 % busy: no GPU qualifies, Slurm keeps the minimum slot.
-    return node(name, (gpu(0, util=0.95, used_gib=20, g=(f"g-{name}",)),), configured=2, in_slurm=1)
+    # One GPU, a guaranteed job keeping it 95 % busy: no GPU qualifies; Slurm has both its slots free.
+    return node(name, (gpu(0, util=0.95, used_gib=20, g=(f"g-{name}",)),), configured=2, in_slurm=2)
 
 
 def idle_node(name: str) -> object:
@@ -76,12 +77,13 @@ def test_only_pending_opportunistic_jobs_and_only_when_asked():
     assert keep_offs(ds) == []
 
 
-def test_a_node_with_a_job_allocated_and_no_free_slot_needs_no_exclusion():
-    # Slurm's count there equals what is allocated: it cannot start another opportunistic job anyway.
-    full = node("n1", (gpu(0, util=0.95, g=("g",), o=("5",)),), configured=2, in_slurm=1)
+def test_a_node_with_a_job_allocated_and_no_free_slot_is_kept_off_too():
+    # Slurm still has a free slot there (its count stays slurm.conf's): only the exclusion keeps job 7 off.
+    full = node("n1", (gpu(0, util=0.95, g=("g",), o=("5",)),), configured=2, in_slurm=2)
     running = job("5", state="RUNNING", requested="opportunistic", node="n1")
     ds, _ = decide(snap([running, job("7", requested="opportunistic")], [full, idle_node("n2")]), EMPTY, WAIT)
-    assert keep_offs(ds) == []
+    assert keep_offs(ds) == [KeepOff("7", ("n1",))]
+    assert not any(d.kind == "set_opp_slots" for d in ds)
 
 
 def test_keep_off_and_a_class_decision_for_the_same_job_are_both_issued():

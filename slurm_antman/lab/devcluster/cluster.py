@@ -191,10 +191,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
             _record(cluster, acct.start_slurmdbd(cluster, env))
         _record(cluster, start_slurmctld(cluster, env, clear_state=True))
         for h in cluster.nodes:
-            _record(cluster, _spawn(f"slurmd:{h}", [_which("slurmd"), "-D", "-N", h], env,
-                                    d / "log" / f"slurmd-{h}.out",
-                                    [*delegated_scope(f"antman-dev-{port_base}-slurmd-{h}"),
-                                     *(_enter(cluster, h) or [])] or None))
+            _record(cluster, start_slurmd(cluster, h, env))
         if accounting:
             acct.add_tenants(cluster, cfg.tenants, cfg.slurm.gpu_gres)
         if not plain and (sidecars or coordinator):
@@ -246,6 +243,17 @@ def start_slurmctld(cluster: Cluster, env: dict | None = None, clear_state: bool
     env = env if env is not None else _daemon_env(cluster)
     argv = [_which("slurmctld"), "-D", *(["-c"] if clear_state else []), "-i"]
     return _spawn("slurmctld", argv, env, cluster.dir / "log" / "slurmctld.out", _enter(cluster, "ctl"))
+
+
+def start_slurmd(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
+    """Start (or, after a kill, restart) ``node``'s slurmd, in a delegated scope where systemd runs it; a
+    restarted slurmd registers with slurmctld afresh, as after a site's package upgrade."""
+    env = env if env is not None else _daemon_env(cluster)
+    # A new scope name each start: the old scope lives on while the job steps slurmd started run in it.
+    unit = f"antman-dev-{cluster.port_base}-slurmd-{node}-{time.time_ns() // 1_000_000}"
+    wrap = [*delegated_scope(unit), *(_enter(cluster, node) or [])]
+    return _spawn(f"slurmd:{node}", [_which("slurmd"), "-D", "-N", node], env,
+                  cluster.dir / "log" / f"slurmd-{node}.out", wrap or None)
 
 
 def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:

@@ -1,7 +1,7 @@
 """The coordinator's policy core: pure functions from a cluster snapshot to decisions (no I/O, no
 clock, no Slurm, no ZeroMQ), so the daemon and the trace simulator run the same policy."""
 
-from .core import decide
+from .core import decide, decide_with_room
 from .decisions import (
     ALL_KINDS, CheckpointNotice, Decision, HoldForQuota, KeepOff, MakeEligible, PreemptNotice, ReleaseHold, Requeue, SetClass, SetOppSlots, Upgrade,
 )
@@ -11,7 +11,7 @@ from .model import (
 from .preemption import lost_gpu_seconds
 
 __all__ = [
-    "decide", "ALL_KINDS", "CheckpointNotice", "Decision", "HoldForQuota", "KeepOff", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
+    "decide", "decide_with_room", "ALL_KINDS", "CheckpointNotice", "Decision", "HoldForQuota", "KeepOff", "MakeEligible", "PreemptNotice", "ReleaseHold", "Requeue",
     "SetClass", "SetOppSlots", "Upgrade", "HOLDING_STATES", "CoordinatorState", "GpuView", "Issued", "JobView",
     "NodeView", "PolicyParams", "Preemption", "PreemptNeed", "Requeued", "Snapshot", "quotas_from_config",
     "lost_gpu_seconds",

@@ -2,11 +2,11 @@
 
 Order inside a cycle: preemption first (a guaranteed job is waiting), then moves of crawling
 opportunistic jobs, then quotas (classes, holds,
-upgrades), then placement (opportunistic GRES counts, and which nodes pending opportunistic jobs are
-kept off). A job gets at most one decision per cycle, except that keeping it off nodes is its own, and
+upgrades), then placement (which nodes pending opportunistic jobs are kept off, and a GRES count an
+earlier release changed put back). A job gets at most one decision per cycle, except that keeping it off nodes is its own, and
 so is a checkpoint asked of a task of an elastic array when a sibling leaves or joins.
 
-Decisions that follow from the snapshot alone (classes, holds, upgrades, slot counts) would repeat
+Decisions that follow from the snapshot alone (classes, holds, upgrades, slot counts put back) would repeat
 every cycle until Slurm shows them done; ``state.issued`` suppresses such a repeat for
 ``params.reissue_after_s``, so the same snapshot and state twice give no duplicate. If executing one
 fails, the daemon calls ``state.forget(decision)`` to retry it on the next cycle.
@@ -22,6 +22,14 @@ from .model import Avoid, CoordinatorState, Issued, PolicyParams, Snapshot
 
 
 def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tuple[list[Decision], CoordinatorState]:
+    decisions, new_state, _ = decide_with_room(snap, state, params)
+    return decisions, new_state
+
+
+def decide_with_room(snap: Snapshot, state: CoordinatorState,
+                     params: PolicyParams) -> tuple[list[Decision], CoordinatorState, list[str]]:
+    """``decide``, and the snapshot's nodes without room for one more opportunistic job (the simulator
+    keeps its Slurm's opportunistic jobs off them, as the daemon's KeepOff decisions do)."""
     now = snap.now
     jobs = {j.job_id: j for j in snap.jobs}
     nodes = {n.name: n for n in snap.nodes}
@@ -69,7 +77,7 @@ def decide(snap: Snapshot, state: CoordinatorState, params: PolicyParams) -> tup
         avoid=MappingProxyType(avoid),
         kept_off=MappingProxyType(kept_off),
     )
-    return decisions, new_state
+    return decisions, new_state, no_room
 
 
 def _unrepeated(derived: list[Decision], state: CoordinatorState, params: PolicyParams, now: float,

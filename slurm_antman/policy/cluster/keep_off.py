@@ -1,10 +1,10 @@
 """Keeping pending opportunistic jobs off nodes without room (``opportunistic.no_room: wait``).
 
-Every node keeps one opportunistic slot whatever its GPUs look like (placement.MIN_SLOTS_PER_NODE:
-slurmctld 22.05 rejects at submission a GRES request no node is configured for). Slurm would start a
-pending opportunistic job on that slot, where its sidecar finds no GPU that meets the rules and its
-Prolog requeues it (docs/evaluation.md: started there anyway, the job crawls beside a busy guaranteed
-job). So the core sets each pending opportunistic job's ``ExcNodeList`` to the nodes the user
+Every node keeps the opportunistic slots slurm.conf gives it whatever its GPUs look like (placement.py
+says why the count never follows the room). Slurm would start a pending opportunistic job on a free
+slot of a node where its sidecar finds no GPU that meets the rules, and its Prolog would requeue it
+(docs/evaluation.md: started there anyway, the job crawls beside a busy guaranteed job). So the core
+sets each pending opportunistic job's ``ExcNodeList`` to the nodes the user
 excluded plus the nodes with no room, and narrows it again as nodes gain room. Slurm 22.05 accepts
 the update on a pending job; a job excluded from every node stays pending (Reason=BadConstraints)
 and starts once the list is narrowed (checked on the devcluster, 2026-11-24).
@@ -86,7 +86,7 @@ def _why(room_less: list[str], siblings: list[str], group: str, sick: Mapping[st
     parts = []
     if room_less:
         parts.append(f"kept off {len(room_less)} node(s) where no GPU meets the opportunistic rules "
-                     f"({_names(room_less)}); each keeps one slot only so that Slurm accepts submissions")
+                     f"({_names(room_less)}); Slurm, which counts only their slots, would start it there")
     parts += [f"{node} takes no opportunistic job: {why}" for node, why in list(sick.items())[:8]]
     if siblings:
         parts.append(f"kept off {len(siblings)} node(s) where every GPU with room already holds a task of elastic "

@@ -1,4 +1,18 @@
-"""Opportunistic capacity in Slurm: each reporting node's count-only GRES follows what its GPUs can take."""
+"""Opportunistic room: which reporting nodes have a GPU that can take one more opportunistic job.
+
+Slurm's count of the opportunistic GRES on a node stays the one slurm.conf gives it (antman.yaml's
+slots per GPU times its GPUs): the core never lowers or raises it to follow the room. slurmctld checks
+the count each slurmd registration reports against the count it found at the node's first one, and
+while jobs hold that GRES any difference marks the node INVAL and drains it ("gres/antman_opp count
+changed and jobs are using them"; src/interfaces/gres.c ``_node_config_validate``, 22.05 to 26.05).
+slurmd registers again at every restart and, unasked, about every 20 pings (ping_nodes.c
+``MAX_REG_FREQUENCY``: every 2,000 s at the default SlurmdTimeout of 300 s), so a count that followed
+the room drained sharing nodes within the hour (seen on the devcluster under 22.05 and 24.11,
+2026-11-29). Nodes without room are kept off pending opportunistic jobs instead (keep_off.py), and a
+job Slurm starts where its GPUs turn out to have no room is requeued by its Prolog.
+
+What the count was changed to by an earlier release is put back, on a node where no opportunistic
+job holds a slot: there the next registration takes the count as found."""
 
 from __future__ import annotations
 
@@ -32,15 +46,10 @@ def opp_in_use_by_node(jobs: Collection[JobView]) -> dict[str, int]:
     return used
 
 
-MIN_SLOTS_PER_NODE = 1
-
-
 def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpus: Collection[int]) -> tuple[int, dict]:
-    """The GRES count for ``node``: slots Slurm has allocated plus the free slots of qualifying GPUs.
-
-    Slurm subtracts its own allocations from the count, so the count must include them. Jobs Slurm
-    placed that the sidecar does not show yet take free slots first, so nothing is handed out twice.
-    """
+    """The opportunistic jobs ``node`` could hold now: slots Slurm has allocated plus the free slots of
+    qualifying GPUs; 0 means no room. Jobs Slurm placed that the sidecar does not show yet take free
+    slots first, so no slot is counted twice."""
     free = 0
     reported = 0
     qualifying = 0
@@ -60,37 +69,32 @@ def node_slots(node: NodeView, params: PolicyParams, slurm_in_use: int, busy_gpu
             if n_opp < slots:
                 free += slots - n_opp
     unseen = max(0, slurm_in_use - reported)
-    # Never 0: slurmctld 22.05 rejects at submission ("Requested node configuration is not
-    # available") a GRES request that no node is configured to satisfy, instead of queueing it. So
-    # a node without room still admits one opportunistic job, which the sidecar then shrinks or has
-    # preempted; the alternative would be to lose submissions.
-    total = max(MIN_SLOTS_PER_NODE, slurm_in_use + max(0, free - unseen))
     inputs = {"free_slots": free, "slurm_in_use": slurm_in_use, "reported_in_use": reported,
               "unseen": unseen, "gpus_qualifying": qualifying, "gpus_with_need": sorted(busy_gpus)}
     if node.unhealthy:
         inputs["unhealthy"] = node.unhealthy
-    return total, inputs
+    return slurm_in_use + max(0, free - unseen), inputs
 
 
 def step(nodes: Collection[NodeView], jobs: Collection[JobView], params: PolicyParams,
          need_gpus: Mapping[str, set[int]]) -> tuple[list[SetOppSlots], list[str]]:
-    """The count changes, and the nodes whose count is only the minimum slot (no room at all)."""
+    """The counts to put back to slurm.conf's, and the nodes without room for one more opportunistic job."""
     in_use = opp_in_use_by_node(jobs)
     out: list[SetOppSlots] = []
     no_room: list[str] = []
     for n in nodes:
+        held = in_use.get(n.name, 0)
+        if n.opp_slots_in_slurm != n.opp_slots_configured and held == 0:
+            out.append(SetOppSlots(n.name, n.opp_slots_configured, reason=(
+                f"Slurm has {n.opp_slots_in_slurm} opportunistic slots, slurm.conf {n.opp_slots_configured}: put "
+                "back while no job holds one, so that slurmd's next registration neither finds a changed count "
+                "under running jobs (the node would be drained) nor leaves one in place"),
+                inputs={"in_slurm": n.opp_slots_in_slurm, "configured": n.opp_slots_configured}))
         if n.last_report_unix is None:
-            continue  # nothing measured: slurmctld keeps the configured count
-        total, inputs = node_slots(n, params, in_use.get(n.name, 0), need_gpus.get(n.name, ()))
-        if inputs["slurm_in_use"] + max(0, inputs["free_slots"] - inputs["unseen"]) < MIN_SLOTS_PER_NODE:
+            continue  # nothing measured: Slurm's own rules alone
+        total, _ = node_slots(n, params, held, need_gpus.get(n.name, ()))
+        if total <= held:  # not one free slot on a GPU that meets the rules
             no_room.append(n.name)
-        if total != n.opp_slots_in_slurm:
-            inputs.update(in_slurm=n.opp_slots_in_slurm, report_unix=n.last_report_unix)
-            out.append(SetOppSlots(n.name, total, reason=(
-                (f"node unhealthy ({n.unhealthy}): no opportunistic job starts there; " if n.unhealthy else "")
-                + f"{inputs['gpus_qualifying']} GPUs with room have {inputs['free_slots']} free slots, Slurm has "
-                f"{inputs['slurm_in_use']} allocated: count {total}, Slurm has {n.opp_slots_in_slurm}"),
-                inputs=inputs))
     return out, no_room
 
 

@@ -280,7 +280,16 @@ class AntmanAdapter:
             nodes = set(range(self.cfg.nodes))  # a move looks for a better GPU anywhere
         snap = cp.Snapshot(self.now, views, tuple(self._node_view(k) for k in sorted(nodes)), self.quotas, needs)
         self.dirty_nodes = set()
-        decisions, self.cp_state = cp.decide(snap, st, self.cp_params)
+        decisions, self.cp_state, no_room = cp.decide_with_room(snap, st, self.cp_params)
+        # Slurm's opportunistic count never follows the room (policy.cluster.placement): the nodes without
+        # room are kept off, which the simulator models as nothing starting there.
+        no_room_here = {self.node_index[n] for n in no_room}
+        for n in snap.nodes:
+            k = self.node_index[n.name]
+            if k in no_room_here:
+                self.no_room_nodes.add(k)
+            else:
+                self.no_room_nodes.discard(k)
         per = self.cfg.gpus_per_node
         for jid, a in self.cp_state.avoid.items():
             j = self.jobs.get(jid)
@@ -314,14 +323,8 @@ class AntmanAdapter:
 
     def _apply(self, d: cp.Decision) -> None:
         kind = d.kind
-        if kind == "set_opp_slots":
-            k = self.node_index[d.node]
-            self.opp_slots[k] = d.slots
-            inp = d.inputs
-            if inp["slurm_in_use"] + max(0, inp["free_slots"] - inp["unseen"]) < d.slots:
-                self.no_room_nodes.add(k)
-            else:
-                self.no_room_nodes.discard(k)
+        if kind == "set_opp_slots":  # a count put back to slurm.conf's: the simulator's never changes
+            self.opp_slots[self.node_index[d.node]] = d.slots
             return
         j = self.jobs.get(d.job_id)
         if j is None:

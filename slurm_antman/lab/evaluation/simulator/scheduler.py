@@ -404,10 +404,12 @@ class SlurmScheduler:
                   extra_slots: int = 0) -> list[int]:
         """Up to ``take`` GPUs of node ``k`` for an opportunistic job: the node's free slots (plus
         ``extra_slots`` the job holds there already), then the node policy's choice among its GPUs with
-        room (antman) or its plain rules (shared)."""
+        room (antman) or its plain rules (shared). The coordinator's keep-off is a pending job's
+        ExcNodeList: a running job growing on a node it runs on is not kept off it."""
         per_node = self.cfg.gpus_per_node
         free_slots = self.opp_slots[k] - self.node_opp[k] + extra_slots
-        if free_slots <= 0 or (wait and (k in self.no_room_nodes or k in self.unfit_nodes)):
+        kept_off = k in self.no_room_nodes and not any(self.gpus[i].node == k for i in j.gpus)
+        if free_slots <= 0 or (wait and (kept_off or k in self.unfit_nodes)):
             return []
         node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
         room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu and g.index not in exclude]
