@@ -313,7 +313,7 @@ class Opportunistic(_Strict):
                     "take it (predicted from the GPU's utilisation and jobs; none qualifies: see no_room), and "
                     "measured to make once running; under it the job is crawling. Beside a guaranteed job it crawls "
                     "under 1 / move_gain too, if that is higher (0.5 by default: a free GPU would still double its "
-                    "pace; docs/evaluation.md, issue 29, session 22).")
+                    "pace; docs/evaluation.md, \"moves for pace, and narrowed elastic jobs\", 2026-11-26).")
     upgrade_running: bool = Field(
         default=False,
         description="true: a running opportunistic job whose tenant has quota again is made guaranteed in place "
@@ -383,13 +383,14 @@ class Sidecar(_Strict):
                     "already at the minimum compute share; then the newest of them is preempted (one per period). "
                     "null (default): only throttle. The requeued job is kept off that GPU (placement memory). In "
                     "simulation it kept busy guaranteed jobs closer to their target (1.016-1.020 of their work "
-                    "against 1.022) and moved mean JCT no more than run-to-run noise (docs/evaluation.md, session 25).")
+                    "against 1.022) and moved mean JCT no more than run-to-run noise (docs/evaluation.md, "
+                    "\"Preemption for speed, now with placement memory\", 2026-11-27).")
     pause_max_s: Optional[float] = Field(
         default=120.0, gt=0,
         description="Pause in place before requeue: when a guaranteed job's burst leaves an opportunistic job less "
                     "than its minimum memory (or slow_preempt_s runs out), a job whose agents can pause moves its "
                     "GPU state to host memory and waits in place; paused this long, it is requeued after all. "
-                    "null: never pause, requeue at once (as before issue 16).")
+                    "null: never pause, requeue at once.")
     resume_hold_s: float = Field(
         default=10.0, ge=0,
         description="A paused job resumes once its GPU has had room for it again for this long, so that a burst "
@@ -411,7 +412,7 @@ class Sidecar(_Strict):
                     "held more GPU memory than its limit (10 % and 256 MiB tolerated). Covers a job's start-up.")
     slot_filling: bool = Field(
         default=False,
-        description="Idle-slot pages (issue 30, docs/protocol.md \"The idle-slot page\"): on a GPU shared by a "
+        description="Idle-slot pages (docs/protocol.md, \"The idle-slot page\"): on a GPU shared by a "
                     "guaranteed job and opportunistic ones, the sidecar makes a shared-memory page in which the "
                     "guaranteed job's agent publishes when its GPU work is in flight and when it drained, readable "
                     "by that GPU's opportunistic jobs only, so that their agents launch into its idle slots. Needs "
@@ -453,9 +454,8 @@ class Coordinator(_Strict):
     endpoint: str = Field(default="tcp://127.0.0.1:17900", description="Where sidecars report.")
     key_dir: Optional[str] = Field(
         default=None,
-        description="ZeroMQ CURVE keys made by `antman keys init`: coordinator.key(_secret), "
-                    "sidecars/NODE.key (the public keys allowed to connect), nodes/NODE.key_secret. "
-                    "Unset: sidecars run without an uplink.")
+        description="ZeroMQ CURVE keys made by `antman keys init`: coordinator.key(_secret), sidecars/NODE.key (the "
+                    "public keys allowed to connect), nodes/NODE.key_secret. Unset: sidecars run without an uplink.")
     node_secret_key: Optional[str] = Field(
         default=None,
         description="Where a sidecar finds its secret key; '{node}' is replaced by the node name. "
