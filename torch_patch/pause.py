@@ -1,4 +1,4 @@
-"""Pause in place (issue 16, after PipeSwitch, OSDI'20): move a job's GPU state to pinned host memory
+"""Pause in place (after PipeSwitch, OSDI'20): move a job's GPU state to pinned host memory
 and free the device, then bring it back, overlapping the copy back with the first iterations.
 
 What moves: every parameter (and its gradient) and buffer of the job's ``nn.Module`` objects that

@@ -1,4 +1,4 @@
-"""Idle-slot filling in the job (issue 30, items 2 and 3): the guaranteed job's agent publishes its
+"""Idle-slot filling in the job: the guaranteed job's agent publishes its
 device phases on the GPU's idle-slot page (``slurm_antman/protocol/slot_page.py``), and an
 opportunistic job's agent launches only into the slots the page shows, with a bounded amount of work
 in flight (one module without CUDA, ``INFLIGHT_S`` of it on CUDA: the Gate below). AntMan's GpuOpManager (OSDI'20, §4.2) does this inside the framework's executor,

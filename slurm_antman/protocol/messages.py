@@ -146,7 +146,7 @@ class Resumed(Body):
 
 @_dc
 class Width(Body):
-    """Sidecar -> the agent of local rank 0 of an elastic job (issue 29, docs/elastic.md), only if its
+    """Sidecar -> the agent of local rank 0 of an elastic job (docs/elastic.md), only if its
     ``register.features`` has ``width``: from the next iteration boundary the job runs on these GPUs.
     The agent runs the job's checkpoint callbacks, answers ``width_done`` and hands the list to its
     launcher, which stops every worker and starts one per GPU; they resume from the checkpoint."""
@@ -287,7 +287,7 @@ class JobState:
     agents: int = _f(int, ge=0)
     limits_seq: int = _f(int, ge=0)
     acked_seq: int = _f(int, ge=0)
-    paused: bool = _f(bool, default=False)  # paused in place (issue 16); optional, older sidecars: false
+    paused: bool = _f(bool, default=False)  # paused in place; optional, older sidecars: false
 
 
 @_dc
@@ -342,7 +342,7 @@ class ReportJob:
     # How the sidecar placed the job and why (job_register_reply's), for `antman explain`; optional.
     placement: Optional[str] = _f(str, choices=PLACEMENTS, nullable=True, default=None)
     placement_note: Optional[str] = _text(max_len=1024, nullable=True, default=None)
-    # Paused in place by the sidecar (issue 16), and why; optional: older sidecars never pause.
+    # Paused in place by the sidecar, and why; optional: older sidecars never pause.
     paused: bool = _f(bool, default=False)
     pause_reason: str = _text(max_len=1024, default="")
 

@@ -1,5 +1,5 @@
 """The idle-slot page: a guaranteed job's GPU phases, published for its GPU's opportunistic jobs in
-shared memory (issue 30, item 2; docs/protocol.md, "The idle-slot page").
+shared memory (docs/protocol.md, "The idle-slot page").
 
 AntMan's GpuOpManager hands a guaranteed job's idle time slots to opportunistic work (OSDI'20, §4.2).
 For an opportunistic job to launch only into those slots it must learn, well inside a millisecond,

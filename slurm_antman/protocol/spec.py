@@ -42,7 +42,7 @@ ENV_PROLOG_FROM_SPANK = "ANTMAN_PROLOG_FROM_SPANK"
 ENV_DEVICE_FAILURE = "ANTMAN_DEVICE_FAILURE"
 ENV_AGENT_DISABLE = "ANTMAN_AGENT_DISABLE"
 ENV_CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-# Elastic width (issue 29, docs/elastic.md): the user's --antman-elastic=MIN:MAX, and the socket of
+# Elastic width (docs/elastic.md): the user's --antman-elastic=MIN:MAX, and the socket of
 # the job's elastic launcher, through which the agent of local rank 0 hands it a new GPU list.
 ENV_ELASTIC = "ANTMAN_ELASTIC"
 ENV_SPANK_ELASTIC = "SPANK_ANTMAN_ELASTIC"

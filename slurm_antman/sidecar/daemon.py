@@ -82,7 +82,7 @@ class Sidecar(SocketLoop, JobRegistry, AgentChannel, Enforcement, ReportViews, C
         self.pause_bytes_moved_total = 0
         self.pause_ack_ms: list[float] = []  # sidecar's pause sent -> agent's ack, the latest ones
         self.resume_ack_ms: list[float] = []  # resume sent -> agent's resumed (training again)
-        # Elastic width (issue 29): GPUs shed and grown, shed GPUs not given back in time, and how long
+        # Elastic width (docs/elastic.md): GPUs shed and grown, shed GPUs not given back in time, and how long
         # each shed GPU took to come back (the width sent -> its last process of the job gone), the latest.
         self.width_shrinks_total = 0
         self.width_grows_total = 0

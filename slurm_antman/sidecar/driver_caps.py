@@ -1,4 +1,4 @@
-"""Driver-level GPU memory caps (issue 15): a cap the job cannot bypass, where the driver has one.
+"""Driver-level GPU memory caps: a cap the job cannot bypass, where the driver has one.
 
 NVIDIA's MPS v3 memory partitioning (driver r615 / CUDA 13.4 and newer, Linux cgroup v2) limits the
 device memory a cgroup's processes may allocate: ``nvmlDeviceSetMemoryLimits_v1`` takes the cgroup's

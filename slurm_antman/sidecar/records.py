@@ -52,7 +52,7 @@ class RegisteredJob:
     pause_sent_mono: Optional[float] = None
     paused_unix: Optional[float] = None
     resume_sent_mono: Optional[float] = None
-    # Elastic width (issue 29): the narrowest width (None: not elastic), the GPUs it was placed on (it
+    # Elastic width (docs/elastic.md): the narrowest width (None: not elastic), the GPUs it was placed on (it
     # may run on any subset of them; ``gpus`` is the one it runs on now), the latest change, and the
     # GPUs it was told to give up: GPU -> (since when, the deadline to have left it).
     elastic_min: Optional[int] = None

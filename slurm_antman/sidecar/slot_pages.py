@@ -1,4 +1,4 @@
-"""Idle-slot pages (issue 30; docs/protocol.md, "The idle-slot page"): the sidecar's side.
+"""Idle-slot pages (docs/protocol.md, "The idle-slot page"): the sidecar's side.
 
 On a GPU with a guaranteed job whose agent there can publish (``register.features`` has ``"slots"``)
 and at least one opportunistic job, the sidecar makes ``SOCKET_DIR/slots/gpuN.slots``: a page

@@ -1,4 +1,4 @@
-"""Whether an opportunistic job keeps to its limits without its goodwill (issue 15): the agent inside
+"""Whether an opportunistic job keeps to its limits without its goodwill: the agent inside
 the job is what applies limits, and a job may disable it, crash it or lie. Pure: the sidecar measures,
 this decides.
 
@@ -11,7 +11,7 @@ An opportunistic job that shares a GPU with a guaranteed job is *non-compliant* 
 * its processes hold more GPU memory than its limit, beyond a tolerance: it does not keep to it.
 
 A job alone on its GPU, or with only opportunistic neighbours, harms no guaranteed job and may run
-without its agent (``ANTMAN_AGENT_DISABLE=1``). A paused job (issue 16) is compliant by definition.
+without its agent (``ANTMAN_AGENT_DISABLE=1``). A paused job is compliant by definition.
 The sidecar asks the coordinator to requeue a non-compliant job at once; the grace time covers a
 job's start (importing torch, building the model) and a limit change in flight.
 """

@@ -35,12 +35,12 @@ The rules (AntMan's, with TGS-style rate control for compute):
   free GPU would still give the job ``move_gain`` times its pace. With the floor alone (0.25) a job at
   half pace beside a guaranteed job was never moved: on the Philly window a 4-GPU job ran 55 hours at
   0.45-0.5 beside a guaranteed BERT while whole nodes were free, and the 2-4 GPU jobs ended 1.27x their
-  JCT under ``exclusive`` (docs/evaluation.md, issue 29, session 22).
+  JCT under ``exclusive`` (docs/evaluation.md, "moves for pace, and narrowed elastic jobs", 2026-11-26).
 * If throttling is not enough either (the guaranteed job stays over its target while the budget is
   at its floor, ``min_share``, for ``slow_preempt_s``), the newest opportunistic job on that GPU is
   asked to be preempted, one per period: measured interference between two jobs can be so large
   (a neighbour at 5 % duty costing a CNN 8 %) that only leaving restores the guaranteed job.
-* Pause before requeue (issue 16, PipeSwitch's lesson): where the job's agents can pause in place
+* Pause before requeue (PipeSwitch's lesson, OSDI'20): where the job's agents can pause in place
   and ``pause_max_s`` is set, each of the two preemption rules above pauses the job instead (its
   state moves to host memory in milliseconds, its GPU memory is freed). A paused job resumes once
   its GPU would fit it again (its minimum memory beside the others) for ``resume_hold_s``; one
@@ -48,7 +48,7 @@ The rules (AntMan's, with TGS-style rate control for compute):
   (``JobInfo.elastic_group``) is never paused: its training's other ranks would wait for it, where its
   requeue lets them train on at a narrower width. Shrink, throttle, pause, requeue:
   one ladder, each step with its reason.
-* Elastic width (issue 29, Amoeba's idea; docs/elastic.md): an elastic job above its narrowest width
+* Elastic width (Amoeba's idea, 2019; docs/elastic.md): an elastic job above its narrowest width
   gives up the one GPU that is needed (a ``WidthChange``) instead of pausing or leaving, and a
   crawling elastic job sheds the GPU it shares with a guaranteed job. It grows back, one GPU at a
   time, onto a GPU of the set it was placed on that holds nobody else, at most once per

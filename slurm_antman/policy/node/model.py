@@ -31,16 +31,17 @@ class NodePolicyParams:
     # the budget on its GPU last changed, as their total time over the total its solo time would have
     # taken (each report weighted by the iterations it covers). Not a median of single reports: an
     # opportunistic job at a low share launches its work in bursts, so most mini-batches beside it run
-    # clean and a few wait behind a burst. On the contending emulated GPU a ResNet-50 read its solo
-    # time in 303 of 452 reports and 1.4-2.5x it in the rest: the median of five read no slowdown, the
-    # loop raised the share at every clean report, and the job ran 1.21-1.31x its work
-    # (docs/evaluation.md, session 24). A guarantee is about the mean. The loop decides once an
-    # episode holds ``slowdown_window`` reports and ``decide_after_s`` of the job's time (input stalls
-    # make single mini-batches vary by about 6 %, three times the target: averaging is what keeps
-    # that noise from cutting the share; antman bench interleave), and it raises only once the
-    # episode spans an iteration of every opportunistic neighbour at its present share, so that their
-    # bursts are in it. Each change starts a new episode: one decision per piece of evidence. An
-    # episode that holds the share for ``episode_max_s`` starts afresh, so the mean follows phases.
+    # clean and a few wait behind a burst. On the contending emulated GPU a ResNet-50 read its solo time
+    # in 303 of 452 reports and 1.4-2.5x it in the rest: the median of five read no slowdown, the loop
+    # raised the share at every clean report, and the job ran 1.21-1.31x its work (2026-11-26;
+    # docs/evaluation.md, "Why the replay's guaranteed jobs ran over their work"). A guarantee is about
+    # the mean. The loop decides once an episode holds ``slowdown_window`` reports and
+    # ``decide_after_s`` of the job's time (input stalls make single mini-batches vary by about 6 %,
+    # three times the target: averaging is what keeps that noise from cutting the share; antman bench
+    # interleave), and it raises only once the episode spans an iteration of every opportunistic
+    # neighbour at its present share, so that their bursts are in it. Each change starts a new episode:
+    # one decision per piece of evidence. An episode that holds the share for ``episode_max_s`` starts
+    # afresh, so the mean follows phases.
     slowdown_window: int = 5
     decide_after_s: float = 2.0
     episode_max_s: float = 30.0
@@ -48,10 +49,10 @@ class NodePolicyParams:
     # alone, and the best time it shows beside them is no solo time: the loop then reads their
     # interference as the baseline and never cuts. The devcluster replay on the contending emulated GPU
     # showed it (two ResNet-50s started beside a neighbour ran 1.21x and 1.27x their work, those that
-    # started alone 1.00x; docs/evaluation.md, session 24). So its first reports are a probe: the
-    # opportunistic jobs on its GPUs are held at ``probe_share`` until it has ``baseline_window`` solo
-    # reports, or for ``probe_max_s`` at most (a job that never reports must not hold them for good;
-    # 0: no probe).
+    # started alone 1.00x; docs/evaluation.md, "Why the replay's guaranteed jobs ran over their work",
+    # 2026-11-26). So its first reports are a probe: the opportunistic jobs on its GPUs are held at
+    # ``probe_share`` until it has ``baseline_window`` solo reports, or for ``probe_max_s`` at most (a
+    # job that never reports must not hold them for good; 0: no probe).
     probe_share: float = 0.01
     probe_max_s: float = 60.0
     grace_s: float = 30.0                    # preemption notice to requeue
