@@ -202,7 +202,7 @@ def main(args) -> int:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     demo = Demo(cluster, work)
-    # The emulated GPU contends (issue 30): one job's kernels at a time, so the guaranteed job's steps
+    # The emulated GPU contends: one job's kernels at a time, so the guaranteed job's steps
     # really wait behind its neighbour's. Its servers run as the jobs' user, in the jobs' directory.
     device = work / "device"
     device.mkdir()

@@ -1,4 +1,4 @@
-"""``antman bench elastic``: a width change against a requeue (issue 29 part 3), side by side, on the
+"""``antman bench elastic``: a width change against a requeue (docs/elastic.md), side by side, on the
 same job in one run.
 
 On a devcluster (Slurm, the real sidecar, the SPANK plugin and job_submit.lua; one node of two
@@ -16,7 +16,7 @@ Then the same job is **requeued** ``--rounds`` times the way the coordinator doe
 requeue``, a second later ``StartTime=now+2``: Slurm 22.05 refuses a credential made in the second
 its old one was revoked), measured from the requeue to its first step after the restart.
 
-``gap_ratio`` is the median shrink's time to training again over the median requeue's. The issue's
+``gap_ratio`` is the median shrink's time to training again over the median requeue's. The
 targets: the GPU given back within the grace time + 5 s, and a training gap well under a requeue's.
 Every step of the job is checked to have been trained exactly once on its own samples (``lost``).
 """

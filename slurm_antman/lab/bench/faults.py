@@ -1,4 +1,4 @@
-"""``antman bench faults``: issue 15's faults and attacks, run on a real devcluster, counted.
+"""``antman bench faults``: faults and attacks on a job's limits, run on a real devcluster, counted.
 
 One node, one emulated 2 GiB GPU, tenant ``research`` with one guaranteed GPU: every job shares
 GPU 0, so every fault happens beside a guaranteed job. Each scenario starts a guaranteed and an

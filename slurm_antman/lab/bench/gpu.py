@@ -1,4 +1,4 @@
-"""``antman bench gpu``: every GPU mechanism of slurm-antman, run once on a real GPU (issue 13).
+"""``antman bench gpu``: every GPU mechanism of slurm-antman, run once on a real GPU (docs/gpu_proof.md).
 
     antman bench gpu --out DIR [--plan] [--budget-s N] [--parts memory,spill,...]
 
@@ -66,8 +66,8 @@ def _pause_missing() -> Optional[str]:
 
 
 _B = "slurm_antman.lab.bench."
-# In the issue's order. The budgets add up to 465 s (the zoo gave 30 to pause; for slots, issue 30, memory,
-# spill, zoo and pause gave 60, from what they took on the H100 on 2026-11-26), so the run ends within the issue's 8 minutes on an
+# In docs/gpu_proof.md's order. The budgets add up to 465 s (the zoo gave 30 to pause; for slots, memory,
+# spill, zoo and pause gave 60, from what they took on the H100 on 2026-11-26), so the run ends within 8 minutes on an
 # H100 with room for the runner's own start-up; each includes its processes' start-up (torch import
 # and CUDA context, 5-10 s per process).
 PARTS: tuple[Part, ...] = (
@@ -94,7 +94,7 @@ PARTS: tuple[Part, ...] = (
          "every zoo model alone and beside resnet50 and lstm_lm (bench.models, in chunks until the budget)"),
     Part("pause", "Pause and resume in place", 25.0, _B + "gpu_pause:run", ("cuda",),
          "an 8 GiB model+Adam state moved to pinned host memory and back: time against the measured "
-         "host-device bandwidth, memory freed, losses against an unpaused twin (issue 16)",
+         "host-device bandwidth, memory freed, losses against an unpaused twin",
          skip_if=_pause_missing),
     Part("slots", "Slot filling: the guaranteed job's idle slots, on a real GPU", 90.0, _B + "gpu_slots:run",
          ("cuda",),
@@ -177,7 +177,7 @@ def select_parts(text: Optional[str]) -> list[Part]:
     if bad or not names:
         raise BenchGpuError(f"--parts {text!r}: unknown part(s) {', '.join(bad) or '(none given)'}; allowed: "
                             f"{', '.join(BY_NAME)} or 'all', comma-separated")
-    return [p for p in PARTS if p.name in names]  # always in the issue's order
+    return [p for p in PARTS if p.name in names]  # always in docs/gpu_proof.md's order
 
 
 def budgets(parts: Sequence[Part], total_s: Optional[float]) -> list[float]:

@@ -42,8 +42,9 @@ def measure(workdir: str, iters: int = 20, rounds: int = 6, device: str = "cuda"
         agent.report_interval_s = agent._report_gap = base_ivl
         r["ratio_without_reports"], r["control_without_reports"] = quiet["ratio"], quiet["control"]
         r["report_us"] = _report_us(agent)
-        # The same rounds publishing on an idle-slot page (issue 30, item 2): what a guaranteed job
-        # pays for slot filling next to it (one event per boundary, one hook call per iteration).
+        # The same rounds publishing on an idle-slot page (docs/protocol.md, "The idle-slot page"): what
+        # a guaranteed job pays for slot filling next to it (one event per boundary, one hook call per
+        # iteration).
         from slurm_antman.protocol import slot_page
 
         page = os.path.join(workdir, "o", "slots.page")

@@ -4,7 +4,7 @@ measured up to then.
 
 A part is a function ``run(ctx: PartContext) -> None`` in a module of this package, run in a process
 of its own by ``gpu.py``. It measures, records numbers with :meth:`PartContext.put`, and turns each
-claim of the issue into a named check with :meth:`PartContext.check` (the value measured and what was
+claim of docs/gpu_proof.md into a named check with :meth:`PartContext.check` (the value measured and what was
 expected, in words). It raises :class:`PartSkipped` when it finds it cannot run here.
 """
 
@@ -42,7 +42,7 @@ class PartContext:
         return value
 
     def check(self, name: str, ok: bool, value: Any, expect: str) -> bool:
-        """One claim of the issue, measured: ``value`` is what was seen, ``expect`` the rule."""
+        """One claim of docs/gpu_proof.md, measured: ``value`` is what was seen, ``expect`` the rule."""
         self.doc["checks"].append({"name": name, "ok": bool(ok), "value": value, "expect": expect})
         self.flush()
         return bool(ok)

@@ -1,4 +1,4 @@
-"""Part 7: pause and resume in place (issue 16): the time to free the GPU and to resume, against the
+"""Part 7: pause and resume in place (after PipeSwitch, OSDI'20): the time to free the GPU and to resume, against the
 physical limit, the host-device bandwidth of this machine measured in the same run.
 
 A model of about 2 GiB of parameters with Adam (gradients and two moments: about 8 GiB in all)
@@ -6,7 +6,7 @@ trains a few steps; the agent's :class:`torch_patch.pause.Pauser` then moves its
 memory and back. Measured: the seconds to offload (copies and ``empty_cache``) and the device memory
 freed; the seconds until everything is back (the side-stream copies synchronised); the first step
 after the resume against a normal step; and the losses after the resume against an unpaused twin
-trained on the same data (the same numbers: nothing lost on the way). The issue's target: each
+trained on the same data (the same numbers: nothing lost on the way). The target: each
 direction within 2x of ``bytes / measured bandwidth``.
 
 Where the pause's time goes is recorded too (``Pauser.last_timings``: the garbage collector's scan,
@@ -23,7 +23,7 @@ from typing import Optional
 
 from .gpu_part import PartContext
 
-REASON = "pause/resume not implemented (issue 16)"
+REASON = "pause/resume not implemented (torch_patch.pause has no Pause and Resume)"
 LAYERS, WIDTH = 8, 8192  # 8 x 8192^2 fp32 parameters: 2 GiB; with grads and Adam's moments, ~8 GiB
 BW_BYTES = 1 << 30
 

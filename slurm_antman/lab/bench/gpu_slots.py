@@ -1,4 +1,4 @@
-"""Part 8: slot filling on a real GPU (issue 30, items 3 and 4): the parameters the simulator's
+"""Part 8: slot filling on a real GPU: the parameters the simulator's
 ``--compute slots`` takes from the contending emulated GPU (fill efficiency, leak), measured where
 kernels really run.
 
@@ -31,7 +31,7 @@ MODEL, BATCH = "resnet50", 64
 # 0.05 as well: on an H100 share 0.1 already slowed the guaranteed job 5.4 % (run 4), so without it no
 # duty share held 2 % and the comparison below had nothing to compare against.
 SHARES = (0.05, 0.1, 0.2)
-# The issue's bound for slot filling's cost to the guaranteed job, with the GPU's noise on top.
+# The bound for slot filling's cost to the guaranteed job, with the GPU's noise on top.
 MAX_SLOWDOWN = 1.05
 
 

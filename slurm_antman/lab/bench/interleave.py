@@ -1,5 +1,5 @@
 """``antman bench interleave``: a guaranteed job with input stalls and an opportunistic job on one
-contending emulated GPU, in the same run, three ways (issue 30's target):
+contending emulated GPU, in the same run, three ways:
 
 - ``alone``: each job by itself, the baselines (the guaranteed job's mini-batch time, the
   opportunistic job's work per second);
@@ -12,7 +12,7 @@ contending emulated GPU, in the same run, three ways (issue 30's target):
 
 It prints ``guaranteed_slowdown`` (mini-batch time over alone) and ``opportunistic_progress`` (work
 per second over alone) per mode, measured over the last ``MEASURE_FRACTION`` of each window (the loop
-starts at the policy's initial share and needs a few reports to settle). Targets (issue 30): slot
+starts at the policy's initial share and needs a few reports to settle). Targets: slot
 filling at guaranteed slowdown <= 1.02 with opportunistic progress >= 5x the duty throttle's.
 
 The device is ``contended_gpu``'s: one job's kernels at a time, FIFO, non-preemptive, with its

@@ -1,4 +1,4 @@
-"""``antman bench pause``: pause in place against requeue (issue 16), measured side by side.
+"""``antman bench pause``: pause in place against requeue, measured side by side.
 
 Pause, on this machine: the real sidecar (emulated telemetry, one 16 GiB GPU) and a real training
 process with the real agent (``slurm_antman/lab/jobs/demo_train.py``, its GPU footprint emulated at
@@ -14,7 +14,7 @@ made in the second its old one was revoked); measured from the requeue to its fi
 restart (Slurm's kill and restart, Python and torch starting, the checkpoint loaded).
 
 ``speedup_vs_requeue`` is the requeue's time from the decision to training again over the pause's
-(decision to ack, plus resume decision to training again); the issue's target: >= 20.
+(decision to ack, plus resume decision to training again); the target: >= 20.
 """
 
 from __future__ import annotations

@@ -81,10 +81,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="antman: opportunistic.move_gain (a move needs a GPU promising this many times the progress)")
     p.add_argument("--placement", choices=PLACEMENTS, default=SimConfig.placement,
                    help="nodes: a job on one node if it fits one, else on as few nodes as hold it (-N, as Slurm and "
-                        "the replay); spread: free GPUs wherever they are (the model before issue 29)")
+                        "the replay); spread: free GPUs wherever they are (the model until 2026-11-26)")
     p.add_argument("--backfill", choices=BACKFILLS, default=SimConfig.backfill,
                    help="easy: submission order with a reservation for the first job that cannot start (Slurm's "
-                        "sched/backfill, see simulator/scheduler.py); first_fit: any job that fits starts (before issue 29)")
+                        "sched/backfill, see simulator/scheduler.py); first_fit: any job that fits starts (the model until "
+                        "2026-11-26)")
     p.add_argument("--no-locality", dest="locality", action="store_false",
                    help="a multi-node job runs as fast as a packed one (default: Pollux's measured per-GPU efficiency)")
     p.add_argument("--nodes-per-switch", type=int, default=SimConfig.nodes_per_switch,

@@ -33,7 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iter-scale", type=float, default=1.0, help="emulated mini-batch time = profile's x this")
     p.add_argument("--contend", action=argparse.BooleanOptionalAction, default=True,
                    help="the emulated jobs run on contending emulated GPUs (emulated_job --contend): "
-                        "interference emerges from their timing (the default, issue 30); --no-contend: it is "
+                        "interference emerges from their timing (the default); --no-contend: it is "
                         "read from the workload formula, which the replay then cannot disagree with")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="give up on jobs not done after this long")
     p.add_argument("--oom-retry-s", type=float, default=rp.ReplayConfig.oom_retry_s,

@@ -1,4 +1,4 @@
-"""The Python packages an offline GPU node lacks, carried as wheels in ``.whl/`` (issue 13).
+"""The Python packages an offline GPU node lacks, carried as wheels in ``.whl/`` (docs/gpu_proof.md).
 
 The GPU node has torch (2.11, CUDA 13), nvidia-ml-py and pytest on Python 3.12, x86-64, and no network.
 What the proof's code paths import beyond that (checked by importing ``torch_patch.agent`` and

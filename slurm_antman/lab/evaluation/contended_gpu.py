@@ -1,6 +1,6 @@
 """An emulated GPU that really contends: one small device server per emulated GPU, which executes one
 job's kernels at a time, in submission order, without preemption, and charges a context-switch cost
-whenever the next kernel belongs to another job than the last one (issue 30, item 1).
+whenever the next kernel belongs to another job than the last one.
 
 ``emulated_gpu``'s board makes two emulated jobs on one GPU slow each other by a number read from the
 workload formula (``Profile.slowdown``): the devcluster replay could only repeat the simulator's model

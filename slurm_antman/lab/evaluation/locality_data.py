@@ -36,7 +36,7 @@ What the numbers show, and what to keep in mind:
 - spreading can be faster: cifar10 on "111" beats "3" at local batches of 182 and more (1.07 at the
   median), presumably because GPUs sharing a node also share its CPUs and PCIe; imagenet has two
   entries just over 1 (1.01, 1.02);
-- issue check: "BERT 0.96 on one node x 4 against 0.63 on 4 nodes x 1" is the CSV's per-GPU
+- a check: "BERT 0.96 on one node x 4 against 0.63 on 4 nodes x 1" is the CSV's per-GPU
   throughput of "4" and "1111" relative to one GPU ("1") at local batch 12 (0.963 and 0.627). Relative
   to the packed node, as here, that is 0.651 at batch 12, and the median over batches 4-12 is 0.566;
 - ``scalability.csv`` (6-16 nodes, same directories) is not used: its rows do not give the per-node
@@ -45,7 +45,7 @@ What the numbers show, and what to keep in mind:
 - T4s on a 50 Gbps network with Pollux's batch sizes: faster GPUs spend relatively more time in the
   exchange, so for V100-class nodes these are optimistic.
 
-One-node scaling (``ONE_NODE_SPEEDUP``, issue 29's per-profile scaling curve; same files, same
+One-node scaling (``ONE_NODE_SPEEDUP``, the simulator's per-profile scaling curve; same files, same
 ``locality_derive.py``): for the one-node placements "1" to "4", the speedup S(w) is the job's
 throughput, local_bsz x w / step_time, over one GPU's at the same local batch size, i.e. w x one GPU's
 step time / w GPUs' step time; the table keeps the median over the local batch sizes measured for both

@@ -75,7 +75,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def compare(base: Mapping, base_rows: Iterable[Mapping], other: Mapping, other_rows: Iterable[Mapping]) -> dict:
-    """``other`` against ``base`` (exclusive) on the same trace: the issue's four ratios. The
+    """``other`` against ``base`` (exclusive) on the same trace: the four ratios of the targets. The
     guaranteed ratio is also given over the same jobs (those admitted guaranteed under ``other``,
     with their JCT under ``base``), since the two policies class different jobs guaranteed."""
     base_jct = {r["job_id"]: r["end_s"] - r["submit_s"] for r in base_rows if r.get("end_s") is not None}

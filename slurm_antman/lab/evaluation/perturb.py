@@ -1,12 +1,12 @@
 """How far a simulated result moves with the coordinator cycle's phase (``antman bench simulate --perturb N``).
 
-One run is one path through a chaotic system: a coordinator cycle a second earlier or later starts a
-job on another GPU, and everything after differs. On the Philly window (48 x 8) single runs with
-``cycle_s`` 28 to 32 s gave antman 7,732-7,847 s of mean JCT and ``shared`` at one slot 8,077-8,304 s;
-saturated, 12,742-13,291 s and 12,341-12,731 s (docs/evaluation.md, session 25). A gap of a few percent
-between two single runs can be this phase alone. So a comparison reports the mean and range over runs
-whose cycle is shifted by whole seconds around the nominal one; the workload, the trace and every
-policy setting stay the same.
+One run is one path through a chaotic system: a coordinator cycle a second earlier or later starts a job
+on another GPU, and everything after differs. On the Philly window (48 x 8) single runs with ``cycle_s``
+28 to 32 s gave antman 7,732-7,847 s of mean JCT and ``shared`` at one slot 8,077-8,304 s; saturated,
+12,742-13,291 s and 12,341-12,731 s (2026-11-27; docs/evaluation.md, "How far one run moves"). A gap of
+a few percent between two single runs can be this phase alone. So a comparison reports the mean and
+range over runs whose cycle is shifted by whole seconds around the nominal one; the workload, the trace
+and every policy setting stay the same.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class ReplayConfig(TraceRunConfig):
     iter_scale: float = 1.0       # emulated mini-batch time = profile.iter_ms * iter_scale
     # The emulated jobs run on contending emulated GPUs (emulated_job --contend: interference emerges
     # from the jobs' timing); False: they take it from the workload formula, the simulator's own model,
-    # so the replay could only repeat it (issue 30, item 1).
+    # so the replay could only repeat it.
     contend: bool = True
     poll_s: float = 1.0
     max_wall_s: float = 1800.0    # jobs not done by then are reported as not done

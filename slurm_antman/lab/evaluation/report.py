@@ -1,4 +1,4 @@
-"""Writing a replay's results: one JSON document (the keys the issue names, per policy) and, when
+"""Writing a replay's results: one JSON document (the keys docs/evaluation.md reads, per policy) and, when
 matplotlib is installed, PNG plots. Plotting is optional so the simulator runs on a bare install."""
 
 from __future__ import annotations

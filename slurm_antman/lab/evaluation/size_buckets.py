@@ -1,13 +1,13 @@
 """Mean JCT by job size, per policy, from the per-job CSVs of ``antman bench simulate --out DIR``
-(issue 29's targets are per size bucket):
+(the multi-GPU jobs' targets are per size bucket; docs/evaluation.md, "Per size bucket"):
 
     python -m slurm_antman.lab.evaluation.size_buckets DIR
 
 For each bucket (1, 2-4, 5-8 and more than 8 GPUs): the jobs' mean JCT under every policy in DIR;
 then, for the jobs antman ran as opportunistic, their total JCT under antman over the same jobs'
-under ``exclusive`` (the issue's "at most 1.0x per size bucket"), how many there were, and how
+under ``exclusive`` (the target: "at most 1.0x per size bucket"), how many there were, and how
 often they were preempted (requeues and moves) under antman. Then, from DIR's results.json, antman's
-whole-job requeues of multi-GPU jobs by cause beside its width changes (the issue's "whole-job requeues
+whole-job requeues of multi-GPU jobs by cause beside its width changes (the target: "whole-job requeues
 mostly replaced by width changes"; the causes are simulator/antman.py's ``_whole_requeue_cause``).
 """
 

@@ -1,4 +1,4 @@
-"""The demo jobs' GPU work on the contending emulated GPU (issue 30: ``evaluation/contended_gpu``), so
+"""The demo jobs' GPU work on the contending emulated GPU (``evaluation/contended_gpu``), so
 that ``antman demo`` shows the guaranteed job slowed by its neighbour's real timing and the node loop
 answering it, not a number read from a formula.
 

@@ -306,7 +306,7 @@ class AntmanAdapter:
             self.changed = True
 
     def _whole_requeue_cause(self, j: SimJob, move: bool) -> str:
-        """Why a multi-GPU job is requeued whole rather than narrowed (issue 29 asks for width changes
+        """Why a multi-GPU job is requeued whole rather than narrowed (the target is width changes
         in place of whole-job requeues): ``need``: a guaranteed job's need; for a move, ``rigid`` (not
         elastic: wider than a node, or not submitted elastic), ``all_shared`` (every GPU it runs on has
         a guaranteed job, so giving one up leaves it crawling on the rest), ``narrowed`` (no guaranteed

@@ -16,12 +16,12 @@ from .slot_fill import COMPUTE_MODES, SlotFillParams
 POLICIES = ("exclusive", "quota", "scavenger", "shared", "antman")
 NO_ROOM = ("fallback", "wait")
 # How jobs are laid on nodes: "nodes" as the replay and a site submit them (-N: a job up to a node's
-# GPUs on one node, a larger one on as few nodes as hold it); "spread" is the model before issue 29,
+# GPUs on one node, a larger one on as few nodes as hold it); "spread" is the model until 2026-11-26,
 # which took free GPUs wherever they were, kept to compare with.
 PLACEMENTS = ("nodes", "spread")
 # How the queue is passed over for whole GPUs: "easy": strict submission order with a reservation for
 # the first job that does not fit, later jobs started only where they do not delay it (scheduler.py);
-# "first_fit": any job that fits starts, in order, no reservation (the model before issue 29).
+# "first_fit": any job that fits starts, in order, no reservation (the model until 2026-11-26).
 BACKFILLS = ("easy", "first_fit")
 # Policies under which every job holds whole GPUs alone.
 WHOLE_GPU = frozenset({"exclusive", "quota", "scavenger"})
@@ -35,11 +35,11 @@ class SimConfig(TraceRunConfig):
     # opportunistic.utilization_window_s: the sidecar's utilisation average, and how long a new
     # guaranteed job must have iterated before its GPU counts as measured (slurm_antman.policy.node.placement).
     util_window_s: float = 10.0
-    # antman: pause in place before requeue (sidecar.pause_max_s; None: requeue at once, as before
-    # issue 16), its resume hold (sidecar.resume_hold_s), and the cost of one pause and resume: the
-    # job's GPU memory over this bandwidth, each way, lost from its progress. 12e9 B/s: PCIe 3.0 x16
-    # (15.75 GB/s raw, the bus of PipeSwitch's testbed, OSDI'20 section 6) at the ~75 % pinned copies
-    # reach; `antman bench gpu` part 7 measures this on the lent GPU nodes.
+    # antman: pause in place before requeue (sidecar.pause_max_s; None: requeue at once), its resume
+    # hold (sidecar.resume_hold_s), and the cost of one pause and resume: the job's GPU memory over
+    # this bandwidth, each way, lost from its progress. 12e9 B/s: PCIe 3.0 x16 (15.75 GB/s raw, the
+    # bus of PipeSwitch's testbed, OSDI'20 section 6) at the ~75 % pinned copies reach; `antman bench
+    # gpu` part 7 measures this on the lent GPU nodes.
     pause_max_s: Optional[float] = None
     resume_hold_s: float = 10.0
     pause_bandwidth_bytes_s: float = 12e9
@@ -81,14 +81,15 @@ class SimConfig(TraceRunConfig):
     no_room: str = "wait"
     # antman: opportunistic.upgrade_running (off by default, as in antman.yaml).
     upgrade_running: bool = False
-    # Issue 29: Slurm's placement and backfill, and the cost of crossing nodes.
+    # Slurm's placement and backfill, and the cost of crossing nodes (docs/workload_model.md, "Placement,
+    # backfill and locality").
     placement: str = "nodes"
     backfill: str = "easy"
     # Slurm 22.05's bf_window default (1440 minutes, slurm.conf(5)): a job that cannot start within
     # it gets no reservation.
     bf_window_s: float = 86400.0
     # A multi-node job's per-GPU rate times Pollux's measured efficiency of its placement
-    # (locality_data.py); False: a spread job runs as fast as a packed one (the model before issue 29).
+    # (locality_data.py); False: a spread job runs as fast as a packed one (the model until 2026-11-26).
     locality: bool = True
     # topology/tree: this many nodes under each leaf switch (0: all under one). A multi-node job goes
     # under one switch when one has room; antman's opportunistic jobs wait up to switch_wait_s for one
@@ -124,11 +125,12 @@ class SimConfig(TraceRunConfig):
     elastic_array_min_tasks: int = 1
     # The coordinator holds an array's other tasks while its rendezvous host is pending (what-if, off).
     elastic_array_host_first: bool = False
-    # A study, not a policy (issue 29): while a one-GPU opportunistic job waits for room (no_room=wait),
-    # at most once per this many simulated seconds, which rule keeps each GPU of the cluster from it
-    # (policy.node.placement.exclusion; "node_slots:RULE": its node's opportunistic Slurm slots are taken too),
-    # sampled at the scheduling passes where such a job finds no room.
-    # None: no study. It reads the state only: the run is the same with it.
+    # A study, not a policy (docs/evaluation.md, "Two follow-ups on the whole trace's loss"): while a
+    # one-GPU opportunistic job waits for room (no_room=wait), at most once per this many simulated
+    # seconds, which rule keeps each GPU of the cluster from it (policy.node.placement.exclusion;
+    # "node_slots:RULE": its node's opportunistic Slurm slots are taken too), sampled at the scheduling
+    # passes where such a job finds no room. None: no study. It reads the state only: the run is the
+    # same with it.
     wait_study_s: Optional[float] = None
     # What-if, not built on the real path: under no_room=wait, an opportunistic job waits for room at
     # most this long after its submission, then starts as under fallback. None: it waits as long as it takes.

@@ -1,4 +1,4 @@
-"""Elastic width for antman's opportunistic jobs (issue 29, after Amoeba): give up one GPU instead of
+"""Elastic width for antman's opportunistic jobs (after Amoeba, 2019): give up one GPU instead of
 requeueing the whole job, and grow back onto it later.
 
 The default model is the real path's rules, as ``slurm_antman.policy.node.core`` builds them (its
@@ -10,7 +10,7 @@ module doc, "Elastic width"; ``can_shed`` and ``_width_changes``; docs/elastic.m
   that may span nodes unless it is a job array, and keeps it on one (``max_nodes=1``). A wider job
   stays rigid, or with ``elastic_arrays`` is an array of one-node tasks (below, "Across nodes"). Under
   ``placement="nodes"`` a job that fits a node already runs on one. Under ``"spread"``, the model
-  before issue 29, an elastic job still takes one node.
+  until 2026-11-26, an elastic job still takes one node.
 - **Start.** It starts at full width ``MAX``, on the GPUs the node policy places it on: its device set.
   It waits for room for all of it, like any job; there is no narrow start.
 - **Shed for a guaranteed job.** When a guaranteed job needs the room on one of its GPUs, the job sheds

@@ -1,4 +1,4 @@
-"""Elastic width across nodes, as the real path builds it: a Slurm job array (issue 29; docs/elastic.md,
+"""Elastic width across nodes, as the real path builds it: a Slurm job array (docs/elastic.md,
 "Across nodes: a job array"; ``slurm_antman.policy.cluster.preemption``'s module doc;
 ``torch_patch.elastic_nodes``). On with ``elastic_arrays`` (``--elastic-arrays``), off by default
 (docs/evaluation.md, "Elastic across nodes: a job array", says why).

@@ -404,7 +404,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
             sm_util_makespan=(self.area_util_all / (n * makespan)) if makespan > 0 else 0.0,
             mem_util_makespan=(self.area_mem_all / (n * makespan * self.cfg.gpu_mem_bytes)) if makespan > 0 else 0.0,
             # Progress-weighted: the busy time each job would need alone for the progress it makes,
-            # so a GPU busy with two jobs that each crawl counts for little (issue 12's metric).
+            # so a GPU busy with two jobs that each crawl counts for little (docs/evaluation.md's useful utilisation).
             useful_util=(self.area_useful / (n * span)) if span else 0.0,
             useful_util_queued=(self.area_useful_queued / (n * self.t_queued)) if self.t_queued else None,
             queued_s=self.t_queued,

@@ -22,7 +22,8 @@ between (docs/evaluation.md) are this module alone:
 Under ``antman`` the same scheduler starts the jobs, within the node slot counts the coordinator sets
 and on the GPUs the node policy's ``choose_gpus`` picks (``antman``).
 
-Placement and backfill, as Slurm does them (issue 29; docs/workload_model.md lists what is left out):
+Placement and backfill, as Slurm does them (docs/workload_model.md, "Placement, backfill and locality",
+lists what is left out):
 
 - ``placement="nodes"``: a job of up to a node's GPUs runs on one node (``-N 1``, as the devcluster
   replay submits it) or waits; a larger one on ``ceil(g / gpus_per_node)`` nodes, its GPUs split as
@@ -502,7 +503,7 @@ class SlurmScheduler:
             return 1.0
         return profile_efficiency(j.profile.name, len(gpus), nodes)
 
-    # -- the model before issue 29 (placement="spread"), kept to say how the baselines moved ------
+    # -- the model until 2026-11-26 (placement="spread"), kept to say how the baselines moved -----
 
     def _place_spread(self, j: SimJob) -> Optional[list[int]]:
         want = j.job.gpus

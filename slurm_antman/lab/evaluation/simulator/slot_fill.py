@@ -1,6 +1,6 @@
-"""The simulator's slot-filling compute mode (issue 30, item 4): how fast jobs progress on a GPU
-where the opportunistic jobs launch only into the guaranteed job's idle slots (torch_patch/slots.py)
-instead of running under the duty throttle. Pure: no clock, no state.
+"""The simulator's slot-filling compute mode (docs/workload_model.md, "Interference and control"): how
+fast jobs progress on a GPU where the opportunistic jobs launch only into the guaranteed job's idle
+slots (torch_patch/slots.py) instead of running under the duty throttle. Pure: no clock, no state.
 
 The model has two named parameters. The defaults are **measured on a GPU**, once: the GPU proof's
 part 8 on an H100 (docs/benchmarks.md, "Run 4"), a guaranteed ResNet-50 at half duty beside an
