@@ -1,7 +1,7 @@
-"""Slurm accounting on the devcluster (issue 17): slurmdbd on a real MariaDB, the tenants as accounts
-with GrpTRES=gres/gpu=N, the coordinator taking its quotas from there, sacct answering for every job
-(requeued ones included), and submitit, a real client that polls sacct, running a job without one
-sacct error."""
+"""Slurm accounting on the devcluster (docs/admin.md, "Tenant quotas"): slurmdbd on a real MariaDB, the
+tenants as accounts with GrpTRES=gres/gpu=N, the coordinator taking its quotas from there, sacct
+answering for every job (requeued ones included), and submitit, a real client that polls sacct, running
+a job without one sacct error."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Pause in place (issue 16), the agent's side, against a sidecar peer over real ZeroMQ IPC with a real
-training loop on CPU. GPU memory is emulated here (the agent's trace-replay emulation): what a pause
-frees and restores is the emulated footprint; the CUDA move itself is the gpu test below."""
+"""Pause in place (after PipeSwitch, OSDI'20), the agent's side, against a sidecar peer over real ZeroMQ
+IPC with a real training loop on CPU. GPU memory is emulated here (the agent's trace-replay emulation):
+what a pause frees and restores is the emulated footprint; the CUDA move itself is the gpu test
+below."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input, fuzzed (issue 15, item 5): antman.yaml and trace files. Whatever the bytes, the answer is
+"""Bad input, fuzzed: antman.yaml and trace files. Whatever the bytes, the answer is
 a one-line-per-problem error naming the file (ConfigError, TraceError), never another exception, a
 hang or memory without bound. (The protocol decoder's fuzzing is in test_protocol.py and, on live
 sockets, test_sidecar_daemon.py.)"""

@@ -1,4 +1,4 @@
-"""``antman bench gpu`` (issue 13): the runner, the reports and the wheel step on CPU; the GPU proof's
+"""``antman bench gpu`` (docs/gpu_proof.md): the runner, the reports and the wheel step on CPU; the GPU proof's
 claims under ``@pytest.mark.gpu`` (they run each part the way the bench does, in its own process,
 and assert on what it measured; without CUDA they skip)."""
 
@@ -37,7 +37,7 @@ def test_plan_lists_every_part_in_the_issues_order_with_its_budget():
     for p in PARTS:
         row = next(ln for ln in lines if ln.split()[1:2] == [p.name])
         assert f"{p.budget_s:.0f} s" in row and p.what[:30] in row
-    # Pause exists now (issue 16): nothing but the machine keeps its part from running.
+    # Pause exists now: nothing but the machine keeps its part from running.
     from slurm_antman.lab.bench.gpu_pause import missing
     assert missing() is None and "not implemented" not in text
 
@@ -73,7 +73,7 @@ def test_the_cli_registers_bench_gpu_like_the_other_benches(capsys):
 
     assert cli.main(["bench", "gpu", "--plan", "--parts", "spill,memory"]) == 0
     out = capsys.readouterr().out
-    assert out.index(" memory ") < out.index(" spill ")  # the issue's order, whatever the flag's
+    assert out.index(" memory ") < out.index(" spill ")  # docs/gpu_proof.md's order, whatever the flag's
 
 
 # --- a run on CPU ---------------------------------------------------------------------------------

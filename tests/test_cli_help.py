@@ -1,4 +1,4 @@
-"""Every command-line flag and argument of slurm-antman has help (issue 27): `antman`'s own parser with all
+"""Every command-line flag and argument of slurm-antman has help: `antman`'s own parser with all
 its subcommands, and every other parser in slurm_antman/ and slurm_antman/sidecar/ (the daemons, keys, doctor, the
 benchmarks, the bench workers). The parsers are found in the source, so a new one is checked too."""
 

@@ -1,6 +1,6 @@
 """The simulator's backfill (simulator/scheduler.py, backfill="easy") against Slurm's own, on a real
-cluster: one node of 4 GPUs, the same four jobs, the same decisions (issue 29: "check the model
-against the devcluster").
+cluster: one node of 4 GPUs, the same four jobs, the same decisions (the model checked
+against the devcluster).
 
 A holds 2 GPUs; B wants all 4 and must wait for A; C (2 GPUs, long) would delay B; D (2 GPUs, short)
 ends before B could start. Slurm's sched/backfill, planning from the jobs' time limits, starts D and

@@ -1,11 +1,11 @@
-"""Elastic width on the devcluster (issue 29 part 3, docs/elastic.md), end to end: a real Slurm, the
+"""Elastic width on the devcluster (docs/elastic.md), end to end: a real Slurm, the
 real sidecar, the SPANK plugin and job_submit.lua, and a torchrun (CPU, gloo) job under
 ``torch_patch.elastic_launch``. A guaranteed job claims one of the elastic job's two GPUs: the job
 sheds it and goes on at width 1, from the checkpoint its agent saved at the change, without a requeue;
 when the guaranteed job has gone it grows back to 2 after the hold. Nothing is lost: every step is
 trained, none skipped, and the sample stream continues exactly.
 
-Measured, not asserted beyond the issue's bound (docs/benchmarks.md records the numbers): how long
+Measured, not asserted beyond the target's bound (docs/benchmarks.md records the numbers): how long
 the shed GPU took to be given back (target: within the grace time + 5 s) and the training gap, from
 the last step at the old width to the first at the new, against a requeue's 6.04 s."""
 

@@ -1,4 +1,4 @@
-"""Elastic width across nodes on the devcluster (issue 29 item 3; docs/elastic.md, "Across nodes: a job
+"""Elastic width across nodes on the devcluster (docs/elastic.md, "Across nodes: a job
 array"), end to end: three nodes that are hosts of their own (network namespaces), the real sidecars
 and coordinator, job_submit.lua, and one torchrun training (CPU, gloo) run as a two-task job array
 under ``torch_patch.elastic_launch``, its c10d rendezvous crossing the nodes' interfaces.

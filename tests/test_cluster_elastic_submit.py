@@ -1,4 +1,4 @@
-"""--antman-elastic=MIN:MAX on the session's real Slurm cluster (issue 29 part 3, docs/elastic.md),
+"""--antman-elastic=MIN:MAX on the session's real Slurm cluster (docs/elastic.md),
 submitted by the unprivileged submitter: the plugin refuses a bad value at sbatch, job_submit.lua
 refuses a range that does not fit the job, and an accepted job carries the range in its tag and its
 environment."""

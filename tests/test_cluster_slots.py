@@ -1,4 +1,4 @@
-"""Slot filling on the devcluster (issue 30; docs/protocol.md, "The idle-slot page"), end to end: a real
+"""Slot filling on the devcluster (docs/protocol.md, "The idle-slot page"), end to end: a real
 Slurm 22.05 with device cgroups, the real sidecar with ``sidecar.slot_filling: true``, the SPANK plugin
 and job_submit.lua, and two emulated training jobs (``emulated_job --contend``) submitted as the
 cluster's unprivileged user onto the one GPU of a one-node cluster, each under the real agent, which

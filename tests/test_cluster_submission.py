@@ -197,7 +197,7 @@ srun -n1 bash -c 'echo "STEP CLASS=${{ANTMAN_CLASS:-}} CVD=${{CUDA_VISIBLE_DEVIC
 
 def test_missing_env_file_with_unusable_prolog_fails_the_opportunistic_step_closed(clean_cluster, tmp_path):
     """A later step that finds no env file runs the hook; when it cannot be executed, nothing could
-    place or limit the opportunistic job: its task does not start (issue 15: fail closed)."""
+    place or limit the opportunistic job: its task does not start (fail closed)."""
     c = clean_cluster
     plugstack = c.c.dir / "etc" / "plugstack.conf.d" / "antman.conf"
     original = plugstack.read_text()

@@ -1,5 +1,6 @@
-"""Locality on the real path (issue 29), on a real 4-node Slurm cluster with two emulated leaf switches
-(``up(switches=2)``: s0 over node1,node2 and s1 over node3,node4, joined by ``top``; topology/tree).
+"""Locality on the real path (docs/admin.md, "Network locality"), on a real 4-node Slurm cluster with
+two emulated leaf switches (``up(switches=2)``: s0 over node1,node2 and s1 over node3,node4, joined by
+``top``; topology/tree).
 
 What job_submit.lua asks of Slurm for an opportunistic job, and what Slurm 22.05 (and 24.11) does with it:
 the job goes under one leaf switch when one has the nodes free, waits up to ``opportunistic.switch_wait_s``

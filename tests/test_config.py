@@ -103,7 +103,7 @@ def test_cli_check_ok_and_errors(tmp_path):
     assert r.returncode == 2 and "not valid YAML" in r.stderr and "line" in r.stderr
 
 
-# Strict configuration (issue 27): what YAML or pydantic would convert silently is an error naming the
+# Strict configuration: what YAML or pydantic would convert silently is an error naming the
 # field and the line it is on.
 
 STRICT_BASE = """\

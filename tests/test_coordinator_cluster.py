@@ -199,7 +199,7 @@ def _preemption(c: ClusterHandle, tmp_path: Path, kill_coordinator: bool, torn_a
 @pytest.mark.slow  # about 55 s of devcluster: `make test` keeps under 15 minutes, `make test-slow` runs it
 def test_coordinator_killed_mid_preemption_with_a_torn_audit_line_loses_and_doubles_nothing(clean, tmp_path):
     """A guaranteed job's need requeues an opportunistic job, which resumes from its checkpoint, and
-    issue 15's fault on the way: the coordinator killed between the notice and the requeue, and
+    a fault on the way: the coordinator killed between the notice and the requeue, and
     restarted with a torn last line in its audit log (it keeps its state there; a crash in the middle
     of a write): the torn record is skipped, the state is replayed, and the preemption completes exactly
     once. (One run for all three: the plain preemption and a kill without the torn line were two more
@@ -264,7 +264,7 @@ while True:
 
 @pytest.mark.slurm_neutral  # the sidecar's and the agent's mechanics; 24.11 skips it (Makefile)
 def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once(clean, tmp_path):
-    """Issue 15, enforcement without the job's goodwill, end to end: the sidecar finds the job over its
+    """Enforcement without the job's goodwill, end to end: the sidecar finds the job over its
     limit for longer than sidecar.compliance_grace_s and names it; the coordinator requeues it with no
     grace time; the guaranteed job keeps running; explain says why."""
     c = clean
@@ -302,7 +302,7 @@ def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once
 @pytest.mark.slurm_neutral  # the sidecar's and the agent's mechanics; 24.11 skips it (Makefile)
 @pytest.mark.slow  # about 45 s of devcluster: `make test` keeps under 15 minutes, `make test-slow` runs it
 def test_sidecar_killed_and_restarted_while_jobs_run_requeues_nothing(clean, tmp_path):
-    """Issue 15's first fault: the node's sidecar SIGKILLed (as systemd would then restart it) while a
+    """A fault: the node's sidecar SIGKILLed (as systemd would then restart it) while a
     guaranteed and an opportunistic job run. The restarted sidecar finds its jobs again (its state
     directory), the agent reconnects and gets its limits back, and nothing is requeued: the
     reconnection is inside every grace time, the compliance check's included."""
@@ -361,7 +361,7 @@ while True:
 @pytest.mark.slurm_neutral  # the sidecar's and the agent's mechanics; 24.11 skips it (Makefile)
 @pytest.mark.slow  # about 50 s of devcluster: `make test` keeps under 15 minutes, `make test-slow` runs it
 def test_a_burst_pauses_the_opportunistic_job_in_place_and_it_finishes_as_if_never_paused(clean, tmp_path):
-    """Issue 16 end to end: a guaranteed job's memory burst leaves its opportunistic neighbour less than
+    """Pause in place end to end: a guaranteed job's memory burst leaves its opportunistic neighbour less than
     its minimum; the job is paused in place (PAUSED in antman squeue, explain says why), not requeued;
     when the burst is over it resumes and finishes with the loss of a run that was never paused."""
     from slurm_antman.clients import sidecar_control as client

@@ -1,5 +1,5 @@
 """The coordinator writes each pause in place and each resume its sidecars report into the audit log, for
-`antman explain` (issue 16), even when several reports arrive between two cycles (found by `make demo`: a
+`antman explain`, even when several reports arrive between two cycles (found by `make demo`: a
 resume half a second before the next pause was lost, so explain told of one long pause)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """antman_quota.lua, what the coordinator tells job_submit.lua about tenant quota use: the use, and since
-issue 26 the time of the snapshot (as_of), so job_submit.lua can count its own guaranteed admissions that
+2026-11-25 the time of the snapshot (as_of), so job_submit.lua can count its own guaranteed admissions that
 the snapshot cannot have seen yet."""
 
 from __future__ import annotations

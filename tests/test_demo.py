@@ -1,4 +1,4 @@
-"""`make demo` (issue 17): the AntMan loop on one emulated GPU, run as a user runs it, end to end. Its
+"""`make demo`: the AntMan loop on one emulated GPU, run as a user runs it, end to end. Its
 wall time (under 2 minutes on this machine) is a benchmark figure, not asserted here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 27: `antman devcluster status` lists each node once, and the demo and `antman devcluster` share one
+"""`antman devcluster status` lists each node once, and the demo and `antman devcluster` share one
 cluster directory (the cluster `make demo DEMO_ARGS=--keep` leaves is the one `antman devcluster up`
 finds). Without a cluster; tests/test_devcluster.py runs the same on a real one."""
 

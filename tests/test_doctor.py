@@ -239,7 +239,7 @@ def test_quota_file_unset_with_accounting_in_force_warns(tmp_path):
     assert c.status == "warn" and "GrpTRES" in c.reason and "quota_file: /etc/slurm/antman_quota.lua" in c.hint
 
 
-# --- the site-wide slurm.conf settings (issue 27: merge, never overwrite) ---------------------
+# --- the site-wide slurm.conf settings (merge, never overwrite) -------------------------------
 
 def _good_conf(tmp_path: Path) -> dict[str, str]:
     hooks = {}

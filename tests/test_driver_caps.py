@@ -1,4 +1,4 @@
-"""Driver-level memory caps (issue 15, item 3): what decides whether a node has them, and which
+"""Driver-level memory caps: what decides whether a node has them, and which
 cgroup a job's cap goes to. Setting a cap needs an NVIDIA driver r615+; that part is the gpu test."""
 
 from __future__ import annotations

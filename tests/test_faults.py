@@ -1,4 +1,4 @@
-"""Issue 15's faults and attacks on a real devcluster, through ``antman bench faults`` (the scenarios
+"""Faults and attacks on a real devcluster, through ``antman bench faults`` (the scenarios
 live in slurm_antman/lab/bench/faults.py so that a site can run the same thing): every row 0 jobs lost,
 0 doubled, 0 guaranteed restarts, no problem, nothing skipped. Slow (several minutes): `make test-slow`."""
 

@@ -1,4 +1,4 @@
-"""job_submit.lua and --antman-elastic=MIN:MAX (issue 29 part 3, docs/elastic.md), under lua5.1 with
+"""job_submit.lua and --antman-elastic=MIN:MAX (docs/elastic.md), under lua5.1 with
 tests/lua/harness.lua standing in for slurmctld (the helpers of test_job_submit_lua.py).
 
 The SPANK plugin checks the value alone; the script checks it again (a client can put ANTMAN_ELASTIC

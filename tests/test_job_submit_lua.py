@@ -562,7 +562,7 @@ def test_auto_uses_the_default_account_when_none_is_given(tmp_path: Path) -> Non
     assert any("tenant research over quota" in m for m in out["info"])
 
 
-# ---- opportunistic GPUs per node against the largest node (issue 26) ---------------------------
+# ---- opportunistic GPUs per node against the largest node ------------------------------------
 
 @pytest.mark.parametrize("fields, option", [
     ({"tres_per_node": "gres:gpu:5"}, "--gres=gpu:5"),
@@ -601,7 +601,7 @@ def test_bad_max_node_gpus_named(tmp_path: Path, value: Any) -> None:
     assert "max_node_gpus must be a positive whole number" in msg
 
 
-# ---- heterogeneous jobs (issue 26) ----------------------------------------------------------
+# ---- heterogeneous jobs -------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls", ["guaranteed", "opportunistic", "auto"])
 @pytest.mark.parametrize("offset", [0, 1])
@@ -633,7 +633,7 @@ def test_not_a_het_job_passes(tmp_path: Path) -> None:
     assert jd["admin_comment"] == "antman:class=guaranteed"
 
 
-# ---- auto admissions between two quota files (issue 26) -------------------------------------
+# ---- auto admissions between two quota files ----------------------------------------------
 
 def quota_text(used: int, quota: int = 4, as_of: Optional[float] = None, account: str = "research") -> str:
     head = f"as_of = {as_of!r}, " if as_of is not None else ""
@@ -723,7 +723,7 @@ def test_rendered_settings_carry_the_largest_node(tmp_path: Path) -> None:
     assert "at most 8 GPUs per node (the largest node has 8); this one asks for 9 (--gres=gpu:9)" in msg
 
 
-# ---- a site's own job_submit.lua with the module chained in (issue 27) ----------------------
+# ---- a site's own job_submit.lua with the module chained in -------------------------------
 
 DAY, WEEK = 24 * 60, 7 * 24 * 60
 ANTMAN_LINE = ('dofile((debug.getinfo(1, "S").source:match("^@(.*/)") or "./") .. '

@@ -1,5 +1,5 @@
-"""The house rules of the source tree (issue 28), read from the code itself: which room may import which,
-where Slurm is run, and how big a room may grow. docs/architecture.md ("The map") says why each rule holds.
+"""The house rules of the source tree, read from the code itself: which room may import which, where
+Slurm is run, and how big a room may grow. docs/architecture.md ("The map") says why each rule holds.
 
 A room is a package of one idea (``slurm_antman.sidecar``, ``slurm_antman.policy.cluster``,
 ``slurm_antman.lab.devcluster``, ...) or a module at the top of ``slurm_antman``. Imports inside functions

@@ -477,10 +477,11 @@ def test_the_sidecar_takes_the_crawl_line_from_the_floor_and_the_coordinators_mo
 
 
 def test_bursty_interference_that_a_median_passes_under_is_cut():
-    """The devcluster replay's ResNet-50 beside gpt2_small on the contending emulated GPU (session 24,
-    docs/evaluation.md): two thirds of its reports at its solo time (129 ms), the rest one to four
-    49 ms kernels late. Every median of five read no slowdown and the share went up to 0.7; the
-    mean is about 25 %, and the loop takes the share to its floor."""
+    """The devcluster replay's ResNet-50 beside gpt2_small on the contending emulated GPU (2026-11-26;
+    docs/evaluation.md, "Why the replay's guaranteed jobs ran over their work"): two thirds of its
+    reports at its solo time (129 ms), the rest one to four 49 ms kernels late. Every median of five
+    read no slowdown and the share went up to 0.7; the mean is about 25 %, and the loop takes the share
+    to its floor."""
     d = solo(ms=129.0)
     pattern = [129.0, 129.0, 178.0, 129.0, 129.0, 326.0, 129.0, 129.0, 227.0]
     ds = beside(d, pattern * 6, per=8)

@@ -1,4 +1,4 @@
-"""Elastic width in the pure node policy (issue 29, docs/elastic.md): an elastic job sheds the GPU a
+"""Elastic width in the pure node policy (docs/elastic.md): an elastic job sheds the GPU a
 guaranteed job claims instead of pausing or leaving, sheds the GPU it crawls on, and grows back onto
 an idle GPU of its set once per hold."""
 

@@ -102,7 +102,7 @@ def test_issue_bert_numbers_are_relative_to_one_gpu_at_batch_12():
     def per_gpu(p: str, b: int) -> float:
         return b / rows[(p, b)].step_time
 
-    # The issue's "0.96 on one node x 4 against 0.63 on 4 nodes x 1": per-GPU throughput over one GPU's.
+    # The quoted "0.96 on one node x 4 against 0.63 on 4 nodes x 1": per-GPU throughput over one GPU's.
     assert round(per_gpu("4", 12) / per_gpu("1", 12), 2) == 0.96
     assert round(per_gpu("1111", 12) / per_gpu("1", 12), 2) == 0.63
     # Relative to the packed node, at that batch, the locality loss is 0.65; the table's median, 0.57.

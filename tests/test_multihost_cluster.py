@@ -1,4 +1,4 @@
-"""A cluster of hosts (issue 26): every node in its own network namespace with its own address, the
+"""A cluster of hosts: every node in its own network namespace with its own address, the
 controller, slurmdbd and the coordinator in another, joined by a bridge inside the cluster's own
 namespaces. Every message between a node and the controller crosses a real interface."""
 

@@ -1,4 +1,4 @@
-"""The Prolog and an elastic job (issue 29 part 3, docs/elastic.md): ``antman node prolog`` against a
+"""The Prolog and an elastic job (docs/elastic.md): ``antman node prolog`` against a
 real sidecar (served in a thread over its IPC control socket), with Slurm stood in for by a small fake
 that holds the job's record. An opportunistic job tagged ``elastic=MIN:MAX`` is registered with
 ``elastic_min=MIN`` and its env file says ``ANTMAN_ELASTIC=MIN:MAX``; a task of an elastic job array across

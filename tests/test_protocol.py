@@ -248,7 +248,7 @@ def test_width_refuses_an_empty_repeated_or_too_long_gpu_list(gpus):
     assert e.value.code == p.ErrorCode.bad_value and "width.gpus" in e.value.message
 
 
-# --- the idle-slot page's fields (issue 30) -----------------------------------------------------------
+# --- the idle-slot page's fields (docs/protocol.md, "The idle-slot page") ----------------------------
 
 PAGE = "/run/slurm-antman/n1/slots/gpu0.slots"
 OLD_REGISTERED_FIELDS = {"job_id", "job_class", "seq", "mem_limit_bytes", "compute_share", "heartbeat_s", "throttle"}

@@ -1,4 +1,4 @@
-"""The coordinator's query channel (issue 26, ordinary users), with a real munged and real ZeroMQ
+"""The coordinator's query channel (docs/protocol.md, "Query channel"), with a real munged and real ZeroMQ
 sockets and no Slurm: who sees what, the messages, and the requests it refuses (and survives)."""
 
 from __future__ import annotations

@@ -375,7 +375,7 @@ def test_agent_gets_limits_that_follow_guaranteed_demand_and_preemption(one_gpu_
 
 
 def test_a_burst_pauses_a_pausable_job_in_place_and_it_resumes_once_the_burst_has_passed(sockdir):
-    """Issue 16's ladder on the real sidecar: the guaranteed job's burst leaves the opportunistic one less
+    """The preemption ladder on the real sidecar: the guaranteed job's burst leaves the opportunistic one less
     than its minimum; its agent can pause, so it is paused (no preemption), shown paused, not held to
     compliance, and resumed after the burst has been over for sidecar.resume_hold_s."""
 
@@ -725,7 +725,7 @@ def test_a_job_cannot_flood_its_sidecar_with_agents_or_oversized_frames(sidecar,
 
 @pytest.mark.parametrize("misbehaviour", ["ignores its limits", "holds more memory than its limit"])
 def test_a_noncompliant_opportunistic_job_beside_a_guaranteed_one_is_asked_to_go(sockdir, misbehaviour):
-    """Enforcement that does not need the job's goodwill (issue 15): an agent that does not acknowledge
+    """Enforcement that does not need the job's goodwill: an agent that does not acknowledge
     its new limits, or keeps more memory than its limit, for longer than sidecar.compliance_grace_s
     is sent away (here without a coordinator: the notice; with one, a requeue at once, see
     test_uplink_sidecar). A compliant neighbour is left alone."""
@@ -754,7 +754,7 @@ def test_a_noncompliant_opportunistic_job_beside_a_guaranteed_one_is_asked_to_go
 
 
 def test_a_full_state_directory_costs_the_restart_record_not_the_job(sidecar, sockdir):
-    """Issue 15's fault, at the sidecar: its state directory full (a real tmpfs, filled). The job is
+    """A fault at the sidecar: its state directory full (a real tmpfs, filled). The job is
     still registered, placed and limited, its agent served; only the record a restarted sidecar
     would read is missing, counted in a metric, and no partial file takes the space."""
 

@@ -1,4 +1,4 @@
-"""Elastic width on the real sidecar (issue 29, docs/elastic.md), over real ZeroMQ IPC sockets with
+"""Elastic width on the real sidecar (docs/elastic.md), over real ZeroMQ IPC sockets with
 agents played by plain DEALERs: a guaranteed job's claim sheds one GPU of an elastic job through its
 launcher's agent instead of a pause or a requeue; the GPU counts as given back when the job's process
 on it has gone, and one kept past the grace time gets the job requeued; the job grows back after the

@@ -1,4 +1,4 @@
-"""Idle-slot pages, the sidecar's side (issue 30 item 2; slurm_antman/sidecar/slot_pages.py): the ACL's
+"""Idle-slot pages, the sidecar's side (slurm_antman/sidecar/slot_pages.py): the ACL's
 bytes, which GPU gets a page and which agent what role, the directory and file rules root keeps, the
 permissions as real unprivileged users see them, and the sidecar offering pages over its agent sockets."""
 

@@ -1,6 +1,6 @@
 """The discrete-event simulator: accounting adds up under every policy, exclusive never shares a GPU,
 uncontrolled sharing OOMs and slows the guaranteed job, AntMan's control keeps it near its solo time,
-and the CLI writes the JSON keys the issue requires."""
+and the CLI writes the JSON keys docs/evaluation.md reads."""
 
 from __future__ import annotations
 
@@ -418,7 +418,7 @@ def test_antman_places_no_opportunistic_job_before_a_new_guaranteed_job_shows_in
 
 
 def test_pause_in_place_replaces_a_requeue_for_a_short_guaranteed_burst(tmp_path):
-    """Issue 16 in the simulator: five opportunistic jobs share a 16 GiB GPU (slots_per_gpu 5) when a
+    """Pause in place in the simulator: five opportunistic jobs share a 16 GiB GPU (slots_per_gpu 5) when a
     big guaranteed job (gpt2_small, 11.4 GiB) lands there for 200 s and leaves room for four. Without
     pause the newest is requeued; with pause_max_s it waits in place, resumes once the guaranteed job
     is gone and the hold is over, pays the copy both ways, and is never restarted."""

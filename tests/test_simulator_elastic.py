@@ -1,4 +1,4 @@
-"""The simulator's elastic width (issue 29, simulator/elastic.py): by default the real path's rules
+"""The simulator's elastic width (simulator/elastic.py): by default the real path's rules
 (slurm_antman.policy.node.core, can_shed and _width_changes), each tested here; the what-ifs that are
 not built on the real path (narrow start, growing beside other jobs) only when asked for. Elastic jobs
 across nodes (a job array, simulator/elastic_array.py): tests/test_simulator_elastic_array.py."""
@@ -76,9 +76,9 @@ def test_only_jobs_that_fit_one_node_are_elastic_unless_elastic_arrays(tmp_path)
 
 
 def test_under_spread_placement_an_elastic_job_still_takes_one_node(tmp_path):
-    # 2 nodes x 2. a's guaranteed job on GPU 0 is not measured yet when b's opportunistic 2-GPU job comes,
-    # so only GPU 1 of node 0 takes it. The model before issue 29 spreads a rigid job over GPUs 1 and 2;
-    # an elastic job is kept on one node (max_nodes=1) and takes node 1.
+    # 2 nodes x 2. a's guaranteed job on GPU 0 is not measured yet when b's opportunistic 2-GPU job
+    # comes, so only GPU 1 of node 0 takes it. The spread model (until 2026-11-26) spreads a rigid job
+    # over GPUs 1 and 2; an elastic job is kept on one node (max_nodes=1) and takes node 1.
     rows = [(at(0), 10_000.0, 1, "a"), (at(1), 1000.0, 2, "b")]
     base = dict(nodes=2, gpus_per_node=2, placement="spread", backfill="first_fit", locality=False)
     rigid, _, _ = run(tmp_path, rows, elastic_share=0.0, **base)

@@ -1,6 +1,6 @@
-"""The simulator's Slurm placement and backfill (issue 29): -N semantics, switches, EASY backfill's
-reservation, and the per-GPU cost of crossing nodes (Pollux's measurements, locality_data.py). Elastic
-width: tests/test_simulator_elastic.py."""
+"""The simulator's Slurm placement and backfill (docs/workload_model.md, "Placement, backfill and
+locality"): -N semantics, switches, EASY backfill's reservation, and the per-GPU cost of crossing nodes
+(Pollux's measurements, locality_data.py). Elastic width: tests/test_simulator_elastic.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The simulator's slot-filling compute mode (simulator/slot_fill.py, issue 30 item 4)."""
+"""The simulator's slot-filling compute mode (simulator/slot_fill.py)."""
 
 from __future__ import annotations
 

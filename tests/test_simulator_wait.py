@@ -1,6 +1,7 @@
-"""Issue 29's study of the opportunistic wait: ``--wait-study-s`` names the rule that keeps each GPU
-from a waiting one-GPU opportunistic job without changing the run, and the what-if
-``--no-room-wait-max-s`` bounds the wait (then the job starts as under fallback)."""
+"""The study of the opportunistic wait (docs/evaluation.md, "Two follow-ups on the whole trace's loss"):
+``--wait-study-s`` names the rule that keeps each GPU from a waiting one-GPU opportunistic job without
+changing the run, and the what-if ``--no-room-wait-max-s`` bounds the wait (then the job starts as under
+fallback)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What every real GPU site has, on the devcluster: device cgroups (ConstrainDevices=yes), job arrays
-and job steps with GPUs (issue 26).
+and job steps with GPUs.
 
 The emulated GPUs are ``c 195 N`` device nodes without a driver: a job's ``open()`` of a GPU its
 devices cgroup allows fails with ENXIO, of one it denies with EPERM, so each job reports exactly

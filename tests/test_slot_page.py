@@ -139,7 +139,7 @@ def test_seqlock_never_hands_a_reader_a_mixed_snapshot(tmp_path):
 def test_a_reader_never_sees_the_counter_go_back(tmp_path):
     """The seqlock holds only if ``seq`` is stored whole. struct.pack_into zeroes a field and then
     writes it byte by byte: a reader then saw seq read 0 (even) at both ends of one write and kept a
-    half-written body (CI, session 20). Watched raw, the counter must never decrease."""
+    half-written body (CI, 2026-11-26). Watched raw, the counter must never decrease."""
     import mmap
 
     path = _page(tmp_path)

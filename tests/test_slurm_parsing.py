@@ -297,7 +297,7 @@ def test_scontrol_config_of_both_versions():
     assert conf["PrologFlags"] == "Alloc" and conf["ResvProlog"] == "(null)"
 
 
-# --- typed GPUs (issue 27: antman.yaml nodes[].gpu_type) ----------------------------------------
+# --- typed GPUs (antman.yaml nodes[].gpu_type) -------------------------------------------------
 
 def test_typed_gres_through_the_parsers():
     assert gres_counts("gpu:h100:4(S:0-1),antman_opp:h100:8") == {"gpu": 4, "antman_opp": 8}

@@ -98,7 +98,7 @@ def test_squeue_and_nodes_read_live_numbers_from_the_sidecar(backend, plain_clus
     assert nodes["node1"]["sidecar"] is True and nodes["node1"]["telemetry"] == "emulated"
     gpu = nodes["node1"]["gpus"][job.gpus[0]]
     assert gpu["index"] == job.gpus[0] and gpu["memory_total_bytes"] == 16384 * 2**20
-    # Each GPU's jobs carry more (their numbers, for their owners: issue 26); id and class as ever.
+    # Each GPU's jobs carry more (their numbers, for their owners); id and class as ever.
     on_gpu = next(j for j in gpu["jobs"] if j["job_id"] == jid)
     assert (on_gpu["job_id"], on_gpu["class"]) == (jid, "guaranteed")
     assert nodes["node2"]["sidecar"] is False and nodes["node2"]["gpus"] is None
@@ -147,7 +147,7 @@ def test_bad_config_is_a_clear_error(plain_cluster, tmp_path):
 
 
 def test_a_job_its_sidecar_paused_in_place_shows_paused():
-    """Issue 16: Slurm says RUNNING; the sidecar has moved its GPU state to the host: PAUSED."""
+    """Paused in place: Slurm says RUNNING; the sidecar has moved its GPU state to the host: PAUSED."""
     from slurm_antman import protocol as p
     from slurm_antman.slurm.models import Job
     from slurm_antman.views.squeue import rows

@@ -224,5 +224,5 @@ def test_the_job_script_runs_on_the_contending_device_only_when_asked(tmp_path, 
     assert "slurm_antman.lab.evaluation.emulated_job" in script
     assert ("--contend" in script) is contend
     assert rep.runs[0].slurm_id == 41
-    assert bench_trace._parser().parse_args(["--trace", "x"]).contend is True  # the default (issue 30)
+    assert bench_trace._parser().parse_args(["--trace", "x"]).contend is True  # the default
     assert bench_trace._parser().parse_args(["--trace", "x", "--no-contend"]).contend is False

@@ -1,6 +1,6 @@
-"""What ordinary users see (issue 26): the views' rows with the coordinator's answers, the coordinator
-daemon serving its own snapshot, and `antman explain` as antman-dev; a real munged and real sockets,
-no Slurm (tests/test_user_views_cluster.py runs the same on the devcluster)."""
+"""What ordinary users see (docs/user.md, "Who sees what"): the views' rows with the coordinator's
+answers, the coordinator daemon serving its own snapshot, and `antman explain` as antman-dev; a real
+munged and real sockets, no Slurm (tests/test_user_views_cluster.py runs the same on the devcluster)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""On the devcluster (issue 26, ordinary users): antman-dev sees its own jobs' live numbers in `antman
+"""On the devcluster (ordinary users): antman-dev sees its own jobs' live numbers in `antman
 squeue`, `antman nodes` and `antman explain` through the coordinator's query endpoint; root's job's
 details are null to it and visible to root; nobody sees another user's story; no traceback anywhere."""
 
