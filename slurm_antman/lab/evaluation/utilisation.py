@@ -78,10 +78,11 @@ PHILLY: Mapping[int, Quantiles] = {g: _from_summary(*v) for g, v in _PHILLY_PASS
 
 # Alibaba PAI (Weng et al., NSDI'22, trace cluster-trace-gpu-v2020): gpu_wrk_util, the mean over an
 # instance's life of the GPU it used (nvidia-smi's Utilization.GPU; the maintainer's definition in
-# alibaba/clusterdata issue #125), summed over a task's instances. From the authors' notebook
-# alibaba/clusterdata cluster-trace-gpu-v2020 "analysis/analysis.ipynb" @1d729891, its Figure 6 "GPU
-# usage" CDF, digitised: 66 % of tasks at or under 3 % of a GPU, p75 18 %, p90 58 %, p95 over one
-# GPU (capped at one here: a share of one GPU). Training and inference together, as openb's pods are.
+# alibaba/clusterdata issue #125, https://github.com/alibaba/clusterdata/issues/125), summed over a
+# task's instances. From the authors' notebook alibaba/clusterdata cluster-trace-gpu-v2020
+# "analysis/analysis.ipynb" @1d729891, its Figure 6 "GPU usage" CDF, digitised: 66 % of tasks at or
+# under 3 % of a GPU, p75 18 %, p90 58 %, p95 over one GPU (capped at one here: a share of one GPU).
+# Training and inference together, as openb's pods are.
 PAI = Quantiles(((0.0, 0.0), (0.66, 0.03), (0.75, 0.18), (0.9, 0.58), (0.95, 1.0), (1.0, 1.0)))
 
 SOURCES: Mapping[str, str] = {
