@@ -1,7 +1,7 @@
-"""A multi-node opportunistic job holds opportunistic GRES on every node it runs on (issue 29): the
-coordinator's snapshot must charge each node its share. Charged all to its first node, that node's count
-rose above what fits there, and each other node's count fell below what Slurm (which subtracts its own
-allocations from the count) had already handed out."""
+"""A multi-node opportunistic job holds opportunistic GRES on every node it runs on: the coordinator's
+snapshot must charge each node its share. Charged all to its first node, that node would look fuller than
+it is and every other node emptier, and the room the core finds (which nodes pending opportunistic jobs are
+kept off) would be wrong on both."""
 
 from __future__ import annotations
 
