@@ -170,6 +170,20 @@ class CliBackend(SlurmBackend):
             self._json_errors(argv, doc["errors"])
         return _parse(argv, r, lambda: parse(doc))
 
+    def accounting_history(self, since: str, until: str = "now") -> str:
+        """Every allocation accounting holds between ``since`` and ``until`` (sacct's -S/-E forms:
+        ``2026-10-01``, ``now-30days``), all users, as ``sacct --json`` prints it: the text, checked to be
+        JSON without errors, for a replay to read (lab/evaluation/sacct_trace.py)."""
+        argv = ["sacct", "-X", "--allusers", "--json", "-S", since, "-E", until]
+        r = self._run(argv)
+        try:
+            doc = json.loads(r.stdout)
+        except json.JSONDecodeError as e:
+            raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
+        if isinstance(doc, dict) and doc.get("errors"):
+            self._json_errors(argv, doc["errors"])
+        return r.stdout
+
     def _accounting(self, job: Union[int, str], field: str) -> Optional[list[str]]:
         """``field`` of ``job`` from accounting (``sacct``), one value a line; None without accounting storage."""
         argv = ["sacct", "-n", "-X", "-P", "-j", self._job_arg(job), "-o", field]

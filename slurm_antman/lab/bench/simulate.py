@@ -5,22 +5,32 @@ and write results.json, per-job CSVs and plots with ``--out``."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import sys
+import tempfile
 import time
+from collections import Counter
 from typing import Optional
 
-from slurm_antman.lab.evaluation import perturb, report, traces, utilisation
+from slurm_antman.coordinator.tenants import quotas_from_associations
+from slurm_antman.errors import AntmanError
+from slurm_antman.slurm import CliBackend
+
+from slurm_antman.lab.evaluation import perturb, report, sacct_trace, traces, utilisation
 from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
 from slurm_antman.lab.evaluation.simulator.config import BACKFILLS, PLACEMENTS
 from slurm_antman.lab.evaluation.simulator.slot_fill import COMPUTE_MODES, SlotFillParams
 from slurm_antman.lab.evaluation.workloads import GiB
 
 
-def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: float) -> None:
+def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: float, trace_required: bool = True) -> None:
     """The flags ``antman bench simulate`` and ``antman bench trace`` share (their defaults differ:
     a simulated cluster is large, the devcluster small)."""
-    p.add_argument("--trace", required=True, help="Philly (philly_pollux.csv) or openb pod list CSV")
+    p.add_argument("--trace", required=trace_required,
+                   help="Philly (philly_pollux.csv) or openb pod list CSV, or a site's own history: the output "
+                        f"of sacct -X --json, or of sacct -X -P --format={sacct_trace.P_FORMAT}")
     p.add_argument("--window", help="START:END in seconds from the trace start, or ISO START/END")
     p.add_argument("--tenants", help="comma-separated tenants (Philly virtual clusters) to keep")
     p.add_argument("--nodes", type=int, default=nodes, help="nodes of the cluster the trace is replayed on")
@@ -39,7 +49,21 @@ def add_trace_args(p: argparse.ArgumentParser, nodes: int, gpus: int, speedup: f
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="antman bench simulate", description=__doc__)
-    add_trace_args(p, nodes=4, gpus=8, speedup=1.0)
+    add_trace_args(p, nodes=4, gpus=8, speedup=1.0, trace_required=False)
+    site = p.add_argument_group("a site's own history (docs/admin.md, \"What would antman buy my cluster?\")")
+    site.add_argument("--from-sacct", action="store_true",
+                      help="replay this cluster's own jobs: sacct -X --json from Slurm accounting (slurmdbd) "
+                           "between --since and --until, instead of --trace")
+    site.add_argument("--since", default="now-30days", help="with --from-sacct: sacct's -S (default now-30days)")
+    site.add_argument("--until", default="now", help="with --from-sacct: sacct's -E (default now)")
+    site.add_argument("--save-sacct", metavar="FILE",
+                      help="with --from-sacct: keep what sacct printed, to replay it again with --trace FILE")
+    site.add_argument("--shape-from-slurm", action="store_true",
+                      help="--nodes and --gpus from this cluster (scontrol show nodes: the nodes with GPUs, "
+                           "and the GPU count most of them have)")
+    site.add_argument("--quotas-from-slurm", action="store_true",
+                      help="each account's guaranteed GPUs from Slurm accounting (GrpTRES=gres/gpu=N), in place "
+                           "of its share of the history's GPU-time times --quota-scale")
     p.add_argument("--cycle-s", type=float, default=SimConfig.cycle_s,
                    help="least simulated seconds between coordinator cycles (and quota-file rewrites)")
     p.add_argument("--perturb", type=int, default=1, metavar="N",
@@ -140,6 +164,48 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _from_slurm(a: argparse.Namespace) -> dict:
+    """What ``--from-sacct``, ``--shape-from-slurm`` and ``--quotas-from-slurm`` read from the running
+    cluster, through the Slurm adapter; sets ``a.trace``, ``a.nodes`` and ``a.gpus`` as they say.
+    Returns what the report records of it."""
+    if a.from_sacct == bool(a.trace):
+        raise ValueError("give --trace FILE or --from-sacct (this cluster's own history), one of the two")
+    if not (a.from_sacct or a.shape_from_slurm or a.quotas_from_slurm):
+        return {}
+    backend = CliBackend(timeout=600)  # months of accounting can take sacct minutes
+    out: dict = {}
+    if a.from_sacct:
+        text = backend.accounting_history(a.since, a.until)
+        if a.save_sacct:
+            path = a.save_sacct
+        else:
+            fd, path = tempfile.mkstemp(prefix="antman-sacct-", suffix=".json")
+            os.close(fd)
+            atexit.register(os.unlink, path)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        a.trace = path
+        out["sacct"] = {"since": a.since, "until": a.until, "saved": a.save_sacct}
+    if a.shape_from_slurm:
+        counts = Counter(n.gres.get("gpu", 0) for n in backend.nodes() if n.gres.get("gpu", 0) > 0)
+        if not counts:
+            raise ValueError("--shape-from-slurm: no node of this cluster has a gpu GRES")
+        a.gpus = counts.most_common(1)[0][0]
+        a.nodes = sum(counts.values())
+        out["shape_from_slurm"] = {"nodes": a.nodes, "gpus_per_node": a.gpus,
+                                   "gpus_by_node_count": {str(k): v for k, v in sorted(counts.items())}}
+    if a.quotas_from_slurm:
+        cluster = backend.config().get("ClusterName", "")
+        reading = quotas_from_associations(backend.associations(), cluster)
+        for problem in reading.problems:
+            print(f"antman bench simulate: {problem}", file=sys.stderr)
+        if not reading.quotas:
+            raise ValueError(f"--quotas-from-slurm: no account of cluster {cluster!r} has GrpTRES=gres/gpu=N")
+        out["quotas_from_slurm"] = dict(sorted(reading.quotas.items()))
+        out["quotas_tuple"] = tuple(sorted(reading.quotas.items()))
+    return out
+
+
 def _seconds_or_none(text: str) -> Optional[float]:
     if text.strip().lower() in ("none", "null", "off"):
         return None
@@ -159,11 +225,22 @@ def _policies(text: str) -> list[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     a = _parser().parse_args(argv)
+    site: dict = {}
     try:
         policies = _policies(a.policy)
         tenants = [t.strip() for t in a.tenants.split(",") if t.strip()] if a.tenants else None
         t0 = time.perf_counter()
-        jobs = traces.load_sorted(a.trace, a.window, tenants)
+        site = _from_slurm(a)
+        skips = sacct_trace.SacctSkips()
+        jobs = sorted(traces.load(a.trace, a.window, tenants, skips), key=lambda j: (j.submit_s, j.job_id))
+        if traces.detect_format(a.trace) == traces.SACCT:
+            site["sacct_skipped"] = skips.to_json()
+            # What accounting does not hold is said, not hidden: each job's GPU use comes from the model.
+            print(f"antman bench simulate: {len(jobs)} jobs from {a.trace}; left out: {skips.no_gpu} without GPUs, "
+                  f"{skips.never_ran} that never started, {skips.still_running} still running. Accounting holds "
+                  f"no GPU utilisation or memory: each job's comes from the workload model "
+                  f"(--utilisation {a.utilisation}, --util-scale {a.util_scale:g}; docs/workload_model.md)",
+                  file=sys.stderr)
         if not jobs:
             print(f"antman bench simulate: no jobs in {a.trace} for window {a.window!r} and tenants {tenants}",
                   file=sys.stderr)
@@ -183,10 +260,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                           elastic_array_shrink_s=a.elastic_array_shrink_s, elastic_array_grow_s=a.elastic_array_grow_s,
                           elastic_array_min_tasks=a.elastic_array_min_tasks,
                           elastic_array_host_first=a.elastic_array_host_first,
-                          wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s)
+                          wait_study_s=a.wait_study_s, no_room_wait_max_s=a.no_room_wait_max_s,
+                          quotas=site.get("quotas_tuple"))
                 for p in policies]
         perturb_cycles = perturb.cycles(a.cycle_s, a.perturb)
-    except (traces.TraceError, ValueError) as e:
+    except (traces.TraceError, ValueError, AntmanError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
@@ -211,7 +289,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "elastic_arrays": a.elastic_arrays, "elastic_array_shrink_s": a.elastic_array_shrink_s,
             "elastic_array_grow_s": a.elastic_array_grow_s,
             "elastic_array_min_tasks": a.elastic_array_min_tasks,
-            "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3)}
+            "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3),
+            **{k: v for k, v in site.items() if k != "quotas_tuple"}}
     if a.perturb > 1:
         meta["perturbed"] = {cfg.policy: perturb.run(cfg, a.perturb, lambda c: simulate(jobs, c), r.metrics)
                              for cfg, r in zip(cfgs, results)}

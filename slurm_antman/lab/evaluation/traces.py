@@ -18,36 +18,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Collection, Iterator, Optional
 
-from slurm_antman.errors import AntmanError
+from . import sacct_trace
+from .trace_types import TraceError, TraceJob
 
 PHILLY = "philly"
 OPENB = "openb"
+SACCT = "sacct"  # a site's own history: sacct --json or sacct -P output (sacct_trace.py)
 
 _PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
 _OPENB_COLUMNS = ("name", "num_gpu", "gpu_milli", "qos", "creation_time", "deletion_time", "scheduled_time")
-
-
-class TraceError(AntmanError):
-    """A trace that cannot be read: ``path``, ``line`` (1-based, the header is line 1), ``column``."""
-
-    def __init__(self, path: str | Path, line: Optional[int], column: Optional[str], message: str):
-        self.path, self.line, self.column = str(path), line, column
-        where = str(path) + (f", line {line}" if line is not None else "")
-        where += f", column {column!r}" if column else ""
-        super().__init__(f"{where}: {message}")
-
-
-@dataclass(frozen=True, slots=True)
-class TraceJob:
-    """One job as the trace records it (Slurm's jobs are ``slurm.models.Job``, the simulator's ``SimJob``)."""
-
-    job_id: str
-    submit_s: float                   # seconds from the trace start
-    duration_s: float                 # run time alone on its GPUs
-    gpus: int
-    tenant: str
-    gpu_fraction: Optional[float] = None  # per-GPU share the job asked for (openb gpu_milli / 1000)
-    qos: Optional[str] = None             # openb: LS, BE, Burstable, Guaranteed
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +83,19 @@ def parse_window(text: Optional[str], trace_start_unix: Optional[float] = None) 
 
 
 def detect_format(path: str | Path) -> str:
+    try:
+        if sacct_trace.is_sacct(path):
+            return SACCT
+    except OSError as e:
+        raise TraceError(path, None, None, e.strerror or str(e)) from None
     header = _header(path)
     if all(c in header for c in _PHILLY_COLUMNS):
         return PHILLY
     if all(c in header for c in _OPENB_COLUMNS):
         return OPENB
     raise TraceError(path, 1, None, "unknown trace format; expected the Philly columns "
-                     f"{', '.join(_PHILLY_COLUMNS)} or the openb pod columns {', '.join(_OPENB_COLUMNS)}")
+                     f"{', '.join(_PHILLY_COLUMNS)}, the openb pod columns {', '.join(_OPENB_COLUMNS)}, "
+                     "or sacct --json or sacct -P output")
 
 
 def _header(path: str | Path) -> list[str]:
@@ -133,8 +118,12 @@ _start_cache: dict[tuple[str, int, int], float] = {}
 
 
 def trace_start_unix(path: str | Path) -> Optional[float]:
-    """Absolute start of a Philly trace (its earliest submission); None for openb (relative times)."""
-    if detect_format(path) != PHILLY:
+    """Absolute start of a Philly trace or a sacct history (its earliest submission); None for openb
+    (relative times)."""
+    fmt = detect_format(path)
+    if fmt == SACCT:
+        return sacct_trace.first_submit_unix(path)
+    if fmt != PHILLY:
         return None
     st = os.stat(path)
     key = (str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
@@ -258,9 +247,17 @@ def _openb(path, window: Window, tenants, skips: Optional[OpenbSkips]) -> Iterat
 
 
 def load(path: str | Path, window: Window | str | None = None, tenants: Optional[Collection[str]] = None,
-         skips: Optional[OpenbSkips] = None) -> Iterator[TraceJob]:
-    """Jobs of the trace submitted inside ``window`` (of the listed tenants), in file order."""
+         skips: Optional[object] = None) -> Iterator[TraceJob]:
+    """Jobs of the trace submitted inside ``window`` (of the listed tenants), in file order (a sacct
+    history: by submission). ``skips``: an ``OpenbSkips`` or ``sacct_trace.SacctSkips`` to count into."""
     fmt = detect_format(path)
+    if fmt == SACCT:
+        start = sacct_trace.first_submit_unix(path)
+        if not isinstance(window, Window):
+            window = parse_window(window, start)
+        wanted = set(tenants) if tenants else None
+        return iter([j for j in sacct_trace.load(path, skips if isinstance(skips, sacct_trace.SacctSkips) else None)
+                     if window.contains(j.submit_s) and _tenant_ok(j.tenant, wanted)])
     start = trace_start_unix(path) if fmt == PHILLY else None
     if not isinstance(window, Window):
         window = parse_window(window, start)
@@ -268,7 +265,7 @@ def load(path: str | Path, window: Window | str | None = None, tenants: Optional
     if fmt == PHILLY:
         assert start is not None
         return _philly(path, window, tenants, start)
-    return _openb(path, window, tenants, skips)
+    return _openb(path, window, tenants, skips if isinstance(skips, OpenbSkips) else None)
 
 
 def load_sorted(path: str | Path, window: Window | str | None = None,

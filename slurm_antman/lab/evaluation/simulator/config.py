@@ -135,6 +135,9 @@ class SimConfig(TraceRunConfig):
     # What-if, not built on the real path: under no_room=wait, an opportunistic job waits for room at
     # most this long after its submission, then starts as under fallback. None: it waits as long as it takes.
     no_room_wait_max_s: Optional[float] = None
+    # Each tenant's guaranteed GPUs as the site set them (Slurm accounting's GrpTRES=gres/gpu=N, read by
+    # ``--quotas-from-slurm``), as (tenant, GPUs) pairs; None: derived from the trace (``quota_scale``).
+    quotas: Optional[tuple[tuple[str, int], ...]] = None
 
     def __post_init__(self) -> None:
         if self.no_room_wait_max_s is not None and not self.no_room_wait_max_s >= 0:

@@ -135,6 +135,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
     # -- setup ----------------------------------------------------------------------------------
 
     def _quotas(self, jobs: Sequence[TraceJob]) -> Mapping[str, int]:
+        if self.cfg.quotas is not None:
+            return dict(self.cfg.quotas)
         return tenant_quotas(jobs, len(self.gpus), self.cfg.quota_scale)
 
     def _add(self, j: TraceJob) -> None:
