@@ -43,7 +43,7 @@ $(PY): | .deps-apt.stamp
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,nvml]'
+	$(PY) -m pip install -q -e '.[test,nvml,eval]'
 	@touch $@
 
 deps: .deps-apt.stamp $(VENV)/.installed spank

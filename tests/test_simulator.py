@@ -191,6 +191,26 @@ def test_cli_json_on_real_window(tmp_path, capsys):
         for key in ("sm_util_ratio", "mem_util_ratio", "jct_mean_ratio", "jct_guaranteed_same_jobs_ratio"):
             assert cmp[key] is None or cmp[key] > 0
     assert (tmp_path / "out" / "results.json").exists()
+    # The plots the docs show, matplotlib being in the venv make test builds: the trade a site weighs
+    # first (mean JCT against the guaranteed jobs' run time over work), the JCT CDF, utilisation in time.
+    for png in ("jct_against_guarantee.png", "jct_cdf.png", "utilisation.png"):
+        assert (tmp_path / "out" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_the_trade_plot_takes_each_policy_s_point_and_its_perturbed_range():
+    from types import SimpleNamespace
+
+    from slurm_antman.lab.evaluation.report import trade_points
+
+    runs = [SimpleNamespace(policy="shared", metrics={"guaranteed_run_stretch_mean": 1.6, "jct_mean_s": 900.0}),
+            SimpleNamespace(policy="antman", metrics={"guaranteed_run_stretch_mean": 1.01, "jct_mean_s": 1000.0}),
+            SimpleNamespace(policy="exclusive", metrics={"guaranteed_run_stretch_mean": None, "jct_mean_s": 1.0})]
+    perturbed = {"antman": {"metrics": {"jct_mean_s": {"mean": 1000.0, "min": 950.0, "max": 1080.0},
+                                        "guaranteed_run_stretch_mean": {"mean": 1.01, "min": 1.0, "max": 1.02}}}}
+    pts = {p["policy"]: p for p in trade_points(runs, perturbed)}
+    assert set(pts) == {"shared", "antman"}  # a policy without guaranteed jobs has no point
+    assert pts["antman"]["y_range"] == (950.0, 1080.0) and pts["antman"]["x_range"] == (1.0, 1.02)
+    assert pts["shared"]["x_range"] == (1.6, 1.6) and pts["shared"]["y"] == 900.0
 
 
 def test_cli_bad_input(tmp_path, capsys):
