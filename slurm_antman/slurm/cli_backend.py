@@ -162,13 +162,18 @@ class CliBackend(SlurmBackend):
     def _parsed_json(self, argv: list[str], parse: Callable[[Any], T]) -> T:
         """As ``_parsed`` for ``--json`` output, which carries the errors of a controller that is down."""
         r = self._run(argv)
+        doc = self._checked_json(argv, r)
+        return _parse(argv, r, lambda: parse(doc))
+
+    def _checked_json(self, argv: list[str], r: subprocess.CompletedProcess) -> Any:
+        """What ``argv`` printed, as JSON; its ``errors`` raised as the typed errors they name."""
         try:
             doc = json.loads(r.stdout)
         except json.JSONDecodeError as e:
             raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
         if isinstance(doc, dict) and doc.get("errors"):
             self._json_errors(argv, doc["errors"])
-        return _parse(argv, r, lambda: parse(doc))
+        return doc
 
     def accounting_history(self, since: str, until: str = "now") -> str:
         """Every allocation accounting holds between ``since`` and ``until`` (sacct's -S/-E forms:
@@ -176,12 +181,7 @@ class CliBackend(SlurmBackend):
         JSON without errors, for a replay to read (lab/evaluation/sacct_trace.py)."""
         argv = ["sacct", "-X", "--allusers", "--json", "-S", since, "-E", until]
         r = self._run(argv)
-        try:
-            doc = json.loads(r.stdout)
-        except json.JSONDecodeError as e:
-            raise SlurmOutputError(f"{' '.join(argv)} printed invalid JSON ({e})", argv, r.stderr) from None
-        if isinstance(doc, dict) and doc.get("errors"):
-            self._json_errors(argv, doc["errors"])
+        self._checked_json(argv, r)
         return r.stdout
 
     def _accounting(self, job: Union[int, str], field: str) -> Optional[list[str]]:
