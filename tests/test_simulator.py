@@ -213,6 +213,28 @@ def test_the_trade_plot_takes_each_policy_s_point_and_its_perturbed_range():
     assert pts["shared"]["x_range"] == (1.6, 1.6) and pts["shared"]["y"] == 900.0
 
 
+def test_the_trade_picture_joins_runs_of_one_trace_and_refuses_runs_of_two(tmp_path, capsys):
+    from slurm_antman.lab.bench import trade
+
+    w = ["--trace", str(PHILLY), "--window", "2592000:2610000", "--nodes", "4", "--json"]
+    assert bench_simulate.main([*w, "--policy", "exclusive,antman", "--out", str(tmp_path / "a")]) == 0
+    assert bench_simulate.main([*w, "--policy", "shared", "--slots-per-gpu", "1", "--out", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    png = tmp_path / "trade.png"
+    assert trade.main([str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+                       "--out", str(png)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # The runs differ in slots per GPU: antman and shared are labelled with theirs.
+    assert sorted(" ".join(ln.split()[0:2]) for ln in lines) == ["antman @3", "exclusive mean", "shared @1"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "other.json"
+    doc = json.loads((tmp_path / "b" / "results.json").read_text())
+    doc["meta"]["trace"] = "openb_pod_list_default.csv"
+    other.write_text(json.dumps(doc))
+    assert trade.main([str(tmp_path / "a" / "results.json"), str(other), "--out", str(png)]) == 2
+    assert "different traces" in capsys.readouterr().err
+
+
 def test_cli_bad_input(tmp_path, capsys):
     assert bench_simulate.main(["--trace", str(tmp_path / "none.csv"), "--policy", "antman"]) == 2
     assert "none.csv" in capsys.readouterr().err

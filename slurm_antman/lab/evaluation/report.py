@@ -49,8 +49,8 @@ def write(out_dir: str | Path, results: Sequence, meta: Mapping) -> list[str]:
 
 
 def trade_points(results: Sequence, perturbed: Mapping | None = None) -> list[dict]:
-    """Per policy: its guaranteed jobs' run time over their work (x) and its mean JCT (y), each with
-    the range of the ``--perturb`` runs where they were made (else the one run's value as both ends)."""
+    """Per policy: its guaranteed jobs' run time over their work (x) and its mean JCT (y): the mean and
+    range of the ``--perturb`` runs where they were made, else the one run's value (as both ends)."""
     points = []
     for r in results:
         x, y = r.metrics.get("guaranteed_run_stretch_mean"), r.metrics.get("jct_mean_s")
@@ -58,10 +58,34 @@ def trade_points(results: Sequence, perturbed: Mapping | None = None) -> list[di
             continue
         m = ((perturbed or {}).get(r.policy) or {}).get("metrics", {})
         xs, ys = m.get("guaranteed_run_stretch_mean"), m.get("jct_mean_s")
+        x, y = (xs["mean"] if xs else x), (ys["mean"] if ys else y)
         points.append({"policy": r.policy, "x": x, "y": y,
                        "x_range": (xs["min"], xs["max"]) if xs else (x, x),
                        "y_range": (ys["min"], ys["max"]) if ys else (y, y)})
     return points
+
+
+def trade_plot(points: Sequence[Mapping], path: Path, ranged: bool = False, title: str = "") -> None:
+    """What a site weighs first: how fast jobs finish (mean JCT) against what sharing costs the
+    guaranteed ones (their run time over their work); one point per policy, its range as bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in points:
+        xerr = [[p["x"] - p["x_range"][0]], [p["x_range"][1] - p["x"]]]
+        yerr = [[p["y"] - p["y_range"][0]], [p["y_range"][1] - p["y"]]]
+        ax.errorbar([p["x"]], [p["y"]], xerr=xerr, yerr=yerr, fmt="o", capsize=3)
+        ax.annotate(p["policy"], (p["x"], p["y"]), textcoords="offset points", xytext=(6, 4), fontsize=9)
+    ax.axvline(1.0, color="grey", lw=0.6, ls="--")
+    ax.set_xlabel("guaranteed jobs' run time / their work alone (1 = never slowed)")
+    ax.set_ylabel("mean JCT (s)")
+    ax.set_title(title or ("faster on the whole, at what cost to guaranteed jobs"
+                           + (" (bars: --perturb range)" if ranged else "")), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(out: Path, results: Sequence, perturbed: Mapping | None = None) -> list[str]:
@@ -71,23 +95,9 @@ def plot(out: Path, results: Sequence, perturbed: Mapping | None = None) -> list
         import matplotlib.pyplot as plt
     except ImportError:
         return [PLOT_HINT]
-    # What a site weighs first: how fast jobs finish against what sharing costs the guaranteed ones.
     points = trade_points(results, perturbed)
     if points:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for p in points:
-            xerr = [[p["x"] - p["x_range"][0]], [p["x_range"][1] - p["x"]]]
-            yerr = [[p["y"] - p["y_range"][0]], [p["y_range"][1] - p["y"]]]
-            ax.errorbar([p["x"]], [p["y"]], xerr=xerr, yerr=yerr, fmt="o", capsize=3, label=p["policy"])
-            ax.annotate(p["policy"], (p["x"], p["y"]), textcoords="offset points", xytext=(6, 4), fontsize=9)
-        ax.axvline(1.0, color="grey", lw=0.6, ls="--")
-        ax.set_xlabel("guaranteed jobs' run time / their work alone (1 = never slowed)")
-        ax.set_ylabel("mean JCT (s)")
-        ax.set_title("faster on the whole, at what cost to guaranteed jobs" + (" (bars: --perturb range)"
-                                                                               if perturbed else ""))
-        fig.tight_layout()
-        fig.savefig(out / "jct_against_guarantee.png", dpi=120)
-        plt.close(fig)
+        trade_plot(points, out / "jct_against_guarantee.png", ranged=bool(perturbed))
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     # Hours from the first submission, to the last submission plus half the window: the tail of
     # long jobs draining afterwards would squeeze the part the utilisation metrics average over.
