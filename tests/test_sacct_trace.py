@@ -1,7 +1,7 @@
-"""A site's own history as a trace (lab/evaluation/sacct_trace.py): what Slurm 22.05's sacct printed for
-jobs of the devcluster (tests/data/sacct/, captured 2026-11-29 with `sacct -X --json` and
-`sacct -X -P --format=...`), read the same from either form; and every malformed input named by line
-or job and field."""
+"""A site's own history as a trace (lab/evaluation/sacct_trace.py): what the sacct of Slurm 22.05 and of
+26.05 printed for jobs of the devcluster (tests/data/sacct/, captured 2026-11-29 with `sacct -X --json`
+and `sacct -X -P --format=...`, 26.05 in the cgroup v2 guest), read the same from either form; and every
+malformed input named by line or job and field."""
 
 from __future__ import annotations
 
@@ -39,6 +39,16 @@ def test_both_forms_of_one_history_give_the_same_jobs():
     assert min(j.submit_s for j in from_json) == 0.0
     assert all(j.tenant == "research" for j in from_json)
     assert traces.detect_format(JSON) == traces.detect_format(PARSABLE) == traces.SACCT
+
+
+def test_slurm_26_05_s_history_reads_the_same_from_both_forms():
+    # 26.05's JSON: the state is a list (["COMPLETED"]), the times plain numbers again.
+    from_json, skips = _load(DATA / "slurm-26.05.json")
+    assert (from_json, skips) == _load(DATA / "slurm-26.05-P.txt")
+    assert {j.job_id: (j.gpus, j.tenant) for j in from_json} == {
+        "slurm-9900001": (2, "research"), "slurm-9900002": (1, "research"), "slurm-9900003": (1, "product"),
+        "slurm-9900004": (2, "research"), "slurm-9900006": (1, "research")}
+    assert skips.no_gpu == 1 and skips.states == {"COMPLETED": 5, "FAILED": 1}
 
 
 def test_gpus_are_read_from_every_form_tres_takes():
