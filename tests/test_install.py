@@ -109,10 +109,14 @@ def test_install_upgrade_under_running_jobs_then_uninstall(tmp_path, torch_only_
         checks = {ch["name"]: ch for ch in json.loads(doctor.stdout)}
         assert not {n: ch for n, ch in checks.items() if ch["status"] != "ok" and n != "nvml"}, checks
 
-        def script(name: str, steps: int) -> str:
-            return f"#!/bin/bash\nexec {torch_only_python} {TRAIN} {c.workdir / name} {steps} 0.05\n"
-        g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node1", script=script("g.ckpt", 1500))
-        o = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", script=script("o.ckpt", 1500))
+        # The jobs train until the test has seen what it checks: on a slow host (the cgroup v2 guest) the
+        # install alone takes minutes, and a job of fixed length would end before the upgrade.
+        stop = c.workdir / "stop"
+
+        def script(name: str) -> str:
+            return f"#!/bin/bash\nexec {torch_only_python} {TRAIN} {c.workdir / name} 100000 0.05 {stop}\n"
+        g = c.sbatch("--antman=guaranteed", "--gres=gpu:1", "-w", "node1", script=script("g.ckpt"))
+        o = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", script=script("o.ckpt"))
         _wait_agents(c, prefix, [g, o])
 
         # The upgrade, with both jobs running: install this checkout over the old release, restart
@@ -133,9 +137,10 @@ def test_install_upgrade_under_running_jobs_then_uninstall(tmp_path, torch_only_
         assert c.c.run(["scontrol", "reconfigure"]).returncode == 0
 
         # The jobs started under the old release report to the new sidecar; a new job starts under the new one.
-        o2 = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=script("o2.ckpt", 300))
+        o2 = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node2", script=script("o2.ckpt"))
         live = _wait_agents(c, prefix, [g, o, o2])
         assert live[g]["class"] == "guaranteed" and live[o]["class"] == "opportunistic"
+        stop.touch()
         # Nothing lost: every job ends COMPLETED, exit 0, the guaranteed one never requeued.
         for j in (g, o, o2):
             info = c.wait_state(j, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"},

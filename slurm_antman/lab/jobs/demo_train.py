@@ -15,6 +15,9 @@ import torch
 ckpt = sys.argv[1]
 total_steps = int(sys.argv[2])
 step_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.25
+# Optional: a file whose appearance ends the training early, as done (a test that must keep the job
+# running for as long as its own steps take, on a machine of any speed).
+stop_file = sys.argv[4] if len(sys.argv) > 4 else None
 # Under `antman demo`, 20 ms of GPU work per step on the contending emulated GPU (demo_device); elsewhere
 # none, as before.
 device = None
@@ -56,7 +59,7 @@ if os.path.exists(ckpt):
     step = state["step"]
 print(f"START step={step} restarts={restarts} class={os.environ.get('ANTMAN_CLASS', 'none')} "
       f"gpu={os.environ.get('CUDA_VISIBLE_DEVICES', '-')}", flush=True)
-while step < total_steps:
+while step < total_steps and not (stop_file and os.path.exists(stop_file)):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
