@@ -79,8 +79,11 @@ def trade_plot(points: Sequence[Mapping], path: Path, ranged: bool = False, titl
         ax.errorbar([p["x"]], [p["y"]], xerr=xerr, yerr=yerr, fmt="o", capsize=3)
         ax.annotate(p["policy"], (p["x"], p["y"]), textcoords="offset points", xytext=(6, 4), fontsize=9)
     ax.axvline(1.0, color="grey", lw=0.6, ls="--")
+    ys = [p["y"] for p in points]
+    if min(ys) > 0 and max(ys) / min(ys) > 5:  # a policy that queues for days would flatten the rest
+        ax.set_yscale("log")
     ax.set_xlabel("guaranteed jobs' run time / their work alone (1 = never slowed)")
-    ax.set_ylabel("mean JCT (s)")
+    ax.set_ylabel("mean JCT (s)" + (", log scale" if ax.get_yscale() == "log" else ""))
     ax.set_title(title or ("faster on the whole, at what cost to guaranteed jobs"
                            + (" (bars: --perturb range)" if ranged else "")), fontsize=10)
     fig.tight_layout()
