@@ -111,12 +111,14 @@ test-slurm24: $(VENV)/.installed
 # own loopback, so it may run beside a host cluster. The demo's AntMan loop (a slow test on the host) runs
 # there too. Its munged signs the last run's sbatch calls.
 # What runs there: the device grants (each class, arrays, srun steps, requeues, the failure path), the
-# submission and refusal paths, the adapter's parsers, doctor, make install and the demo. Not the whole
-# cluster suite: the single-CPU guest runs it at about a third of the host's speed, past CI's budget
-# (docs/benchmarks.md, "CI").
+# submission and refusal paths, the adapter's parsers, doctor, slurmd registering again under running
+# jobs, the replay of its own sacct history and the demo. Not the whole cluster suite: the single-CPU guest
+# runs it at about a third of the host's speed, past CI's budget (docs/benchmarks.md, "CI"); make install
+# and the upgrade (tests/test_admin_guide.py, tests/test_install.py) passed there by hand on 2026-11-29.
 CGROUP2_MARKS = cluster and not slurm_neutral and (not slow or demo)
 CGROUP2_PYTEST ?= -m "$(CGROUP2_MARKS)" tests/test_demo.py tests/test_cgroup2_devices.py tests/test_site_cluster.py \
-  tests/test_cluster_submission.py tests/test_slurm_adapter.py tests/test_doctor.py tests/test_admin_guide.py
+  tests/test_cluster_submission.py tests/test_slurm_adapter.py tests/test_doctor.py tests/test_opp_count_registration.py \
+  tests/test_sacct_replay_cluster.py
 test-cgroup2: $(VENV)/.installed
 	.ci/uml build
 	.ci/uml run 'rc=0; $(PY) -m pytest -ra $(CGROUP2_PYTEST) $(PYTEST_ARGS) || rc=1; \
