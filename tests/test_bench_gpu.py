@@ -169,6 +169,29 @@ def test_the_report_writer_makes_valid_json_and_escapes_markdown(tmp_path):
     assert "GPU: NVIDIA H100" in md and "- numbers" in md and "```\ntable\n```" in md
 
 
+def test_the_reports_curves_are_drawn_from_what_an_h100_measured(tmp_path):
+    """The interference sweep and the slot-filling modes of the 2026-11-26 H100 runs (docs/gpu_runs/)
+    as the pictures the report writes beside gpu.json; a report without those parts draws none."""
+    from pathlib import Path
+
+    from slurm_antman.lab.bench import gpu_plots
+
+    runs = Path(__file__).resolve().parent.parent / "docs" / "gpu_runs"
+    sweep = json.loads((runs / "2026-11-26-h100-run3-interference.json").read_text())
+    series = gpu_plots.interference_series(sweep)
+    assert [s["duty"] for s in series] == [1.0, 0.5]
+    full = series[0]
+    assert full["share"] == sorted(full["share"]) and full["slowdown"][-1] == pytest.approx(2.1887, abs=1e-3)
+    slots = json.loads((runs / "2026-11-26-h100-run4.json").read_text())
+    modes = {m["mode"]: m for m in gpu_plots.slot_modes(slots)}
+    assert set(modes) == {"duty 0.1", "duty 0.2", "slots"}
+    assert modes["slots"]["slowdown"] < modes["duty 0.1"]["slowdown"] and modes["slots"]["progress"] > 0.1
+    assert gpu_plots.write_plots(sweep, tmp_path) == [str(tmp_path / "interference.png")]
+    gpu_report.write_reports(slots, str(tmp_path / "r4"))
+    assert (tmp_path / "r4" / "slots.png").read_bytes()[:4] == b"\x89PNG"
+    assert gpu_plots.write_plots({"parts": [{"name": "spill", "results": {}}]}, tmp_path / "none") == []
+
+
 # --- the wheels an offline GPU node needs ---------------------------------------------------------
 
 

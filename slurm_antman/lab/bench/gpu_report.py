@@ -31,6 +31,9 @@ def write_reports(doc: dict, out_dir: str) -> tuple[str, str]:
     with open(tmp, "w") as f:
         f.write(markdown(doc))
     os.replace(tmp, md_path)
+    from .gpu_plots import write_plots  # matplotlib only where it is installed, as on the GPU machine
+
+    write_plots(doc, out_dir)
     return json_path, md_path
 
 
