@@ -286,9 +286,13 @@ def test_a_job_over_its_memory_limit_beside_a_guaranteed_job_is_requeued_at_once
     rogue.write_text(ROGUE)
     opp = c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-A", "research",
                    script=f"#!/bin/bash\nexec {sys.executable} {rogue}\n")
-    c.wait_output(opp, r"REGISTERED restarts=0", timeout=60)
+    # Its Prolog may still refuse a start or two (the node's rules see the guaranteed job's first
+    # iterations late on a loaded machine): the run that registers is the one followed.
+    out = c.wait_output(opp, r"REGISTERED restarts=\d+", timeout=120)
+    first = int(re.findall(r"REGISTERED restarts=(\d+)", out)[0])
     registered = time.time()
-    requeued = _wait(lambda: c.show(opp)["Restarts"] == "1" and time.time(), COMPLIANCE_GRACE_S + 40, "the requeue")
+    requeued = _wait(lambda: c.show(opp)["Restarts"] == str(first + 1) and time.time(), COMPLIANCE_GRACE_S + 40,
+                     "the requeue")
     assert requeued - registered >= COMPLIANCE_GRACE_S - 1
     notice = next(r for r in _audit(c, opp) if r["kind"] == "preempt_notice" and r["outcome"] == "ok")
     assert notice["params"]["grace_s"] == 0 and "non-compliant" in notice["reason"], notice

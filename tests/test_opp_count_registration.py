@@ -75,6 +75,9 @@ def test_the_count_stays_as_configured_and_a_slurmd_restart_under_running_jobs_d
     opp = [c.sbatch("--antman=opportunistic", "--gres=gpu:1", "-w", "node1", wrap="sleep 300") for _ in range(2)]
     for j in (g, *opp):
         c.wait_state(j, {"RUNNING"}, timeout=90)
+        # Placed by its Prolog (which writes the GPUs into AdminComment): the unhealthy node below must not
+        # be what that Prolog finds, or it refuses the job, as it should.
+        wait_for(lambda j=j: "gpus=" in c.show(j).get("AdminComment", "") or None, 60, f"job {j}'s placement")
     # The node loses its room under the running jobs: a failed device grant makes it unhealthy (what a
     # release before 2026-11-29 answered by lowering the count to the 2 slots in use).
     record = df.record(os.path.join(config.load(c.c.config_path).state_dir, "node1"), str(opp[0]),
