@@ -1,7 +1,7 @@
-"""A site's own history as a trace (lab/evaluation/sacct_trace.py): what the sacct of Slurm 22.05 and of
-26.05 printed for jobs of the devcluster (tests/data/sacct/, captured 2026-11-29 with `sacct -X --json`
-and `sacct -X -P --format=...`, 26.05 in the cgroup v2 guest), read the same from either form; and every
-malformed input named by line or job and field."""
+"""A site's own history as a trace (lab/evaluation/sacct_trace.py): what the sacct of Slurm 22.05, 24.11
+and 26.05 printed for jobs of the devcluster (tests/data/sacct/, captured 2026-11-29 with `sacct -X --json`
+and `sacct -X -P --format=...`; 24.11 in the trixie chroot, 26.05 in the cgroup v2 guest), read the same
+from either form; and every malformed input named by line or job and field."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ def test_both_forms_of_one_history_give_the_same_jobs():
     assert traces.detect_format(JSON) == traces.detect_format(PARSABLE) == traces.SACCT
 
 
-def test_slurm_26_05_s_history_reads_the_same_from_both_forms():
-    # 26.05's JSON: the state is a list (["COMPLETED"]), the times plain numbers again.
-    from_json, skips = _load(DATA / "slurm-26.05.json")
-    assert (from_json, skips) == _load(DATA / "slurm-26.05-P.txt")
+@pytest.mark.parametrize("release", ["24.11", "26.05"])
+def test_a_newer_release_s_history_reads_the_same_from_both_forms(release):
+    # Their JSON: the state is a list (["COMPLETED"]), many numbers wrapped ({"set": ..., "number": N}).
+    from_json, skips = _load(DATA / f"slurm-{release}.json")
+    assert (from_json, skips) == _load(DATA / f"slurm-{release}-P.txt")
     assert {j.job_id: (j.gpus, j.tenant) for j in from_json} == {
         "slurm-9900001": (2, "research"), "slurm-9900002": (1, "research"), "slurm-9900003": (1, "product"),
         "slurm-9900004": (2, "research"), "slurm-9900006": (1, "research")}

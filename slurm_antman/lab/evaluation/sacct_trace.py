@@ -156,7 +156,8 @@ def _parsable(path: str | Path, gpu_tres: tuple[str, ...]) -> Iterator[_Row]:
 
 
 def _number(value: Any) -> Optional[float]:
-    """A sacct JSON number: plain (22.05) or ``{"set": true, "infinite": false, "number": N}`` (from 23.02)."""
+    """A sacct JSON number: plain, or ``{"set": true, "infinite": false, "number": N}`` (the form of many
+    fields from 23.02 on, e.g. ``time.limit``; those read here were plain in 24.11's and 26.05's output)."""
     if isinstance(value, dict):
         if not value.get("set", True) or value.get("infinite"):
             return None
