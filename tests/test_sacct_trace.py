@@ -52,6 +52,14 @@ def test_a_newer_release_s_history_reads_the_same_from_both_forms(release):
     assert skips.no_gpu == 1 and skips.states == {"COMPLETED": 5, "FAILED": 1}
 
 
+def test_a_window_and_accounts_narrow_a_history_read_once():
+    # Seconds from the first submission kept, as for the research traces; the tenants are the accounts.
+    assert [j.job_id for j in traces.load(JSON, "20:")] == ["slurm-9900008"]
+    assert [j.job_id for j in traces.load(DATA / "slurm-26.05.json", None, ["product"])] == ["slurm-9900003"]
+    jobs, t0 = sacct_trace.load_with_start(JSON)
+    assert t0 == traces.trace_start_unix(JSON) == 1795923853.0 and jobs == sacct_trace.load(JSON)
+
+
 def test_gpus_are_read_from_every_form_tres_takes():
     assert sacct_trace.gpus_of("billing=4,cpu=4,gres/gpu=2,mem=8G,node=1") == 2
     # A typed GPU shows as both; the untyped total counts once.

@@ -217,23 +217,26 @@ def _json(path: str | Path, gpu_tres: tuple[str, ...]) -> Iterator[_Row]:
 
 def first_submit_unix(path: str | Path, gpu_tres: tuple[str, ...] = GPU_TRES) -> Optional[float]:
     """The Unix time of the history's first submission among the jobs a replay keeps (its time 0)."""
-    fmt = is_sacct(path)
-    rows = _json(path, gpu_tres) if fmt == "json" else _parsable(path, gpu_tres)
-    kept = [r.submit for r in rows if _keep(r, SacctSkips())]
-    return min(kept) if kept else None
+    return load_with_start(path, None, gpu_tres)[1]
 
 
 def load(path: str | Path, skips: Optional[SacctSkips] = None,
          gpu_tres: tuple[str, ...] = GPU_TRES) -> list[TraceJob]:
     """The history's jobs that ran on GPUs, by submission, times from the first submission."""
+    return load_with_start(path, skips, gpu_tres)[0]
+
+
+def load_with_start(path: str | Path, skips: Optional[SacctSkips] = None,
+                    gpu_tres: tuple[str, ...] = GPU_TRES) -> tuple[list[TraceJob], Optional[float]]:
+    """``load``'s jobs and the Unix time they count from, in one pass over a file that can hold months."""
     fmt = is_sacct(path)
     if fmt is None:
         raise TraceError(path, 1, None, "neither sacct --json nor sacct -P output (the -P header needs JobIDRaw)")
     skips = skips if skips is not None else SacctSkips()
     rows = [r for r in (_json(path, gpu_tres) if fmt == "json" else _parsable(path, gpu_tres)) if _keep(r, skips)]
     if not rows:
-        return []
+        return [], None
     t0 = min(r.submit for r in rows)
     # sacct counts whole seconds: a job that ran under one shows 0, and runs one here.
     jobs = [TraceJob(f"slurm-{r.job_id}", r.submit - t0, max(1.0, r.elapsed), r.gpus, r.account) for r in rows]
-    return sorted(jobs, key=lambda j: (j.submit_s, j.job_id))
+    return sorted(jobs, key=lambda j: (j.submit_s, j.job_id)), t0

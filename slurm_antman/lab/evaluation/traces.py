@@ -252,12 +252,11 @@ def load(path: str | Path, window: Window | str | None = None, tenants: Optional
     history: by submission). ``skips``: an ``OpenbSkips`` or ``sacct_trace.SacctSkips`` to count into."""
     fmt = detect_format(path)
     if fmt == SACCT:
-        start = sacct_trace.first_submit_unix(path)
+        jobs, start = sacct_trace.load_with_start(path, skips if isinstance(skips, sacct_trace.SacctSkips) else None)
         if not isinstance(window, Window):
             window = parse_window(window, start)
         wanted = set(tenants) if tenants else None
-        return iter([j for j in sacct_trace.load(path, skips if isinstance(skips, sacct_trace.SacctSkips) else None)
-                     if window.contains(j.submit_s) and _tenant_ok(j.tenant, wanted)])
+        return iter([j for j in jobs if window.contains(j.submit_s) and _tenant_ok(j.tenant, wanted)])
     start = trace_start_unix(path) if fmt == PHILLY else None
     if not isinstance(window, Window):
         window = parse_window(window, start)

@@ -409,8 +409,8 @@ class SlurmScheduler:
         ExcNodeList: a running job growing on a node it runs on is not kept off it."""
         per_node = self.cfg.gpus_per_node
         free_slots = self.opp_slots[k] - self.node_opp[k] + extra_slots
-        kept_off = k in self.no_room_nodes and not any(self.gpus[i].node == k for i in j.gpus)
-        if free_slots <= 0 or (wait and (kept_off or k in self.unfit_nodes)):
+        if free_slots <= 0 or (wait and (k in self.unfit_nodes or (
+                k in self.no_room_nodes and not any(self.gpus[i].node == k for i in j.gpus)))):
             return []
         node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
         room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu and g.index not in exclude]
