@@ -343,6 +343,30 @@ def test_setting_a_typed_nodes_slots_keeps_the_type():
         assert b.calls == [("n1", {"Gres": want})]
 
 
+def test_slots_are_not_set_on_a_node_that_shows_no_gres_yet():
+    """scontrol's Gres= replaces the whole list: on a node that has not registered (no GRES shown), setting
+    the slots alone would drop its GPUs. The executor waits for the node instead."""
+    from slurm_antman import config
+    from slurm_antman.coordinator.executor import Executor
+    from slurm_antman.policy.cluster import SetOppSlots
+    from slurm_antman.slurm.models import Node
+
+    class Backend:
+        calls: list = []
+
+        def nodes(self):
+            return [Node("n1", "UNKNOWN*", [], gres_counts(""), {}, [], 8, 0, 1000, "", {"gres": ""})]
+
+        def update_node(self, node, **fields):
+            self.calls.append((node, fields))
+
+    cfg = config.parse({"nodes": [{"name": "n1", "gpus": 4}]})
+    b = Backend()
+    out = Executor(b, cfg).execute(SetOppSlots("n1", 8), None)
+    assert out.outcome == "skipped" and "not registered" in out.detail, out
+    assert b.calls == []
+
+
 def test_a_missing_slurm_conf_is_named_at_once_not_retried_for_a_minute(tmp_path):
     """scontrol retries a missing slurm.conf once a second for 60 s; the backend says so without
     running it (the message is the backend's own, not scontrol's)."""

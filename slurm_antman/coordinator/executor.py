@@ -216,6 +216,12 @@ class Executor:
         if current == d.slots:
             return skipped(f"{opp} already {d.slots}")
         raw = str(node.raw.get("gres") or "")
+        # scontrol's Gres= replaces the node's whole list. A node that has not registered yet (slurmctld
+        # just started, slurmd not up) shows none: writing our one entry then would take its GPUs away
+        # (seen 2026-11-29: a coordinator started within a second of slurmctld left a node with
+        # Gres=antman_opp:2 and no gpu, and every GPU job was refused).
+        if current is None:
+            return skipped(f"node {d.node} shows no {opp} yet (GRES {raw or 'none'}): not registered; next cycle")
         # sinfo may append "(S:0-1)" socket info to a GPU entry; scontrol does not take it back
         entries = [re.sub(r"\(.*\)$", "", e) for e in split_gres(raw)]
         # A typed node group's slots are typed (antman_opp:h100:N): the type stays, or typed jobs lose the node.

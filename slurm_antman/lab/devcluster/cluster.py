@@ -42,7 +42,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
        extra_etc_files: dict[str, str] | None = None, coordinator: bool = True,
        overrides: dict | None = None, accounting: bool = True, cgroups: bool = True,
        hosts: bool = False, installed: Optional[Path] = None,
-       require: Optional[Iterable[str]] = None, site_scripts: bool = False, switches: int = 0) -> Cluster:
+       require: Optional[Iterable[str]] = None, site_scripts: bool = False, switches: int = 0,
+       slurm_prefix: Optional[Path] = None) -> Cluster:
     """Start the cluster (or return the running one). ``extra_slurm_conf`` lines are appended to
     slurm.conf and ``extra_etc_files`` written into etc/ (benchmarks build variants with them).
     ``coordinator``: start the coordinator daemon (with CURVE keys for it and the sidecars);
@@ -57,7 +58,11 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     ``site_scripts``: play a site with Lua scripts of its own: etc/examples/job_submit.lua and
     cli_filter.lua (site rules plus the one line calling slurm-antman's modules) instead of the plain ones;
     ``switches``: that many emulated leaf switches over the nodes (etc/topology.conf, TopologyPlugin=topology/tree;
-    see ``files.topology_conf``); 0, the default, writes no topology."""
+    see ``files.topology_conf``); 0, the default, writes no topology;
+    ``slurm_prefix``: run a Slurm carried into a prefix (``lab.siteproof.carried_slurm``: a bare GPU machine's)
+    instead of the installed one: its daemons, commands, plugins, SPANK plugin build and its own munged.
+    A node group whose ``gpu_files`` (``overrides``) lie outside the cluster's dev/ uses those devices as
+    they are (a real GPU's /dev/nvidia0): no emulated ones are made."""
     # Every argument but these makes the cluster what it is (first: before any other local exists).
     shape = {k: v for k, v in locals().items() if k not in ("d", "timeout", "require")}
     d = Path(d).resolve()
@@ -77,6 +82,14 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         raise DevclusterError("--nodes and --gpus must be at least 1")
     if not 0 <= switches <= nodes:
         raise DevclusterError(f"--switches must be between 0 (no topology) and --nodes ({nodes}), not {switches}")
+    carried = None
+    if slurm_prefix is not None:
+        from slurm_antman.lab.siteproof.carried_slurm import Prefix
+
+        carried = Prefix(Path(slurm_prefix).resolve())
+        # Every Slurm command this process and its children run (the version check below, the hooks'
+        # PATH, the daemons' own calls) finds the carried wrappers first.
+        os.environ["PATH"] = carried.env()["PATH"]
     # Before anything is written: a Slurm outside the supported range is one line naming both.
     version = slurm_version.check_supported(slurm_version.installed_version(commands=slurm_version.DAEMON_FIRST))
     if accounting:
@@ -105,7 +118,6 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     let_users_through(d)
     for path in (d / "dev", d / "run", d / "etc"):
         path.chmod(0o755)
-    make_gpu_devices(d / "dev", gpus)
 
     antman_command = f"{sys.executable} -m slurm_antman.cli"
     install = None
@@ -120,11 +132,14 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         overrides = _merge({"coordinator": {
             "endpoint": f"tcp://{the_hosts.addr('ctl')}:{port_base + COORDINATOR_PORT_OFFSET}"}}, overrides or {})
     raw = dev_config(d, nodes, gpus, cpus, antman_command, port_base, overrides)
+    if all(str(g.get("gpu_files", "")).startswith(str(d / "dev")) for g in raw["nodes"]):
+        make_gpu_devices(d / "dev", gpus)
     (d / "antman.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     cfg = config_mod.load(d / "antman.yaml")
     # Every node of every node group (a test may give several, e.g. of two GPU types).
     cluster = Cluster(d, [h for g in cfg.nodes for h in g.hosts], gpus, port_base, plain, accounting=accounting,
-                      hosts=the_hosts if hosts else None, installed=str(installed) if installed else None)
+                      hosts=the_hosts if hosts else None, installed=str(installed) if installed else None,
+                      slurm_prefix=str(carried.path) if carried else None)
     if cluster.hosts is not None:
         node_params = {h: f"Port={port_base + 1 + i} NodeAddr={cluster.hosts.addr(h)} NodeHostname={h}"
                        for i, h in enumerate(cluster.nodes)}
@@ -142,7 +157,8 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     ctl_addr = cluster.hosts.addr("ctl") if cluster.hosts is not None else None
     # The devcluster plays a site with slurm.conf settings of its own, and merges what slurm-antman needs
     # into them as docs/admin.md tells an admin to (antman config merge-slurm-conf): never overwritten.
-    site_conf = _base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups, ctl_addr, topology=switches > 0)
+    site_conf = _base_slurm_conf(d, port_base, not plain, acct_lines, version, cgroups, ctl_addr, topology=switches > 0,
+                                 carried=carried.slurm_conf_lines() if carried else ())
     merged = site_settings.merge_text(site_conf, site_settings.needs(cfg, str(d / "etc"), with_antman=not plain),
                                       many_prologs=slurm_version.many_prolog_lines(version))
     if merged.conflicts:
@@ -176,14 +192,23 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
             for name in ("job_submit.lua", "cli_filter.lua"):
                 shutil.copy2(REPO / "etc" / "examples" / name, d / "etc" / name)
         if not installed:  # an install brings its own plugin and agent bundle
-            build_spank(d / "lib" / "antman_spank.so")
+            if carried is not None and carried.spank_plugin is not None:  # built where its headers were
+                (d / "lib").mkdir(parents=True, exist_ok=True)
+                shutil.copy2(carried.spank_plugin, d / "lib" / "antman_spank.so")
+            else:
+                build_spank(d / "lib" / "antman_spank.so")
             if cfg.agent_path:
                 agent_bundle.build(Path(cfg.agent_path))
 
     env = _daemon_env(cluster)
-    _ensure_munged(cluster.procs)
+    if carried is None:
+        _ensure_munged(cluster.procs)
     try:
         _record(cluster, None)
+        if carried is not None:
+            from slurm_antman.lab.siteproof.carried_slurm import munged_program, start_munged
+
+            _record(cluster, Proc("munged", start_munged(carried, d / "log" / "munged.log"), str(munged_program(carried))))
         if cluster.hosts is not None:
             cluster.hosts.create()
         if accounting:
@@ -221,6 +246,13 @@ def _record(cluster: Cluster, proc: Proc | None) -> None:
 
 def _daemon_env(cluster: Cluster) -> dict:
     env = cluster.env
+    if cluster.slurm_prefix:
+        from slurm_antman.lab.siteproof.carried_slurm import Prefix
+
+        # The daemons are started as themselves (their PID is the program's, as ``down`` checks), not
+        # through the wrappers: they get the carried libraries here.
+        lib = Prefix(Path(cluster.slurm_prefix)).library_path()
+        env["LD_LIBRARY_PATH"] = lib + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     if cluster.installed:
         env.pop("PYTHONPATH", None)  # the install's own packages, never this checkout's
     else:
@@ -241,7 +273,7 @@ def start_slurmctld(cluster: Cluster, env: dict | None = None, clear_state: bool
     """Start slurmctld; ``clear_state`` on a new cluster only: a restart (after a fault) recovers
     its jobs from StateSaveLocation, as a site's slurmctld does."""
     env = env if env is not None else _daemon_env(cluster)
-    argv = [_which("slurmctld"), "-D", *(["-c"] if clear_state else []), "-i"]
+    argv = [_daemon(cluster, "slurmctld"), "-D", *(["-c"] if clear_state else []), "-i"]
     return _spawn("slurmctld", argv, env, cluster.dir / "log" / "slurmctld.out", _enter(cluster, "ctl"))
 
 
@@ -251,9 +283,26 @@ def start_slurmd(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
     env = env if env is not None else _daemon_env(cluster)
     # A new scope name each start: the old scope lives on while the job steps slurmd started run in it.
     unit = f"antman-dev-{cluster.port_base}-slurmd-{node}-{time.time_ns() // 1_000_000}"
-    wrap = [*delegated_scope(unit), *(_enter(cluster, node) or [])]
-    return _spawn(f"slurmd:{node}", [_which("slurmd"), "-D", "-N", node], env,
+    # Without device confinement (no cgroup.conf) on a machine without systemd, slurmd starts as it is.
+    confined = (cluster.dir / "etc" / "cgroup.conf").exists()
+    scope = delegated_scope(unit) if confined or shutil.which("systemd-run") else []
+    wrap = [*scope, *(_enter(cluster, node) or [])]
+    stepd = []
+    if cluster.slurm_prefix:  # slurmd would look for its slurmstepd in /usr/sbin
+        from slurm_antman.lab.siteproof.carried_slurm import Prefix
+
+        stepd = ["-d", str(Prefix(Path(cluster.slurm_prefix)).slurmstepd)]
+    return _spawn(f"slurmd:{node}", [_daemon(cluster, "slurmd"), "-D", "-N", node, *stepd], env,
                   cluster.dir / "log" / f"slurmd-{node}.out", wrap or None)
+
+
+def _daemon(cluster: Cluster, name: str) -> str:
+    """The program of Slurm's daemon ``name``: the carried one's, or the installed one's."""
+    if cluster.slurm_prefix:
+        from slurm_antman.lab.siteproof.carried_slurm import Prefix, daemon_program
+
+        return str(daemon_program(Prefix(Path(cluster.slurm_prefix)), name))
+    return _which(name)
 
 
 def start_coordinator(cluster: Cluster, env: dict | None = None) -> Proc:

@@ -28,6 +28,7 @@ class Cluster:
     user: str = DEV_USER  # the unprivileged user jobs are submitted as
     hosts: Optional["Hosts"] = None  # each node a network namespace of its own (``up(hosts=True)``)
     installed: Optional[str] = None  # PREFIX of a `make install` the daemons and hooks run from (``up(installed=)``)
+    slurm_prefix: Optional[str] = None  # a carried Slurm's prefix (``up(slurm_prefix=)``; lab.siteproof.carried_slurm)
 
     @property
     def slurm_conf(self) -> Path:
@@ -44,7 +45,12 @@ class Cluster:
         return env
 
     def exports(self) -> dict[str, str]:
-        return {"SLURM_CONF": str(self.slurm_conf), "ANTMAN_CONFIG": str(self.config_path)}
+        out = {"SLURM_CONF": str(self.slurm_conf), "ANTMAN_CONFIG": str(self.config_path)}
+        if self.slurm_prefix:  # the carried Slurm's commands (wrappers that find its libraries) come first
+            path = os.environ.get("PATH") or "/usr/sbin:/usr/bin:/sbin:/bin"
+            own = f"{self.slurm_prefix}/bin"
+            out["PATH"] = path if path.split(":")[0] == own else f"{own}:{path}"
+        return out
 
     def run(self, args: list[str], check: bool = False, timeout: float = 60, env: dict | None = None,
             as_user: tuple[int, int] | None = None, host: str = "ctl", **kw) -> subprocess.CompletedProcess:
@@ -65,6 +71,7 @@ class Cluster:
             "plain": self.plain, "slurm_conf": str(self.slurm_conf),
             "procs": [p.__dict__ for p in self.procs], "accounting": self.accounting, "user": self.user,
             "hosts": self.hosts.to_json() if self.hosts else None, "installed": self.installed,
+            "slurm_prefix": self.slurm_prefix,
         }
 
     @classmethod
@@ -72,7 +79,7 @@ class Cluster:
         return cls(Path(data["dir"]), data["nodes"], data["gpus"], data["port_base"], data["plain"],
                    [Proc(**p) for p in data["procs"]], bool(data.get("accounting", False)),
                    str(data.get("user", DEV_USER)), Hosts.from_json(data["hosts"]) if data.get("hosts") else None,
-                   data.get("installed"))
+                   data.get("installed"), data.get("slurm_prefix"))
 
 
 def _state_file(d: Path) -> Path:

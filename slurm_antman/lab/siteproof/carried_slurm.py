@@ -267,11 +267,16 @@ def unpack(bundle: Path, prefix: Path, known: Optional[set[str]] = None) -> Pref
         shutil.copy2(bundle / manifest["spank_plugin"], p.path / "antman_spank.so")
     p.bin.mkdir()
     for name in COMMANDS + MUNGE + DAEMONS + ("munged",):
-        # Debian installs the daemons as NAME-wlm and points NAME at them with update-alternatives, which
-        # an unpacked package never ran.
         for d in ("usr/bin", "usr/sbin"):
-            for real in (name, f"{name}-wlm"):
-                _wrapper(p, p.root / d / real, name)
+            # Debian installs the daemons as NAME-wlm and points NAME at them with update-alternatives,
+            # which an unpacked package never ran: the link is made here. The name matters, not only
+            # the file: Slurm decides by its program name whether it runs as slurmctld or slurmd (a
+            # slurmctld started as "slurmctld-wlm" reads no node's GRES from slurm.conf, and refuses
+            # every GPU job as "Requested node configuration is not available").
+            real = p.root / d / f"{name}-wlm"
+            if real.is_file() and not (p.root / d / name).exists():
+                (p.root / d / name).symlink_to(real.name)
+            _wrapper(p, p.root / d / name, name)
     p.munge_dir.mkdir()
     p.munge_dir.chmod(0o755)  # a job's sbatch and srun, as its user, reach the socket in it
     (p.path / "carried.json").write_text(json.dumps({"libraries": carried, "machine_has": sorted(
@@ -283,6 +288,8 @@ def _wrapper(p: Prefix, target: Path, name: str) -> None:
     if not target.exists():
         return
     w = p.bin / name
+    if w.exists():
+        return
     # exec -a keeps the program's own name in ps and in its messages; slurmd finds slurmstepd through
     # this wrapper too (slurmd -d), so every step runs with the carried libraries.
     w.write_text(f"#!/bin/bash\nLD_LIBRARY_PATH='{p.library_path()}'${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}\n"
@@ -323,6 +330,19 @@ def start_munged(p: Prefix, log: Path) -> int:
             return int(pidfile.read_text().strip())
         time.sleep(0.05)
     raise CarryError("munged started but wrote no pid file")
+
+
+def daemon_program(p: Prefix, name: str) -> Path:
+    """The real program of daemon ``name`` (not its wrapper), for a caller that gives it the carried
+    libraries itself and must see the program's own PID and executable."""
+    for d in ("usr/sbin", "usr/bin"):
+        if (p.root / d / name).is_file():
+            return p.root / d / name
+    raise CarryError(f"the carried Slurm in {p.path} has no {name}")
+
+
+def munged_program(p: Prefix) -> Path:
+    return daemon_program(p, "munged")
 
 
 def munge_works(p: Prefix) -> bool:
