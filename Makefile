@@ -6,7 +6,8 @@ APT_PACKAGES := slurm-wlm munge libslurm-dev lua5.1 build-essential python3-venv
                 slurmdbd mariadb-server
 PYTEST_ARGS ?=
 
-.PHONY: deps demo test test-gpu test-slurm24 test-cgroup2 spank clean gpu-proof gpu-tests gpu-wheels install uninstall rollback
+.PHONY: deps demo test test-gpu test-slurm24 test-cgroup2 spank clean gpu-proof gpu-tests gpu-wheels gpu-site-bundle \
+        gpu-site-proof install uninstall rollback
 .DEFAULT_GOAL := test
 
 # System packages only when something is missing, so a warm machine does not touch apt. The
@@ -168,6 +169,27 @@ gpu-tests:
 	    --junitxml=$(GPU_PROOF_DIR)/junit-$$(basename $$f .py).xml $$f 2>&1 | tee -a $(GPU_PROOF_DIR)/tests.log; \
 	  [ "$${PIPESTATUS[0]}" -eq 0 ] || rc=1; \
 	done; exit $$rc
+
+# --- The whole product on the GPU: a one-node Slurm site (docs/gpu_proof.md, "A Slurm site on the GPU") ----
+# Here (Debian 12 with make deps done, and the network): `make gpu-site-bundle` puts Debian's Slurm 22.05 and
+# munge packages with their libraries' packages and the SPANK plugin built against them into .site/slurm
+# (lab/devcluster/carried_slurm.py), and the wheels of `make gpu-wheels` into .whl/ (both git-ignored: the
+# device call names them in its carry). There (bare: no Slurm, no munge, no network): `make gpu-site-proof`
+# installs what the wheels add, unpacks that Slurm into a prefix beside the cluster and runs the proof into
+# $(GPU_SITE_PROOF_DIR): site.json and site.md. Without a GPU (CI) the same target runs the same loop on
+# the devcluster's emulated GPU, with the carried Slurm where .site/slurm exists and the installed one else.
+SITE_BUNDLE         ?= .site/slurm
+GPU_SITE_PROOF_DIR  ?= gpu-site-proof
+GPU_SITE_PROOF_ARGS ?=
+
+gpu-site-bundle: gpu-wheels
+	$(WHEEL_PY) -m slurm_antman.lab.devcluster.carried_slurm build --out $(SITE_BUNDLE)
+
+gpu-site-proof:
+	@if [ -d .whl ]; then $(GPU_PY) -m slurm_antman.lab.bench.wheels install --wheels .whl --target .whl/site; fi
+	PYTHONPATH="$(CURDIR)/.whl/site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+	  $(GPU_PY) -m slurm_antman.lab.siteproof.proof --out $(GPU_SITE_PROOF_DIR) \
+	  $(if $(wildcard $(SITE_BUNDLE)/manifest.json),--bundle $(SITE_BUNDLE)) $(GPU_SITE_PROOF_ARGS)
 
 clean:
 	$(MAKE) -s -C spank clean || true

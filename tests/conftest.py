@@ -6,6 +6,8 @@ import contextlib
 import os
 import pwd
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -215,3 +217,18 @@ def torch_only_python() -> Path:
         f"{venv} is not a working torch-only venv: {probe.stdout} {probe.stderr[-2000:]}"
     let_jobs_through(venv)
     return python
+
+
+@pytest.fixture(scope="session")
+def carried_bundle(tmp_path_factory) -> Path:
+    """The carried Slurm of `make gpu-site-bundle` (lab/devcluster/carried_slurm.py), built once per run from
+    this machine's Debian packages (downloaded once into /var/cache/slurm-antman/carried-slurm)."""
+    _require_slurm()
+    from slurm_antman.lab.devcluster import carried_slurm
+
+    out = tmp_path_factory.mktemp("carried") / "slurm"
+    r = subprocess.run([sys.executable, "-m", "slurm_antman.lab.devcluster.carried_slurm", "build", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "manifest.json").exists() and carried_slurm.bundle_bytes(out) > 0
+    return out

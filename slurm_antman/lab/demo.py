@@ -206,6 +206,7 @@ class LoopJobs:
     env: dict[str, str]
     grow: str        # what the guaranteed job's heavier phase is, in words
     burst: str       # and its burst
+    where: str = "GPU 0"  # the GPU they share, in words
     guaranteed: str = "resnet-guaranteed"
     opportunistic: str = "bert-opportunistic"
     patience: float = 1.0  # the waits' scale: a real model starts and checkpoints slower than the demo's
@@ -225,7 +226,8 @@ def emulated_jobs(work: Path) -> LoopJobs:
                     env={ENV_ROOT: str(device)},
                     grow="0.5 GiB -> 1.5 GiB of GPU memory",
                     burst="the guaranteed job bursts to 3.3 GiB: what is left is under the opportunistic job's "
-                          "1 GiB minimum")
+                          "1 GiB minimum",
+                    where="one contending emulated GPU, which runs one job's kernels at a time")
 
 
 def run_loop(cluster: dc.Cluster, work: Path, jobs: LoopJobs, rec: dict) -> None:
@@ -260,7 +262,7 @@ def run_loop(cluster: dc.Cluster, work: Path, jobs: LoopJobs, rec: dict) -> None
     base, beside, share = demo.step_times(g, o, 10 * wait)
     rec.update(alone_ms=base, beside_ms=beside, beside_s=10 * wait, mean_share=share,
                opportunistic_step_lines_per_s=(_steps(demo.output(o_name)) - steps_before) / (time.monotonic() - t0))
-    console.print(f"  Both run on GPU 0: {g_name} took {base:.1f} ms a step alone, {beside:.1f} ms beside {o_name} "
+    console.print(f"  Both run on {jobs.where}: {g_name} took {base:.1f} ms a step alone, {beside:.1f} ms beside {o_name} "
                   f"over {10 * wait:.0f} s ({beside / base - 1:+.1%}), while the sidecar held {o_name} at a mean "
                   f"compute share of {share:.2f}. The node loop's target is +2 %, as a mean over its episodes.")
 

@@ -59,7 +59,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     cli_filter.lua (site rules plus the one line calling slurm-antman's modules) instead of the plain ones;
     ``switches``: that many emulated leaf switches over the nodes (etc/topology.conf, TopologyPlugin=topology/tree;
     see ``files.topology_conf``); 0, the default, writes no topology;
-    ``slurm_prefix``: run a Slurm carried into a prefix (``lab.siteproof.carried_slurm``: a bare GPU machine's)
+    ``slurm_prefix``: run a Slurm carried into a prefix (``lab.devcluster.carried_slurm``: a bare GPU machine's)
     instead of the installed one: its daemons, commands, plugins, SPANK plugin build and its own munged.
     A node group whose ``gpu_files`` (``overrides``) lie outside the cluster's dev/ uses those devices as
     they are (a real GPU's /dev/nvidia0): no emulated ones are made."""
@@ -84,7 +84,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
         raise DevclusterError(f"--switches must be between 0 (no topology) and --nodes ({nodes}), not {switches}")
     carried = None
     if slurm_prefix is not None:
-        from slurm_antman.lab.siteproof.carried_slurm import Prefix
+        from .carried_slurm import Prefix
 
         carried = Prefix(Path(slurm_prefix).resolve())
         # Every Slurm command this process and its children run (the version check below, the hooks'
@@ -206,7 +206,7 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     try:
         _record(cluster, None)
         if carried is not None:
-            from slurm_antman.lab.siteproof.carried_slurm import munged_program, start_munged
+            from .carried_slurm import munged_program, start_munged
 
             _record(cluster, Proc("munged", start_munged(carried, d / "log" / "munged.log"), str(munged_program(carried))))
         if cluster.hosts is not None:
@@ -247,7 +247,7 @@ def _record(cluster: Cluster, proc: Proc | None) -> None:
 def _daemon_env(cluster: Cluster) -> dict:
     env = cluster.env
     if cluster.slurm_prefix:
-        from slurm_antman.lab.siteproof.carried_slurm import Prefix
+        from .carried_slurm import Prefix
 
         # The daemons are started as themselves (their PID is the program's, as ``down`` checks), not
         # through the wrappers: they get the carried libraries here.
@@ -289,7 +289,7 @@ def start_slurmd(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
     wrap = [*scope, *(_enter(cluster, node) or [])]
     stepd = []
     if cluster.slurm_prefix:  # slurmd would look for its slurmstepd in /usr/sbin
-        from slurm_antman.lab.siteproof.carried_slurm import Prefix
+        from .carried_slurm import Prefix
 
         stepd = ["-d", str(Prefix(Path(cluster.slurm_prefix)).slurmstepd)]
     return _spawn(f"slurmd:{node}", [_daemon(cluster, "slurmd"), "-D", "-N", node, *stepd], env,
@@ -299,7 +299,7 @@ def start_slurmd(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
 def _daemon(cluster: Cluster, name: str) -> str:
     """The program of Slurm's daemon ``name``: the carried one's, or the installed one's."""
     if cluster.slurm_prefix:
-        from slurm_antman.lab.siteproof.carried_slurm import Prefix, daemon_program
+        from .carried_slurm import Prefix, daemon_program
 
         return str(daemon_program(Prefix(Path(cluster.slurm_prefix)), name))
     return _which(name)

@@ -28,7 +28,7 @@ class Cluster:
     user: str = DEV_USER  # the unprivileged user jobs are submitted as
     hosts: Optional["Hosts"] = None  # each node a network namespace of its own (``up(hosts=True)``)
     installed: Optional[str] = None  # PREFIX of a `make install` the daemons and hooks run from (``up(installed=)``)
-    slurm_prefix: Optional[str] = None  # a carried Slurm's prefix (``up(slurm_prefix=)``; lab.siteproof.carried_slurm)
+    slurm_prefix: Optional[str] = None  # a carried Slurm's prefix (``up(slurm_prefix=)``; lab.devcluster.carried_slurm)
 
     @property
     def slurm_conf(self) -> Path:

@@ -40,7 +40,8 @@ def markdown(rec: dict) -> str:
     lines += ["| check | measured | held |", "|---|---|---|"]
     for name, c in rec.get("checks", {}).items():
         shown = {k: v for k, v in c.items() if k != "ok"}
-        lines.append(f"| {name} | {_brief(shown)} | {'yes' if c.get('ok') else '**no**'} |")
+        held = {True: "yes", False: "**no**", None: "recorded"}[c.get("ok")]
+        lines.append(f"| {name} | {_brief(shown)} | {held} |")
     lines += ["", "## The loop", ""]
     if lp.get("alone_ms"):
         lines.append(f"- Guaranteed step time alone {lp['alone_ms']:.1f} ms, beside the opportunistic job "

@@ -22,8 +22,8 @@ way, by PATH. slurmd is told where slurmstepd is (``-d``), slurm.conf where the 
 (``PluginDir=``), and munged runs from the prefix with its key, socket, seed and log under it
 (``AuthInfo=socket=`` in slurm.conf tells the auth plugin where).
 
-Standard library only: ``selftest`` runs in a root with nothing but Python (tests/test_carried_slurm.py
-builds one with mmdebstrap).
+Standard library only (but ``build`` without ``--spank``): ``selftest`` runs in a root with nothing but
+Python (.ci/bare-root, tests/test_carried_slurm.py).
 """
 
 from __future__ import annotations
@@ -455,19 +455,26 @@ def _stop(pid: int, timeout: float = 15) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m slurm_antman.lab.siteproof.carried_slurm",
+    ap = argparse.ArgumentParser(prog="python -m slurm_antman.lab.devcluster.carried_slurm",
                                  description="Slurm carried to a machine that has none (docs/gpu_proof.md).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="make the bundle here (a Debian 12 machine with make deps done)")
     b.add_argument("--out", required=True, type=Path)
-    b.add_argument("--spank", type=Path, help="the SPANK plugin built against this Slurm")
+    b.add_argument("--spank", type=Path, help="the SPANK plugin built against this Slurm (default: build it "
+                   "from this checkout against /usr/include/slurm)")
     t = sub.add_parser("selftest", help="unpack a bundle and run a job on a one-node cluster from it alone")
     t.add_argument("--bundle", required=True, type=Path)
     t.add_argument("--work", required=True, type=Path)
     a = ap.parse_args(argv)
     try:
         if a.cmd == "build":
-            m = build(a.out, a.spank)
+            spank = a.spank
+            if spank is None:
+                from .files import build_spank  # needs the devcluster's own imports: not in a bare root
+
+                a.out.mkdir(parents=True, exist_ok=True)
+                spank = build_spank(a.out.parent / "antman_spank.so")
+            m = build(a.out, spank)
             print(json.dumps({**m, "bytes": bundle_bytes(a.out)}, indent=2))
         else:
             print(json.dumps(selftest(a.bundle, a.work), indent=2))
