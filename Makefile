@@ -82,8 +82,11 @@ demo: deps
 test: deps
 	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
 
+# The demo's own test (marker demo) runs in the cgroup v2 guest (make test-cgroup2); here its loop runs in
+# tests/test_site_proof.py, the same sequence (lab/demo.py, run_loop) under `make gpu-site-proof`.
+SLOW_MARKS ?= slow and not demo
 test-slow: deps
-	$(PY) -m pytest -ra -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "$(SLOW_MARKS)" $(PYTEST_ARGS)
 
 test-gpu: deps
 	$(PY) -m pytest -ra -m gpu $(PYTEST_ARGS)
@@ -94,15 +97,16 @@ test-gpu: deps
 # slow tests stay with `make test-slow` (22.05), and so do those marked slurm_neutral (the sidecar's
 # and the agent's own mechanics, whose Slurm calls other cluster tests make on 24.11 too). Not two clusters at once: the chroot shares the
 # host's loopback ports with `make test`'s clusters. The second run's sbatch signs with munge: the
-# chroot's own munged serves it (the PID namespace ends it with the run).
+# chroot's own munged serves it (the PID namespace ends it with the run). Its pytest cache stays in the
+# chroot's /tmp: .ci/run runs it beside the cgroup v2 guest, whose rerun reads the checkout's cache.
 SLURM24_PYTEST ?= -m "cluster and not slow and not slurm_neutral"
 test-slurm24: $(VENV)/.installed
 	.ci/slurm24 build
-	.ci/slurm24 run 'rc=0; $(PY) -m pytest -ra $(SLURM24_PYTEST) $(PYTEST_ARGS) || rc=1; \
+	.ci/slurm24 run 'rc=0; $(PY) -m pytest -ra -o cache_dir=/tmp/pytest-cache $(SLURM24_PYTEST) $(PYTEST_ARGS) || rc=1; \
 	  mkdir -p /run/munge && chown munge: /run/munge && \
 	  { munge -n >/dev/null 2>&1 || runuser -u munge -- /usr/sbin/munged; } && \
-	  $(PY) -m pytest -ra tests/test_spank_build.py tests/test_slurm_version.py tests/test_doctor.py \
-	    tests/test_job_submit_lua.py tests/test_spank_elastic.py tests/test_job_submit_elastic_lua.py \
+	  $(PY) -m pytest -ra -o cache_dir=/tmp/pytest-cache tests/test_spank_build.py tests/test_slurm_version.py \
+	    tests/test_doctor.py tests/test_job_submit_lua.py tests/test_spank_elastic.py tests/test_job_submit_elastic_lua.py \
 	    -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
 # The cluster tests once more on a node that boots the unified cgroup v2 hierarchy, with the newest

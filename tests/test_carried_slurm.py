@@ -36,6 +36,7 @@ def test_unpacking_carries_only_the_libraries_the_machine_lacks(carried_bundle, 
     assert cs.missing_libraries(lacking) == {}
 
 
+@pytest.mark.slow  # builds a Debian root once (about 30 s), then about 6 s
 def test_the_carried_slurm_runs_jobs_in_a_root_without_slurm(carried_bundle, tmp_path):
     """munged, slurmctld and slurmd from the prefix, in a root that has none of them nor their libraries:
     a job step and a batch job run."""

@@ -30,7 +30,7 @@ from .dirs import DEFAULT_DIR
 from .files import (
     COORDINATOR_PORT_OFFSET, DEFAULT_PORT_BASE, REPO, _base_slurm_conf, _merge, _which,
     build_spank, cgroup_conf as files_cgroup_conf, dev_config, make_gpu_devices, run_dir, sidecar_socket_dir,
-    slurmd_spool_dir, topology_conf, unified_cgroup_host,
+    slurmd_spool_dir, systemd_running, topology_conf, unified_cgroup_host,
 )
 from .hosts import DEV_USER, Hosts, ensure_user, let_users_through  # noqa: F401 - DEV_USER: dc.DEV_USER
 from .processes import DevclusterError, Proc, _descendants, delegated_scope, _ensure_munged, _reap, _spawn
@@ -171,8 +171,9 @@ def up(d: Path = DEFAULT_DIR, nodes: int = 2, gpus: int = 4, cpus: int = 4, port
     else:
         topology.unlink(missing_ok=True)
     cgroup_conf = d / "etc" / "cgroup.conf"
-    if cgroups:
-        cgroup_conf.write_text(files_cgroup_conf(unified_cgroup_host()))
+    unified, systemd = unified_cgroup_host(), systemd_running()
+    if cgroups or (unified and not systemd):
+        cgroup_conf.write_text(files_cgroup_conf(unified, systemd, constrain=cgroups))
     else:
         cgroup_conf.unlink(missing_ok=True)
     for h in cluster.nodes:  # 24.11's slurmd does not make its spool directory (22.05's does)
@@ -283,10 +284,7 @@ def start_slurmd(cluster: Cluster, node: str, env: dict | None = None) -> Proc:
     env = env if env is not None else _daemon_env(cluster)
     # A new scope name each start: the old scope lives on while the job steps slurmd started run in it.
     unit = f"antman-dev-{cluster.port_base}-slurmd-{node}-{time.time_ns() // 1_000_000}"
-    # Without device confinement (no cgroup.conf) on a machine without systemd, slurmd starts as it is.
-    confined = (cluster.dir / "etc" / "cgroup.conf").exists()
-    scope = delegated_scope(unit) if confined or shutil.which("systemd-run") else []
-    wrap = [*scope, *(_enter(cluster, node) or [])]
+    wrap = [*delegated_scope(unit), *(_enter(cluster, node) or [])]
     stepd = []
     if cluster.slurm_prefix:  # slurmd would look for its slurmstepd in /usr/sbin
         from .carried_slurm import Prefix

@@ -102,6 +102,11 @@ def unified_cgroup_host(root: str = "/sys/fs/cgroup") -> bool:
         return False
 
 
+def systemd_running() -> bool:
+    """Whether systemd is this machine's init (sd_booted(3)'s test), not only installed."""
+    return os.path.isdir("/run/systemd/system")
+
+
 def delegated_scope(unit: str) -> list[str]:
     """On a unified cgroup v2 host, the command that starts a daemon the way a site's systemd unit does
     (Debian's slurmd.service sets ``Delegate=yes``): in a transient scope whose cgroup subtree is its own.
@@ -109,6 +114,8 @@ def delegated_scope(unit: str) -> list[str]:
     which the kernel refuses in a cgroup that holds other processes ("Cannot migrate slurmd"). A scope
     execs the daemon in the same process, so its PID is the daemon's. Elsewhere: nothing."""
     if not unified_cgroup_host():
+        return []
+    if not systemd_running():  # slurmd makes its own (cgroup.conf IgnoreSystemd=yes, files.cgroup_conf)
         return []
     run = shutil.which("systemd-run")
     if run is None:
