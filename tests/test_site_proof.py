@@ -68,3 +68,16 @@ def test_nvml_memory_over_the_limit_is_counted_once_the_limit_stood():
     lowered = samples + [{"t": 3 + i / 2, "used": {"2": 3 * gib}, "limit": {"2": 1 * gib}} for i in range(6)]
     got = proof._nvml_under_limit(lowered, "2")
     assert got["over"] == 2 and not got["ok"], got
+
+
+def test_a_cgroup_v2_machine_without_systemd_gets_a_cgroup_conf_slurmd_can_start_with():
+    """The GPU machine may boot cgroup v2 with no systemd to ask for slurmstepd's scope: Slurm's own
+    IgnoreSystemd then, and the file even unconfined (slurmd loads its cgroup plugin regardless)."""
+    from slurm_antman.lab.devcluster import files
+
+    bare = files.cgroup_conf(unified=True, systemd=False, constrain=False)
+    assert "CgroupPlugin=cgroup/v2" in bare and "IgnoreSystemd=yes" in bare and "CgroupAutomount=yes" in bare
+    assert "ConstrainDevices=no" in bare
+    site = files.cgroup_conf(unified=True, systemd=True)
+    assert "CgroupPlugin=autodetect" in site and "IgnoreSystemd" not in site and "ConstrainDevices=yes" in site
+    assert "CgroupPlugin=cgroup/v1" in files.cgroup_conf(unified=False)
