@@ -459,12 +459,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  description="Slurm carried to a machine that has none (docs/gpu_proof.md).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="make the bundle here (a Debian 12 machine with make deps done)")
-    b.add_argument("--out", required=True, type=Path)
+    b.add_argument("--out", required=True, type=Path, help="the bundle's directory (made afresh)")
     b.add_argument("--spank", type=Path, help="the SPANK plugin built against this Slurm (default: build it "
                    "from this checkout against /usr/include/slurm)")
     t = sub.add_parser("selftest", help="unpack a bundle and run a job on a one-node cluster from it alone")
-    t.add_argument("--bundle", required=True, type=Path)
-    t.add_argument("--work", required=True, type=Path)
+    t.add_argument("--bundle", required=True, type=Path, help="a bundle made by build")
+    t.add_argument("--work", required=True, type=Path, help="where the prefix, the cluster's files and its logs go")
     a = ap.parse_args(argv)
     try:
         if a.cmd == "build":

@@ -145,7 +145,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="auto: the real GPU where NVML finds one, else the emulated one")
     ap.add_argument("--confine", choices=("try", "on", "off"), default="try",
                     help="device confinement (task/cgroup, ConstrainDevices=yes): try it, then without")
-    ap.add_argument("--port-base", type=int, default=17917)
+    ap.add_argument("--port-base", type=int, default=17917, help="the first of the cluster's loopback ports")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     gpu = gpu_facts() if a.device != "emulated" else None
