@@ -41,6 +41,10 @@ from .report import write_report
 GUARANTEED_MODEL, GUARANTEED_BATCH = "resnet50", 128
 OPPORTUNISTIC_MODEL, OPPORTUNISTIC_BATCH = "lstm_lm", 64
 DEFAULT_DIR = Path("/tmp/antman-site")
+# The node's CPUs as slurm.conf gives them: two jobs of one CPU each and room for a step, whatever the
+# machine has (the devcluster's slurmd takes slurm.conf's word: SlurmdParameters=config_overrides). A
+# single-CPU machine (the cgroup v2 guest) would otherwise hold the opportunistic job pending for good.
+CPUS = 4
 
 
 def _commit() -> str:
@@ -172,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cluster = None
     for confine in _order(a.confine):
         try:
-            cluster = dc.up(a.dir, nodes=1, gpus=1, cpus=min(8, os.cpu_count() or 1), port_base=a.port_base,
+            cluster = dc.up(a.dir, nodes=1, gpus=1, cpus=CPUS, port_base=a.port_base,
                             overrides=overrides, accounting=False, cgroups=confine, slurm_prefix=prefix.path if prefix else None)
             rec["attempts"].append({"confine_devices": confine, "ok": True})
             rec["confine_devices"] = confine
