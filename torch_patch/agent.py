@@ -454,6 +454,7 @@ class Agent:
             except Exception:
                 log.exception("slurm-antman: could not apply limits seq %d", upd.seq)
             self.set_slot_page(upd.slot_page, upd.slot_role)
+            self.pauser.set_pin_allowance(upd.pin_bytes)
             self.applied_seq = upd.seq
             self._busy_mark = self.throttle.busy_s
             if upd.ref is not None and self.client is not None:

@@ -102,6 +102,7 @@ class LimitsUpdate:
     # did not name the "slots" feature).
     slot_page: Optional[str] = None
     slot_role: Optional[str] = None
+    pin_bytes: int = 0  # host bytes it may keep pinned for a pause (limits.pin_bytes)
 
 
 @dataclass
@@ -178,6 +179,9 @@ class ProtocolClient(threading.Thread):
         self._on_checkpoint = on_checkpoint
         if on_pause is not None and P.FEATURE_PAUSE not in register.features:
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_PAUSE))
+        # An agent that pauses keeps pinned host memory within limits.pin_bytes (torch_patch.pause).
+        if on_pause is not None and P.FEATURE_PIN not in register.features:
+            register = dataclasses.replace(register, features=(*register.features, P.FEATURE_PIN))
         # Only the agent the elastic launcher's socket was handed to (local rank 0) names "width".
         if on_width is not None and P.FEATURE_WIDTH not in register.features:
             register = dataclasses.replace(register, features=(*register.features, P.FEATURE_WIDTH))
@@ -434,7 +438,7 @@ class ProtocolClient(threading.Thread):
             self._on_limits(LimitsUpdate(body.seq, body.mem_limit_bytes, body.compute_share, msg.id,
                                          received_iteration=self._arrived_during,
                                          received_t=time.perf_counter(),
-                                         slot_page=body.slot_page, slot_role=body.slot_role))
+                                         slot_page=body.slot_page, slot_role=body.slot_role, pin_bytes=body.pin_bytes))
         elif isinstance(body, P.Preempt):
             self._on_preempt(PreemptNotice(body.deadline_unix, body.grace_s, body.reason))
         elif isinstance(body, (P.Pause, P.Resume)):

@@ -248,6 +248,16 @@ class Arena:
             finally:
                 self._done[i].set()
 
+    def fits(self, plan: Layout) -> bool:
+        """Whether ``plan``'s slices lie within this arena's registrations: a kept (or pre-pinned) arena
+        serves a later offload whose state is no larger, cut into chunks of the same size."""
+        return (self.bytes is not None and self.error is None and plan.chunk_bytes == self.plan.chunk_bytes
+                and plan.total <= self.plan.total)
+
+    def adopt(self, plan: Layout) -> None:
+        """Take ``plan``'s slices (``fits`` must hold); the registrations stay as they are."""
+        self.plan = Layout(plan.offsets, plan.sizes, self.plan.total, self.plan.chunks, self.plan.chunk_bytes)
+
     def ready(self, chunks: range) -> bool:
         """Wait until ``chunks`` are registered; False if one of them could not be."""
         for c in chunks:
@@ -300,26 +310,44 @@ class Arena:
                       "pause arena")
 
 
+def prepin(torch: Any, nbytes: int, *, rt: Any, device: int, threads: Optional[int] = None,
+           chunk: int = CHUNK_BYTES) -> Arena:
+    """An arena of ``nbytes`` pinned now, in the background (the workers fault and register while the
+    caller goes on), for a later offload (``copy_out(kept=)``): the first pause then finds its host
+    memory ready instead of waiting for the kernel to zero fresh pages."""
+    return Arena(torch, layout([nbytes], chunk=chunk), rt, device, threads or threads_default())
+
+
 def copy_out(torch: Any, tensors: Sequence[Any], *, rt: Any, device: int, fallback: Callable[[Any], Any],
              sync: Callable[[], None], timings: dict, threads: Optional[int] = None,
-             chunk: int = CHUNK_BYTES) -> tuple[list[Any], Optional[Arena]]:
+             chunk: int = CHUNK_BYTES, kept: Optional[Arena] = None) -> tuple[list[Any], Optional[Arena]]:
     """Host copies of ``tensors``: each one's ``non_blocking`` copy is *issued* into its slice of one
     arena as soon as that slice is pinned, or made by ``fallback(t)`` where pinning failed. Nothing is
     waited for: the caller synchronizes before it reads a copy or drops a source. Returns the copies
     and the arena (None if unused), which must outlive every use of the copies (``Arena.release``).
 
     ``timings`` gets alloc_s (the pageable arena), pin_s (arena start to the last registration), the
-    workers' summed fault_cpu_s and register_cpu_s, the arena's shape and whether each tensor used it."""
+    workers' summed fault_cpu_s and register_cpu_s, the arena's shape and whether each tensor used it.
+
+    ``kept``: an arena pinned before (kept from the last pause, or pre-pinned): used where the state fits
+    in it (``kept_arena`` in ``timings``), let go where it does not."""
+    started = time.perf_counter()
     sizes = [t.numel() * t.element_size() for t in tensors]
     plan = layout(sizes, chunk=chunk)
     n_threads = threads or threads_default()
     timings.update(arena_bytes=plan.total, chunks=len(plan.chunks), threads=0, fallback_tensors=0,
-                   alloc_s=0.0, pin_s=0.0, fault_cpu_s=0.0, register_cpu_s=0.0, hugepages=False)
+                   alloc_s=0.0, pin_s=0.0, fault_cpu_s=0.0, register_cpu_s=0.0, hugepages=False, kept_arena=False)
     timings.setdefault("error", None)
     arena: Optional[Arena] = None
-    if rt is None:
+    if kept is not None and plan.total and kept.fits(plan):
+        arena = kept
+        arena.adopt(plan)
+        timings["kept_arena"] = True
+    elif kept is not None:  # grown past it (or broken): pinned afresh below, as without one
+        kept.release(wait=False)
+    if arena is None and rt is None:
         timings["error"] = timings["error"] or "no CUDA runtime (libcudart) to register host memory with"
-    elif plan.total:
+    elif arena is None and plan.total:
         t0 = time.perf_counter()
         try:
             arena = Arena(torch, plan, rt, device, n_threads)
@@ -356,7 +384,11 @@ def copy_out(torch: Any, tensors: Sequence[Any], *, rt: Any, device: int, fallba
         raise
     # When the last host memory was pinned (the caller's copy_s is what the copies took after it).
     timings["pinned_at"] = max(arena.pinned_at if arena is not None else 0.0, last_fallback or 0.0)
-    if arena is not None:
+    if arena is not None and timings["kept_arena"]:
+        # Pinned before the pause: only what was still pinning when it came counts (a pre-pin under way).
+        timings["pin_s"] += max(0.0, arena.pinned_at - started)
+        timings.update(threads=arena.threads, hugepages=arena.hugepages, error=arena.error)
+    elif arena is not None:
         timings["pin_s"] += arena.pinned_at - arena.started  # after the fallback's own, if any
         timings.update(fault_cpu_s=arena.fault_s,
                        register_cpu_s=arena.register_s, threads=arena.threads, hugepages=arena.hugepages,

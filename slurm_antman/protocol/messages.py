@@ -93,6 +93,9 @@ class Limits(Body):
     compute_share: float = _f(float, gt=0.0, le=1.0)
     slot_page: Optional[str] = _slot_page()    # as in registered; null: no page (any more)
     slot_role: Optional[str] = _slot_role()
+    # Host bytes the job may keep pinned for a pause (feature "pin"); 0: none. Left out while 0, so an
+    # agent older than the field never meets it.
+    pin_bytes: int = _bytes_(default=0, omit_default=True)
 
     def __post_init__(self) -> None:
         _check_slot_pair(self.slot_page, self.slot_role)

@@ -128,6 +128,8 @@ FEATURE_WIDTH = "width"
 FEATURE_SLOTS = "slots"
 # register.features: the agent answers checkpoint (runs the job's checkpoint hooks at a boundary, trains on)
 FEATURE_CHECKPOINT = "checkpoint"
+# register.features: the agent keeps pinned host memory for a pause within limits.pin_bytes (pre-pins it)
+FEATURE_PIN = "pin"
 SLOT_ROLES = ("publish", "fill")
 MAX_SLOT_PAGE_PATH = 255
 # Absolute, no control characters (a NUL or a newline has no business in a path root made).

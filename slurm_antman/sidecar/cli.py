@@ -33,10 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def policy_params(conf: cfgmod.AntmanConfig) -> NodePolicyParams:
-    """Policy knobs from the config."""
+def policy_params(conf: cfgmod.AntmanConfig, node: Optional[str] = None) -> NodePolicyParams:
+    """Policy knobs from the config (``node``'s own where they are per node)."""
     sc = conf.sidecar
     return NodePolicyParams(
+        pin_budget_bytes=conf.pin_budget_bytes(node) if node is not None else 0,
         headroom_bytes=sc.memory_headroom_mb * MiB,
         min_opportunistic_bytes=sc.min_opportunistic_memory_mb * MiB,
         target_slowdown=sc.target_slowdown,
@@ -75,7 +76,7 @@ def sidecar_options(conf: cfgmod.AntmanConfig, node: str, socket_dir: str, tick_
         utilization_threshold=conf.opportunistic.utilization_threshold,
         utilization_window_s=conf.opportunistic.utilization_window_s,
         tick_s=tick_s if tick_s is not None else min(1.0, conf.sidecar.heartbeat_s),
-        params=policy_params(conf), uplink=uplink, enforce=conf.sidecar.enforce,
+        params=policy_params(conf, node), uplink=uplink, enforce=conf.sidecar.enforce,
         no_room_wait=conf.sidecar.enforce and conf.opportunistic.no_room == "wait",
         hooks_state_dir=os.path.join(conf.state_dir, node),
         compliance=ComplianceParams(grace_s=conf.sidecar.compliance_grace_s),

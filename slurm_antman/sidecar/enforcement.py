@@ -189,8 +189,9 @@ class Enforcement:
         lim = job.limits
         for a in job.agents.values():
             if a is not skip:
+                pin = {"pin_bytes": lim.pin_bytes} if lim.pin_bytes and p.FEATURE_PIN in a.reg.features else {}
                 self._send(job.socket, a, p.Limits(seq=job.seq, mem_limit_bytes=lim.mem_limit_bytes,
-                                                   compute_share=lim.compute_share, **self._slot_fields(job, a)))
+                                                   compute_share=lim.compute_share, **self._slot_fields(job, a), **pin))
 
     def _change_width(self, job: RegisteredJob, change: WidthChange, now: float) -> None:
         """Tell the job's launcher (through its agent with the ``width`` feature) to restart its workers on

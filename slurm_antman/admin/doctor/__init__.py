@@ -26,7 +26,8 @@ from .controller import (
     slurm_config,
 )
 from .node import (
-    check_agent_bundle, check_coordinator, check_device_control, check_enforcement, check_nvml, check_plugin_file, check_sidecar,
+    check_agent_bundle, check_coordinator, check_device_control, check_enforcement, check_nvml, check_pin_budget,
+    check_plugin_file, check_sidecar,
     check_socket_dir, driver_memory_caps,
 )
 from .report import Check, fail, ok, render_text, skip, warn
@@ -83,6 +84,7 @@ def run_checks(config_path: str, node: str) -> list[Check]:
     checks.append(check_sidecar(cfg, node) if cfg else skip("sidecar", need_cfg))
     checks.append(check_coordinator(cfg, node) if cfg else skip("coordinator_link", need_cfg))
     checks.append(check_nvml())
+    checks.append(check_pin_budget(cfg, node) if cfg else skip("pin_budget", need_cfg))
     checks.append(check_enforcement(cfg, sconf) if cfg else skip("enforcement", need_cfg))
     checks.append(check_device_control(cfg, node) if cfg else skip("device_control", need_cfg))
     checks.append(check_quotas(cfg, sconf) if cfg and sconf else skip("quotas", need_cfg if not cfg else need_slurm))

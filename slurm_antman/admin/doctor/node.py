@@ -155,6 +155,38 @@ def check_nvml() -> Check:
     return ok("nvml", f"NVML sees {n} GPU(s), driver {drv.decode() if isinstance(drv, bytes) else drv}")
 
 
+def _mem_total_bytes() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_pin_budget(cfg: cfgmod.AntmanConfig, node: str, mem_total: Callable[[], Optional[int]] = _mem_total_bytes) -> Check:
+    """The pinned memory opportunistic jobs may hold for pauses (sidecar.pin_budget_mb) against this node's
+    RAM: page-locked memory cannot be swapped or reclaimed, so a budget near the RAM starves the jobs' own
+    host memory (data loaders) and the system."""
+    budget = cfg.pin_budget_bytes(node)
+    total = mem_total()
+    if total is None:
+        return skip("pin_budget", "cannot read MemTotal from /proc/meminfo")
+    share = budget / total
+    said = f"{budget >> 20} MiB of {total >> 20} MiB RAM ({share:.0%})"
+    if budget == 0:
+        return ok("pin_budget", "no memory kept pinned for pauses (sidecar.pin_budget_mb: 0): first pauses pin afresh")
+    if share > 0.5:
+        return fail("pin_budget", f"sidecar.pin_budget_mb is {said}: over half the node's memory",
+                    "lower sidecar.pin_budget_mb (default: an eighth of nodes[].memory_mb)")
+    if share > 0.25:
+        return warn("pin_budget", f"sidecar.pin_budget_mb is {said}: jobs' own host memory may run short",
+                    "an eighth of the RAM (the default) holds a few paused jobs' states")
+    return ok("pin_budget", f"pinned memory for pauses: {said}")
+
+
 def driver_memory_caps() -> str:
     """Whether this node's driver can cap a job's GPU memory itself (MPS v3 memory partitioning,
     ``slurm_antman.sidecar.driver_caps``): "" when it can, else why not."""

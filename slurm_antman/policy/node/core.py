@@ -61,6 +61,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Collection, Mapping, Optional
 
+from .pinning import pin_grants
 from .baseline import decided_on, new_episode, probe, progress_of, track_report
 from .model import (
     GiB, UNLIMITED, Decision, GpuInfo, GuaranteedTrack, JobInfo, JobLimits, MiB, NodePolicyParams, NodeSnapshot,
@@ -326,6 +327,9 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                         gpu_budget={g: b for g, b in budget.items() if g in guarded_gpus},
                         preempted=preempted, over_since=over_since, opportunistic=opp_tracks, crawling=crawl,
                         paused=paused, width_changed=width_changed)
+    grants = pin_grants(snap.jobs, guarded_gpus, paused, p.pin_budget_bytes)
+    if grants:
+        limits = {j: replace(lim, pin_bytes=grants.get(j, 0)) for j, lim in limits.items()}
     return Decision(limits, tuple(new_preempt), new_state, slowdown, paced, tuple(new_pauses), tuple(resumes),
                     tuple(changes))
 

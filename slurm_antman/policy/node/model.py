@@ -13,6 +13,8 @@ GiB = 1 << 30
 @dataclass(frozen=True)
 class NodePolicyParams:
     headroom_bytes: int = 512 * MiB          # kept free on every GPU for allocator slack and contexts
+    # Host memory of the node that opportunistic jobs may keep pinned for a pause (pinning.py); 0: none.
+    pin_budget_bytes: int = 0
     min_opportunistic_bytes: int = 1 * GiB   # below this an opportunistic job is preempted instead
     quantum_bytes: int = 64 * MiB            # limits are rounded down to this, so noise sends no updates
     target_slowdown: float = 0.02            # guaranteed iteration time may exceed baseline by 2%
@@ -191,6 +193,7 @@ class PolicyState:
 class JobLimits:
     mem_limit_bytes: Optional[int]
     compute_share: float
+    pin_bytes: int = 0  # host memory it may keep pinned for a pause (pinning.pin_grants)
 
 
 UNLIMITED = JobLimits(None, 1.0)
