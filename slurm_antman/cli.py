@@ -112,7 +112,7 @@ _BENCHES = {"submit": "lab.bench.submit", "control": "lab.bench.control", "coord
             "simulate": "lab.bench.simulate", "trace": "lab.bench.trace", "models": "lab.bench.models",
             "gpu": "lab.bench.gpu", "faults": "lab.bench.faults", "pause": "lab.bench.pause",
             "elastic": "lab.bench.elastic", "interleave": "lab.bench.interleave",
-            "slurm-backend": "lab.bench.slurm_backend", "trade": "lab.bench.trade"}
+            "slurm-backend": "lab.bench.slurm_backend", "trade": "lab.bench.trade", "pin": "lab.bench.pin"}
 
 
 def _cmd_bench(a: argparse.Namespace, rest: list[str]) -> int:

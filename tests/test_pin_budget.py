@@ -133,3 +133,11 @@ def test_a_lowered_allowance_lets_a_larger_kept_arena_go():
     assert p._kept is not None
     p.set_pin_allowance(512 << 10)
     assert p._kept is None and p.pin_allowance == 512 << 10
+
+
+def test_bench_pin_copies_the_same_state_into_a_fresh_and_a_kept_arena():
+    from slurm_antman.lab.bench import pin
+
+    r = pin.measure(gib=0.02, rounds=2, threads=2)
+    assert r["rounds"] == 2 and len(r["fresh_s"]) == len(r["kept_s"]) == 2 and len(r["prepin_s"]) == 1
+    assert r["bytes"] == 64 * (int(0.02 * (1 << 30) / 4 / 4 / 16) * 4)
