@@ -19,8 +19,9 @@ from slurm_antman.errors import AntmanError
 from slurm_antman.slurm import CliBackend
 
 from slurm_antman.lab.evaluation import perturb, report, sacct_trace, traces, utilisation
-from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig, simulate
+from slurm_antman.lab.evaluation.simulator import NO_ROOM, POLICIES, SimConfig
 from slurm_antman.lab.evaluation.simulator.config import BACKFILLS, PLACEMENTS
+from slurm_antman.lab.evaluation.simulator.parallel import default_workers, simulate_many
 from slurm_antman.lab.evaluation.simulator.slot_fill import COMPUTE_MODES, SlotFillParams
 from slurm_antman.lab.evaluation.workloads import GiB
 
@@ -83,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-per-gpu", type=int, default=SimConfig.slots_per_gpu,
                    help="antman and shared: opportunistic.slots_per_gpu, the opportunistic jobs one GPU may host "
                         "(default %(default)s, as antman.yaml's)")
+    p.add_argument("--oom-retry-s", type=float, default=SimConfig.oom_retry_s,
+                   help="shared: seconds from a job's first CUDA out-of-memory failure to its user's resubmission "
+                        "(Slurm ends it FAILED and does not requeue it; default %(default)s)")
+    p.add_argument("--oom-retry-max-s", type=float, default=SimConfig.oom_retry_max_s,
+                   help="shared: each further failure of the same job doubles the wait before its resubmission, up to "
+                        "this (default %(default)s; equal to --oom-retry-s: every minute, the model before 2026-11-29)")
     p.add_argument("--util-threshold", type=float, default=SimConfig.util_threshold,
                    help="antman: opportunistic.utilization_threshold, the GPU utilisation over which a GPU takes no "
                         "new opportunistic job (default %(default)s, as antman.yaml's)")
@@ -159,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-study-s", type=float, default=None,
                    help="antman, a study: while a one-GPU opportunistic job waits for room, at most once per this "
                         "many simulated seconds, count which rule keeps each GPU from it (metrics: wait_study)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run the policies (and the cycles of --perturb) in up to N processes at once; the results "
+                        f"are those of --jobs 1, in the same order (default 1; this machine: {default_workers() + 1} "
+                        "cores)")
     p.add_argument("--json", action="store_true", help="print the JSON document")
     p.add_argument("--out", help="directory for results.json, jobs-POLICY.csv and PNG plots")
     return p
@@ -250,6 +261,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                           cycle_s=a.cycle_s, slow_preempt_s=a.slow_preempt_s, utilisation=a.utilisation,
                           util_scale=a.util_scale, min_progress=a.min_progress, move_after_s=a.move_after_s,
                           slots_per_gpu=a.slots_per_gpu, util_threshold=a.util_threshold, move_gain=a.move_gain,
+                          oom_retry_s=a.oom_retry_s, oom_retry_max_s=a.oom_retry_max_s,
                           no_room=a.no_room, upgrade_running=a.upgrade_running, pause_max_s=a.pause_max_s,
                           resume_hold_s=a.resume_hold_s, placement=a.placement, backfill=a.backfill,
                           locality=a.locality, nodes_per_switch=a.nodes_per_switch, switch_wait_s=a.switch_wait_s,
@@ -264,21 +276,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                           quotas=site.get("quotas_tuple"))
                 for p in policies]
         perturb_cycles = perturb.cycles(a.cycle_s, a.perturb)
+        if a.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {a.jobs}")
     except (traces.TraceError, ValueError, AntmanError) as e:
         print(f"antman bench simulate: {e}", file=sys.stderr)
         return 2
     load_s = time.perf_counter() - t0
-    results = []
-    for cfg in cfgs:
-        t = time.perf_counter()
-        r = simulate(jobs, cfg)
-        r.metrics["wall_s"] = round(time.perf_counter() - t, 3)
-        results.append(r)
+    # Every run at once: each policy's nominal run, then its shifted cycles (--perturb), in this order.
+    shifted = [perturb.variants(cfg, a.perturb) for cfg in cfgs]
+    runs = simulate_many(jobs, cfgs + [c for v in shifted for c in v], a.jobs)
+    results, rest = runs[:len(cfgs)], iter(runs[len(cfgs):])
+    others = [[next(rest).metrics for _ in v] for v in shifted]
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
             "gpus_per_node": a.gpus, "gpu_mem_gib": a.gpu_mem_gib, "speedup": a.speedup,
             "quota_scale": a.quota_scale, "seed": a.seed, "cycle_s": a.cycle_s, "slow_preempt_s": a.slow_preempt_s,
             "utilisation": a.utilisation, "util_scale": a.util_scale, "min_progress": a.min_progress, "move_after_s": a.move_after_s,
             "slots_per_gpu": a.slots_per_gpu, "util_threshold": a.util_threshold,
+            "oom_retry_s": a.oom_retry_s, "oom_retry_max_s": a.oom_retry_max_s,
             "move_gain": a.move_gain, "no_room": a.no_room, "upgrade_running": a.upgrade_running,
             "pause_max_s": a.pause_max_s, "resume_hold_s": a.resume_hold_s, "placement": a.placement,
             "backfill": a.backfill, "locality": a.locality, "nodes_per_switch": a.nodes_per_switch,
@@ -289,11 +303,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             "elastic_arrays": a.elastic_arrays, "elastic_array_shrink_s": a.elastic_array_shrink_s,
             "elastic_array_grow_s": a.elastic_array_grow_s,
             "elastic_array_min_tasks": a.elastic_array_min_tasks,
-            "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3),
+            "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3), "jobs_at_once": a.jobs,
             **{k: v for k, v in site.items() if k != "quotas_tuple"}}
     if a.perturb > 1:
-        meta["perturbed"] = {cfg.policy: perturb.run(cfg, a.perturb, lambda c: simulate(jobs, c), r.metrics)
-                             for cfg, r in zip(cfgs, results)}
+        meta["perturbed"] = {cfg.policy: perturb.collect(cfg, a.perturb, r.metrics, o)
+                             for cfg, r, o in zip(cfgs, results, others)}
         meta["perturb_cycles_s"] = perturb_cycles
     notes = report.write(a.out, results, meta) if a.out else []
     if a.json:

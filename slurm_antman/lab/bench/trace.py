@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
                         "read from the workload formula, which the replay then cannot disagree with")
     p.add_argument("--max-wall-s", type=float, default=1800.0, help="give up on jobs not done after this long")
     p.add_argument("--oom-retry-s", type=float, default=rp.ReplayConfig.oom_retry_s,
-                   help="shared: seconds from a job's CUDA out-of-memory failure to its resubmission "
-                        "(the simulator's oom_retry_s; default %(default)s)")
+                   help="shared: seconds from a job's first CUDA out-of-memory failure to its resubmission, doubled "
+                        "for each further failure of the same job up to the simulator's oom_retry_max_s "
+                        "(trace_run.oom_resubmit_delay; default %(default)s)")
     p.add_argument("--dir", help="work directory (devcluster, job state); default: a new temporary one")
     p.add_argument("--port-base", type=int, default=18900, help="the devcluster's first TCP port (loopback)")
     p.add_argument("--with-simulator", action="store_true",

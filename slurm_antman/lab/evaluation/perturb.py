@@ -46,13 +46,25 @@ def summarize(runs: Sequence[dict]) -> dict:
     return out
 
 
-def run(cfg, n: int, simulate_one: Callable, nominal: dict) -> dict:
-    """The policy of ``cfg`` over ``n`` cycles (the nominal run's metrics are ``nominal``, not rerun):
-    ``{"cycle_s": [...], "metrics": summarize(...)}``."""
+def variants(cfg, n: int) -> list:
+    """The runs of ``cfg`` besides the nominal one, in cycle order: ``cfg`` at each shifted cycle."""
+    if n <= 1:
+        return []
+    return [dataclasses.replace(cfg, cycle_s=c) for c in cycles(cfg.cycle_s, n) if c != cfg.cycle_s]
+
+
+def collect(cfg, n: int, nominal: dict, others: Sequence[dict]) -> dict:
+    """``{"cycle_s": [...], "metrics": summarize(...)}`` from the nominal run's metrics and those of
+    ``variants(cfg, n)``'s runs, in that order."""
     each = cycles(cfg.cycle_s, n)
-    per_run = [nominal if c == cfg.cycle_s else simulate_one(dataclasses.replace(cfg, cycle_s=c)).metrics
-               for c in each]
+    rest = iter(others)
+    per_run = [nominal if c == cfg.cycle_s else next(rest) for c in each]
     return {"cycle_s": each, "metrics": summarize(per_run)}
+
+
+def run(cfg, n: int, simulate_one: Callable, nominal: dict) -> dict:
+    """The policy of ``cfg`` over ``n`` cycles (the nominal run's metrics are ``nominal``, not rerun)."""
+    return collect(cfg, n, nominal, [simulate_one(c).metrics for c in variants(cfg, n)])
 
 
 def line(policy: str, summary: dict) -> str:

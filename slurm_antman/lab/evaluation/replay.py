@@ -11,7 +11,8 @@ The three policies run the same jobs on the same devcluster configuration:
   but the sidecars run observe-only (``sidecar.enforce: false``): nobody limits or throttles them.
   The emulated jobs get the GPU's memory size (``--gpu-mem-bytes``): when the footprints on a GPU
   exceed it, the job that arrived last fails with CUDA out of memory (Slurm: FAILED), as in the
-  simulator, and the driver resubmits it ``oom_retry_s`` later (``oom_failures`` counts the failures).
+  simulator, and the driver resubmits it as the simulator's user does (``trace_run.oom_resubmit_delay``:
+  ``oom_retry_s`` later, backing off on each further failure; ``oom_failures`` counts the failures).
 - ``antman``: the full system.
 
 Times are in the simulator's units: trace seconds divided by ``speedup``, from the trace start, so a
@@ -36,7 +37,7 @@ from slurm_antman.errors import AntmanError
 from slurm_antman.policy.cluster.quota import fits_quota
 from .metrics import summarize
 from .simulator import SimResult, tenant_quotas
-from .trace_run import TraceRunConfig
+from .trace_run import TraceRunConfig, oom_resubmit_delay
 from .traces import TraceJob
 from .workloads import Profile, assign
 
@@ -79,8 +80,7 @@ class ReplayConfig(TraceRunConfig):
         if self.speedup <= 0 or self.iter_scale <= 0:
             raise ReplayError("--speedup and --iter-scale must be positive")
         self._check_gpu_memory()
-        if not (0 <= self.oom_retry_s < float("inf")):
-            raise ReplayError(f"--oom-retry-s must be a number of seconds >= 0, got {self.oom_retry_s}")
+        self._check_oom_retry()
 
 
 @dataclass
@@ -102,15 +102,18 @@ class _Run:
     records: list = field(default_factory=list)
 
 
-def observe(r: _Run, slurm_id: int, state: str, oom_failed: bool, now: float, retry_s: float) -> None:
+def observe(r: _Run, slurm_id: int, state: str, oom_failed: bool, now: float, retry_s: float,
+            retry_max_s: Optional[float] = None) -> None:
     """Takes in what Slurm says of one of ``r``'s Slurm jobs. A FAILED job whose run record says it ran
-    out of GPU memory makes ``r`` wait ``retry_s`` for a resubmission (``OOM_RETRY``), counted once; any
-    other state, FAILED without that record included, is ``r``'s state as it is."""
+    out of GPU memory makes ``r`` wait for its resubmission (``OOM_RETRY``), counted once: ``retry_s``,
+    or with ``retry_max_s`` the simulator's back-off (``trace_run.oom_resubmit_delay``); any other
+    state, FAILED without that record included, is ``r``'s state as it is."""
     if slurm_id != r.slurm_id or r.state == OOM_RETRY:
         return  # an earlier attempt (squeue lists ended jobs for minutes), or a failure already counted
     if state == "FAILED" and oom_failed:
         r.ooms += 1
-        r.state, r.retry_at = OOM_RETRY, now + retry_s
+        wait = retry_s if retry_max_s is None else oom_resubmit_delay(retry_s, retry_max_s, r.ooms)
+        r.state, r.retry_at = OOM_RETRY, now + wait
     else:
         r.state = state
 
@@ -299,7 +302,7 @@ class Replay:
                     r.ran_as = j.antman_class
             failed_oom = j.state == "FAILED" and r.state != OOM_RETRY and oom_failed(self._records(j.job_id))
             ooms = r.ooms
-            observe(r, j.job_id, j.state, failed_oom, now, self.cfg.oom_retry_s)
+            observe(r, j.job_id, j.state, failed_oom, now, self.cfg.oom_retry_s, self.cfg.oom_retry_max_s)
             if r.ooms > ooms:
                 self.log(f"replay: trace job {r.job.job_id} (Slurm job {j.job_id}) failed with CUDA out of "
                          f"memory; resubmitting at {r.retry_at:.0f} s")

@@ -22,7 +22,11 @@ class TraceRunConfig:
     slots_per_gpu: int = 3        # antman.yaml's opportunistic.slots_per_gpu; shared's shards per GPU
     # Times below are in the run's seconds: trace seconds divided by speedup.
     grace_s: float = 30.0
-    oom_retry_s: float = 60.0     # shared: from a job's OOM failure to its retry
+    # shared: a job that fails with CUDA out of memory is FAILED in Slurm, and only its user brings it
+    # back (``oom_resubmit_delay``): its first resubmission this long after the failure, each further
+    # failure of the same job doubling the wait, up to ``oom_retry_max_s``.
+    oom_retry_s: float = 60.0
+    oom_retry_max_s: float = 60.0
     seed: int = 0                 # workload profile assignment
 
     # What a bad value raises: each kind of run reports errors as its command does.
@@ -34,6 +38,27 @@ class TraceRunConfig:
             raise self._error(f"--gpu-mem-gib must be >= {MIN_GPU_MEMORY_BYTES / GiB:g}: every profile of the "
                               "workload model must fit a GPU alone")
 
+    def _check_oom_retry(self) -> None:
+        if not (0 <= self.oom_retry_s < float("inf")):
+            raise self._error(f"--oom-retry-s must be a number of seconds >= 0, got {self.oom_retry_s}")
+        if not (0 <= self.oom_retry_max_s < float("inf")):
+            raise self._error(f"--oom-retry-max-s must be a number of seconds >= 0, got {self.oom_retry_max_s}")
+
     def common(self) -> dict[str, Any]:
         """These shared fields by name, to make the other kind of run of the same window."""
         return {f.name: getattr(self, f.name) for f in fields(TraceRunConfig)}
+
+
+def oom_resubmit_delay(retry_s: float, retry_max_s: float, failures: int) -> float:
+    """Seconds from a job's ``failures``-th CUDA out-of-memory failure (1 for the first) to its user's
+    resubmission: ``retry_s``, doubled for each earlier failure of the same job, at most ``retry_max_s``
+    (never less than ``retry_s``: ``retry_max_s`` equal to it, or under it, waits ``retry_s`` every time).
+
+    Slurm does not bring such a job back: it exits non-zero and ends FAILED, and a batch job is requeued
+    only by an administrator, after a node failure or on preemption (slurm.conf ``JobRequeue``), or for
+    an exit code the site lists in ``RequeueExit`` (none by default). Its user resubmits it: here a
+    script that does within a minute of the first failure, then backs off, and never waits more than
+    an hour, sooner than a person who reads Slurm's failure mail (``--mail-type=FAIL``). Without the
+    back-off a job that cannot fit beside its GPU's neighbours for days failed every minute for days
+    (docs/evaluation.md, "The baselines")."""
+    return min(max(retry_max_s, retry_s), retry_s * 2.0 ** max(0, failures - 1))

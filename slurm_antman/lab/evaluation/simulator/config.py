@@ -152,6 +152,7 @@ class SimConfig(TraceRunConfig):
         if not self.speedup > 0:
             raise ValueError(f"--speedup must be > 0, got {self.speedup}")
         self._check_gpu_memory()
+        self._check_oom_retry()
         if self.quota_scale < 0:
             raise ValueError(f"quota_scale must be >= 0, got {self.quota_scale}")
         if not self.cycle_s >= 0:

@@ -23,6 +23,7 @@ from slurm_antman.policy.cluster.quota import fits_quota
 from slurm_antman.policy.node import core as lp
 
 from .. import utilisation
+from ..trace_run import oom_resubmit_delay
 from ..traces import TraceJob
 from ..workloads import assign
 from .antman import AntmanAdapter
@@ -53,6 +54,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         # Under no_room=wait, nodes where no GPU met the opportunistic rules at the last try, until
         # one of their GPUs changes (_refresh): any other job would find none there either.
         self.unfit_nodes: set[int] = set()
+        # Each node's answers to opportunistic placement, until one of its GPUs changes (opp_place.py).
+        self.node_picks: dict[int, dict[tuple[int, int, bool], tuple[tuple[int, ...], bool]]] = {}
         self.jobs: dict[str, SimJob] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
         # order (a requeued job at the end): (job, ticket) entries, of which only the one with the
@@ -61,6 +64,10 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.queues: dict[tuple[bool, str, int], list[tuple[str, int]]] = {}
         self.heads: dict[tuple[bool, str, int], int] = {}  # per queue: entries before it have all left
         self.dead: dict[tuple[bool, str, int], int] = {}   # per queue: entries that left it
+        # per queue: its least run estimates from each entry on (scheduler._queue_min_estimate), and a
+        # scheduling pass's test for a queue none of whose jobs can start any more (None between passes)
+        self.queue_mins: dict[tuple[bool, str, int], tuple[list, int, list[float]]] = {}
+        self.doomed = None
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0
@@ -188,7 +195,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
                     g = self.gpus[version]
                     if self.now >= g.measured_at:
                         self.dirty_nodes.add(g.node)
-                        self.unfit_nodes.discard(g.node)
+                        self._node_changed(g.node)
                         self.sched_dirty = True
                 elif kind == PAUSE_CHECK:  # a paused job's hold or pause budget may be over
                     g = self.gpus[version]
@@ -210,7 +217,10 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         events, unless one ran less than ``cycle_s`` ago: then one is queued for when it may run."""
         if not self.changed:
             return
-        due = self.last_cycle is None or self.now - self.last_cycle >= self.cfg.cycle_s or self.force_cycle
+        # (last + cycle_s can round to now while now - last is still short of cycle_s: a cycle queued
+        # for then would come back at this very instant, for ever, so it is due now)
+        due = (self.last_cycle is None or self.now - self.last_cycle >= self.cfg.cycle_s or self.force_cycle
+               or self.last_cycle + self.cfg.cycle_s <= self.now)
         if not due:
             if not self.cycle_queued:
                 self.cycle_queued = True
@@ -334,9 +344,11 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
             self._task_leaving(j)
         self._advance(j)
         if why == "oom":
+            # FAILED in Slurm; back in the queue (at its end, with its class) when its user resubmits it
+            # (trace_run.oom_resubmit_delay: Slurm itself does not requeue it).
             j.ooms += 1
             self.counts["oom_failures"] += 1
-            j.eligible_at = self.now + self.cfg.oom_retry_s
+            j.eligible_at = self.now + oom_resubmit_delay(self.cfg.oom_retry_s, self.cfg.oom_retry_max_s, j.ooms)
             self._push(j.eligible_at, WAKE, j.job.job_id, 0)
             lost_s = 0.0  # it fails while allocating, before any progress
         else:

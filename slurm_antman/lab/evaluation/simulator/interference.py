@@ -36,7 +36,6 @@ class GpuInterference:
         for i in gpus:
             self._model_gpu(self.gpus[i])
             self.dirty_nodes.add(self.gpus[i].node)
-            self.unfit_nodes.discard(self.gpus[i].node)
         arrays: set[str] = set()
         for jid in touched:
             j = self.jobs[jid]
@@ -60,6 +59,7 @@ class GpuInterference:
             self._array_rate(self.jobs[pid])
 
     def _model_gpu(self, g: SimGpu) -> None:
+        self._node_changed(g.node)  # (opp_place.py: every change of a GPU comes through here)
         jobs = self.jobs
         guar = [jobs[x] for x in g.guar]
         opp = [jobs[x] for x in g.opp]

@@ -16,8 +16,8 @@ between (docs/evaluation.md) are this module alone:
   its checkpoint.
 - ``shared``: opportunistic jobs packed onto GPUs beside others with no control (gres/shard today):
   every job on a GPU slows by the workload model's interference (``interference``); a GPU whose
-  footprints exceed its memory makes the job that arrived last fail with OOM (counted, retried after
-  ``oom_retry_s``).
+  footprints exceed its memory makes the job that arrived last fail with OOM: FAILED, counted, and
+  resubmitted by its user (``trace_run.oom_resubmit_delay``: a minute later, backing off to an hour).
 
 Under ``antman`` the same scheduler starts the jobs, within the node slot counts the coordinator sets
 and on the GPUs the node policy's ``choose_gpus`` picks (``antman``).
@@ -45,25 +45,22 @@ lists what is left out):
 from __future__ import annotations
 
 import heapq
+from itertools import accumulate
 from typing import Iterable, Iterator, Optional
 
 from slurm_antman.policy.cluster.quota import fits_quota
-from slurm_antman.policy.node.placement import GpuLoad, choose_gpus, exclusion
 
 from ..locality_data import profile_efficiency
+from .backfill import BackfillPlan, EasyBackfill, split
 from .config import WHOLE_GPU
+from .opp_place import OpportunisticPlacement
 from .state import REQUEUE, WAKE, Reservation, SimJob
 
 
-def split(want: int, nodes: int) -> list[int]:
-    """``want`` GPUs over ``nodes`` nodes as evenly as they go, larger parts first (12 over 2: [6, 6];
-    20 over 3: [7, 7, 6]): how select/cons_tres spreads ``--gpus=g -N n``."""
-    base, extra = divmod(want, nodes)
-    return [base + 1] * extra + [base] * (nodes - extra)
-
-
-class SlurmScheduler:
+class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
     """The scheduler's half of ``Simulator``: it works on the simulator's state (``engine``)."""
+
+    drop_queues = True  # a pass leaves out the queues none of whose jobs can start (tests turn it off)
 
     def _enqueue(self, j: SimJob) -> None:
         self.seq += 1
@@ -142,8 +139,9 @@ class SlurmScheduler:
             _, key, i = heapq.heappop(heap)
             q = self.queues[key]
             yield q[i]
-            # Only the tenant whose job was just looked at can have reached its quota since.
-            if i + 1 < len(q) and not self._at_quota(key):
+            # Only the tenant whose job was just looked at can have reached its quota since; and a
+            # pass may know by now that nothing left in this queue can start (``_doomed``).
+            if i + 1 < len(q) and not self._at_quota(key) and not (self.doomed is not None and self.doomed(key, i + 1)):
                 heapq.heappush(heap, (q[i + 1][1], key, i + 1))
 
     def _at_quota(self, key: tuple[bool, str, int]) -> bool:
@@ -195,45 +193,84 @@ class SlurmScheduler:
         smallest_failed: dict[tuple[str, int], int] = {}
         over_quota: dict[str, int] = {}
         host_first = self.cfg.elastic_array_host_first
-        for jid, ticket in ids:
-            j = self.jobs[jid]
-            if j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now:
-                continue
-            if host_first and j.array is not None and j.task != 0 and \
-                    self.jobs[self.jobs[j.array].tasks[0]].state != "RUNNING":
-                continue  # held while its array's rendezvous host is pending
-            tenant = j.job.tenant
-            if j.job.gpus >= over_quota.get(tenant, 1 << 30):
-                continue
-            if not self._within_quota(j):
-                over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
-                continue
-            if budget is not None and j.job.gpus > budget:
-                if budget <= 0:
-                    break
-                continue
-            kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
-            # Within a pass room only shrinks, so a job no smaller than one that failed with the same
-            # shape (nodes, switch wait, elasticity, and whether the reservation's GPUs are closed to
-            # it) fails too.
-            late = kind == "guaranteed" and self._after_reservation(j, resv)
-            key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j), j.elastic, late)
-            gpus = None if j.job.gpus >= smallest_failed.get(key, 1 << 30) else self._place(j, resv)
-            if gpus is None:
-                smallest_failed[key] = min(smallest_failed.get(key, 1 << 30), j.job.gpus)
-                if resv is None and kind == "guaranteed" and easy:
-                    # (also in a pass over fresh jobs: the last full pass reserved for nobody)
-                    resv = self.resv = self._reserve(j)
-                # (only a 1-GPU failure can make it so)
-                if j.job.gpus <= 1 and self._nothing_fits(smallest_failed, "guaranteed", resv) and (
-                        whole or self._nothing_fits(smallest_failed, "opportunistic", None)):
-                    break  # not even a 1-GPU job fits: the rest waits
-                continue
-            if resv is not None and resv.job_id == jid:
-                resv = self.resv = None
-            self._start(j, gpus)
-            if budget is not None:
-                budget -= len(gpus)
+        plan: Optional[BackfillPlan] = None  # the running jobs' ends, for reservations until a start
+
+        reserved_here = False  # the reservation is for a job this pass looked at already
+
+        def doomed(key: tuple[bool, str, int], i: int) -> bool:
+            """Whether no job from entry ``i`` of queue ``key`` on can start in the rest of this pass,
+            so that ``_in_order`` may leave the queue out (whole-GPU policies: its jobs are of one
+            shape). Each of them would fail as one no smaller of its shape failed already, and change
+            nothing in failing: a reservation is held (so none is planned for it), or none is planned
+            at all; and a reservation made in this pass stays to its end (its job was looked at)."""
+            if (easy and resv is None) or (resv is not None and not reserved_here):
+                return False
+            g = key[2]
+            shape = ("guaranteed", self._nodes_for(g), False, False)
+            if smallest_failed.get(shape + (False,), 1 << 30) <= g:
+                return True  # fails even with the reservation's GPUs open to it
+            if resv is None or smallest_failed.get(shape + (True,), 1 << 30) > g:
+                return False
+            # Those that would still run when the reservation begins fail: are the rest all of them?
+            return self.now + self._queue_min_estimate(key, i) > resv.start
+
+        self.doomed = doomed if whole and self.drop_queues else None  # (read by _in_order: ids may be its generator)
+        try:
+            for jid, ticket in ids:
+                j = self.jobs[jid]
+                if j.state != "PENDING" or j.ticket != ticket or j.held or j.eligible_at > self.now:
+                    continue
+                if host_first and j.array is not None and j.task != 0 and \
+                        self.jobs[self.jobs[j.array].tasks[0]].state != "RUNNING":
+                    continue  # held while its array's rendezvous host is pending
+                tenant = j.job.tenant
+                if j.job.gpus >= over_quota.get(tenant, 1 << 30):
+                    continue
+                if not self._within_quota(j):
+                    over_quota[tenant] = min(over_quota.get(tenant, 1 << 30), j.job.gpus)
+                    continue
+                if budget is not None and j.job.gpus > budget:
+                    if budget <= 0:
+                        break
+                    continue
+                kind = "guaranteed" if j.klass == "guaranteed" or whole else "opportunistic"
+                # Within a pass room only shrinks, so a job no smaller than one that failed with the same
+                # shape (nodes, switch wait, elasticity, and whether the reservation's GPUs are closed to
+                # it) fails too.
+                late = kind == "guaranteed" and self._after_reservation(j, resv)
+                key = (kind, self._nodes_for(j.job.gpus), self._switch_wait(j), j.elastic, late)
+                gpus = None if j.job.gpus >= smallest_failed.get(key, 1 << 30) else self._place(j, resv)
+                if gpus is None:
+                    smallest_failed[key] = min(smallest_failed.get(key, 1 << 30), j.job.gpus)
+                    if resv is None and kind == "guaranteed" and easy:
+                        # (also in a pass over fresh jobs: the last full pass reserved for nobody)
+                        resv, plan = self._reserve(j, plan)
+                        self.resv, reserved_here = resv, True
+                    # (only a 1-GPU failure can make it so)
+                    if j.job.gpus <= 1 and self._nothing_fits(smallest_failed, "guaranteed", resv) and (
+                            whole or self._nothing_fits(smallest_failed, "opportunistic", None)):
+                        break  # not even a 1-GPU job fits: the rest waits
+                    continue
+                if resv is not None and resv.job_id == jid:
+                    resv = self.resv = None
+                self._start(j, gpus)
+                plan = None  # the running jobs changed
+                if budget is not None:
+                    budget -= len(gpus)
+        finally:
+            self.doomed = None
+
+    def _queue_min_estimate(self, key: tuple[bool, str, int], i: int) -> float:
+        """The least backfill run estimate (``_run_estimate``) of the entries of queue ``key`` from
+        ``i`` on. Kept per queue until it changes (an entry added, the queue compacted): a pending job's
+        work does not change while it waits, and an entry that left the queue can only make the
+        least lower, which leaves the queue in the pass."""
+        q = self.queues[key]
+        kept = self.queue_mins.get(key)
+        if kept is None or kept[0] is not q or kept[1] != len(q):
+            ests = [self._run_estimate(self.jobs[jid]) for jid, _ in reversed(q)]
+            kept = self.queue_mins[key] = (q, len(q), list(accumulate(ests, min))[::-1])
+        return kept[2][i]
 
     @staticmethod
     def _nothing_fits(smallest_failed: dict, kind: str, resv: Optional[Reservation]) -> bool:
@@ -361,141 +398,6 @@ class SlurmScheduler:
         if nodes is None:
             return None
         return [i for n, c in zip(nodes, counts) for i in by_node[n][:c]]
-
-    def _reserve(self, j: SimJob) -> Optional[Reservation]:
-        """The earliest time, within bf_window, at which the running jobs' ends leave room for ``j``,
-        and the GPUs it would take then; None beyond the window."""
-        counts = split(j.job.gpus, self._nodes_for(j.job.gpus))
-        free: dict[int, int] = {}
-        for i in self.free_gpus:
-            free[self.gpus[i].node] = free.get(self.gpus[i].node, 0) + 1
-        whole = self.cfg.policy in WHOLE_GPU
-        scav = self.cfg.policy == "scavenger"
-        ends: list[tuple[float, int, int]] = []
-        for x in self.active.values():
-            if x.state != "RUNNING" or not (whole or x.klass == "guaranteed"):
-                continue
-            per_node: dict[int, int] = {}
-            for i in x.gpus:
-                per_node[self.gpus[i].node] = per_node.get(self.gpus[i].node, 0) + 1
-            if scav and not self._is_high(x):
-                t = self.now  # preemptible: the high partition counts its GPUs as its own
-            elif x.rate > 0:
-                t = max(self.now, x.t_last) + max(x.work_left, 0.0) / x.rate
-            else:
-                continue  # paused in place: no end in sight
-            ends.extend((t, n, k) for n, k in per_node.items())
-        ends.sort()
-        horizon = self.now + self.cfg.bf_window_s
-        t, k = self.now, 0
-        while True:
-            nodes = self._pick_nodes(free, counts, one_switch=False)
-            if nodes is not None:
-                return Reservation(j.job.job_id, t, dict(zip(nodes, counts)))
-            if k >= len(ends):
-                return None
-            t = ends[k][0]
-            if t > horizon:
-                return None
-            while k < len(ends) and ends[k][0] == t:  # every end at this instant, then look again
-                free[ends[k][1]] = free.get(ends[k][1], 0) + ends[k][2]
-                k += 1
-
-    def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool, exclude: Iterable[int] = (),
-                  extra_slots: int = 0) -> list[int]:
-        """Up to ``take`` GPUs of node ``k`` for an opportunistic job: the node's free slots (plus
-        ``extra_slots`` the job holds there already), then the node policy's choice among its GPUs with
-        room (antman) or its plain rules (shared). The coordinator's keep-off is a pending job's
-        ExcNodeList: a running job growing on a node it runs on is not kept off it."""
-        per_node = self.cfg.gpus_per_node
-        free_slots = self.opp_slots[k] - self.node_opp[k] + extra_slots
-        if free_slots <= 0 or (wait and (k in self.unfit_nodes or (
-                k in self.no_room_nodes and not any(self.gpus[i].node == k for i in j.gpus)))):
-            return []
-        node_gpus = self.gpus[k * per_node:(k + 1) * per_node]
-        room = [g for g in node_gpus if len(g.opp) < self.cfg.slots_per_gpu and g.index not in exclude]
-        take = min(take, free_slots, len(room))
-        if take <= 0:
-            return []
-        loads = [GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp), self.now >= g.measured_at)
-                 for g in room]
-        avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
-        if self.cfg.policy == "antman":
-            # A task of an elastic array is kept off its siblings' GPUs, as the sidecar does (apart=).
-            sibs = ({x.job.job_id for x in self._array_tasks(self.jobs[j.array]) if x is not j}
-                    if j.array is not None else set())
-            apart = [g.local for g in room if sibs.intersection(g.opp)] if sibs else []
-            pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
-                               self.lp_params.target_slowdown, self.cfg.min_progress, avoid, wait, fill=self.cfg.fill,
-                               apart=apart)
-            if wait and not pick.gpus and not avoid and not exclude:
-                self.unfit_nodes.add(k)
-        else:
-            pick = choose_gpus(loads, take, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s)
-        return [k * per_node + i for i in pick.gpus]
-
-    def _waits_for_room(self, j: SimJob) -> bool:
-        """Under no_room=wait an opportunistic job waits for a GPU that meets the rules; with the what-if
-        ``no_room_wait_max_s`` (not built on the real path) only that long after its submission, then
-        it takes the least-loaded GPUs as under fallback."""
-        if self.cfg.policy != "antman" or self.cfg.no_room != "wait":
-            return False
-        return self.cfg.no_room_wait_max_s is None or self.now - j.submit < self.cfg.no_room_wait_max_s
-
-    def _waiting_for_room(self, j: SimJob, width: int) -> None:
-        """A job that waits for room: the study's sample, and under ``no_room_wait_max_s`` a pass when
-        its wait is over (nothing else may happen on the cluster until then)."""
-        if width == 1 and self.cfg.wait_study_s is not None:
-            self._study_wait()
-        if self.cfg.no_room_wait_max_s is not None and j.job.job_id not in self.wait_woken:
-            self.wait_woken.add(j.job.job_id)
-            self._push(j.submit + self.cfg.no_room_wait_max_s, WAKE, j.job.job_id, 0)
-
-    def _study_wait(self) -> None:
-        """``cfg.wait_study_s``: which rule keeps each GPU from a waiting one-GPU opportunistic job."""
-        if self.now < self.wait_study_next:
-            return
-        self.wait_study_next = self.now + self.cfg.wait_study_s
-        per = self.cfg.gpus_per_node
-        self.wait_study["samples"] = self.wait_study.get("samples", 0) + 1
-        for k in range(self.cfg.nodes):
-            full = self.opp_slots[k] - self.node_opp[k] <= 0
-            for g in self.gpus[k * per:(k + 1) * per]:
-                load = GpuLoad(g.local, g.mem_total, g.mem_used, g.util, len(g.guar), len(g.opp),
-                               self.now >= g.measured_at)
-                rule = exclusion(load, self.cfg.slots_per_gpu, self.cfg.util_threshold, self.cfg.util_window_s,
-                                 self.lp_params.target_slowdown, self.cfg.min_progress, fill=self.cfg.fill)[0] or "qualifies"
-                if full:  # the coordinator's slot count for the node, from its last cycle, is used up
-                    rule = f"node_slots:{rule}"
-                self.wait_study[rule] = self.wait_study.get(rule, 0) + 1
-
-    def _place_opportunistic(self, j: SimJob, counts: list[int]) -> Optional[list[int]]:
-        """On one node for a job that fits one (the first node, in order, with room for all of it),
-        else on nodes each with room for its part, under one switch while it waits for one."""
-        wait = self._waits_for_room(j)
-        if len(counts) == 1:
-            narrow: list[int] = []
-            narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
-            for k in range(self.cfg.nodes):
-                got = self._opp_pick(j, k, counts[0], wait)
-                if len(got) >= counts[0]:
-                    return got
-                if narrow_start and len(got) > len(narrow):
-                    narrow = got
-            # The what-if elastic_narrow_start (not built on the real path, elastic.py): start on the
-            # node with the most room rather than wait.
-            if not narrow and wait:
-                self._waiting_for_room(j, counts[0])
-            return narrow or None
-        picks: dict[int, list[int]] = {}
-        for k in range(self.cfg.nodes):
-            got = self._opp_pick(j, k, counts[0], wait)
-            if len(got) >= counts[0]:
-                picks[k] = got
-        nodes = self._pick_nodes({k: len(v) for k, v in picks.items()}, counts, one_switch=self._switch_wait(j))
-        if nodes is None:
-            return None
-        return [i for n, c in zip(nodes, counts) for i in picks[n][:c]]
 
     def _locality(self, j: SimJob, gpus: list[int]) -> float:
         nodes = len({self.gpus[i].node for i in gpus})
