@@ -81,3 +81,66 @@ def test_a_cgroup_v2_machine_without_systemd_gets_a_cgroup_conf_slurmd_can_start
     site = files.cgroup_conf(unified=True, systemd=True)
     assert "CgroupPlugin=autodetect" in site and "IgnoreSystemd" not in site and "ConstrainDevices=yes" in site
     assert "CgroupPlugin=cgroup/v1" in files.cgroup_conf(unified=False)
+
+
+def _wait_for(path: Path, text: str, proc, timeout: float = 120, after: str = "") -> str:
+    """``path``'s text once ``text`` shows in it (past the first ``after``, when given)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = path.read_text() if path.exists() else ""
+        if after in out and text in out.split(after, 1)[1] if after else text in out:
+            return out
+        assert proc.poll() is None, out[-2000:]
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s: {out[-2000:]}")
+
+
+def test_the_gpu_jobs_of_the_site_proof_run_their_phases_and_resume_from_a_checkpoint(tmp_path):
+    """The device run's job scripts, on the CPU (ANTMAN_SITE_DEVICE=cpu, a small zoo model): the guaranteed
+    job takes and gives back memory as its phase file says, the opportunistic one checkpoints on SIGTERM
+    and resumes from it. A device session must not be spent on a script that cannot start."""
+    import signal
+    import sys
+
+    from slurm_antman.lab import jobs
+
+    env = {**os.environ, "ANTMAN_SITE_DEVICE": "cpu", "PYTHONPATH": str(REPO)}
+    phase, out = tmp_path / "phase", tmp_path / "g.out"
+    phase.write_text("base")
+    with open(out, "w") as f:
+        g = subprocess.Popen([sys.executable, str(jobs.script("site_guaranteed.py")), "rl_ppo_atari", "8", str(phase)],
+                             stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_for(out, "phase=base", g)
+        phase.write_text("grow")  # a quarter of the notional 1 GiB: one 256 MiB chunk
+        _wait_for(out, "phase=grow gpu_mem=256MiB held=256MiB", g)
+        phase.write_text("base")
+        text = _wait_for(out, "phase=base gpu_mem=0MiB held=0MiB waits=0", g, after="phase=grow")
+        assert "step_ms=" in text
+    finally:
+        g.kill()
+        g.wait()
+    ckpt, tout = tmp_path / "o.ckpt", tmp_path / "o.out"
+    with open(tout, "w") as f:
+        o = subprocess.Popen([sys.executable, str(jobs.script("site_train.py")), str(ckpt), "rl_ppo_atari", "8"],
+                             stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        _wait_for(tout, "step 10 ", o)
+        o.send_signal(signal.SIGTERM)
+        assert o.wait(60) == 143 and ckpt.exists()
+    finally:
+        o.kill()
+    preempted = int(tout.read_text().split("PREEMPTED at step ", 1)[1].split(":")[0])
+    with open(tout, "a") as f:
+        o = subprocess.Popen([sys.executable, str(jobs.script("site_train.py")), str(ckpt), "rl_ppo_atari", "8",
+                              str(tmp_path / "stop")], stdout=f, stderr=subprocess.STDOUT,
+                             env={**env, "SLURM_RESTART_COUNT": "1"})
+    try:
+        text = _wait_for(tout, f"START step={preempted} restarts=1", o)
+        (tmp_path / "stop").write_text("")
+        assert o.wait(60) == 0 and "DONE step=" in tout.read_text()
+    finally:
+        o.kill()
+    assert preempted > 0 and "model=rl_ppo_atari" in text

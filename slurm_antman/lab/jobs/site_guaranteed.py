@@ -10,9 +10,11 @@ job counts those waits (``waits=``): a burst that outruns the node loop shows th
 ``grow`` holds a quarter of the GPU; ``burst`` all but 1 GiB of it, less than the neighbour's minimum
 (``NodePolicyParams.min_opportunistic_bytes``, 1 GiB) once the headroom is kept.
 
-Usage: site_guaranteed.py PHASE_FILE MODEL BATCH
+Usage: site_guaranteed.py MODEL BATCH PHASE_FILE (the phase file last, as the loop appends it: lab/demo.py)
+ANTMAN_SITE_DEVICE=cpu runs it on the CPU against a notional 1 GiB GPU (tests/test_site_proof.py).
 """
 
+import os
 import sys
 import time
 
@@ -24,19 +26,25 @@ MIB = 1 << 20
 CHUNK = 256 * MIB
 PER_STEP = 8  # chunks taken at most per step: 2 GiB, about a tenth of a second of the loop's reports
 
-phase_file, model_name, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model_name, batch, phase_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+device = os.environ.get("ANTMAN_SITE_DEVICE", "cuda")
+cuda = device == "cuda"
 torch.backends.cudnn.benchmark = True
-loop = model_zoo.build(model_name, "cuda", batch)
-total = torch.cuda.mem_get_info()[1]
+loop = model_zoo.build(model_name, device, batch)
+total = torch.cuda.mem_get_info()[1] if cuda else 1 << 30
 held: list[torch.Tensor] = []
 waits = 0
+
+
+def reserved() -> int:
+    return torch.cuda.memory_reserved() if cuda else len(held) * CHUNK
 
 
 def extra_for(phase: str) -> int:
     if phase == "grow":
         return total // 4
     if phase == "burst":
-        return max(0, total - (1 << 30) - torch.cuda.memory_reserved() + len(held) * CHUNK)
+        return max(0, total - (1 << 30) - reserved() + len(held) * CHUNK)
     return 0
 
 
@@ -50,18 +58,20 @@ while True:
     want = extra_for(phase) // CHUNK
     if len(held) > want:
         del held[want:]
-        torch.cuda.empty_cache()  # handed back to the driver, where the neighbour can take it again
+        if cuda:
+            torch.cuda.empty_cache()  # handed back to the driver, where the neighbour can take it again
     for _ in range(min(PER_STEP, want - len(held))):
         try:
-            held.append(torch.empty(CHUNK, dtype=torch.uint8, device="cuda"))
+            held.append(torch.empty(CHUNK, dtype=torch.uint8, device=device))
         except torch.OutOfMemoryError:
             waits += 1
             break
     loop.step()
     step += 1
     if phase != shown or step % 20 == 0:
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1000 / (20 if phase == shown else 1)
-        print(f"step {step} phase={phase} gpu_mem={torch.cuda.memory_reserved() // MIB}MiB held={len(held) * CHUNK // MIB}MiB "
+        print(f"step {step} phase={phase} gpu_mem={reserved() // MIB}MiB held={len(held) * CHUNK // MIB}MiB "
               f"waits={waits} step_ms={ms:.1f}", flush=True)
         shown, t0 = phase, time.perf_counter()

@@ -5,7 +5,7 @@ The checkpoint (model, optimizer, step) is written atomically every ``CKPT_EVERY
 what Slurm sends GraceTime seconds before SIGKILL on a requeue. The lines it prints are those of the
 CPU demo's job (demo_train.py): ``START step= restarts=``, ``step N``, ``PREEMPTED at step N``.
 
-Usage: site_train.py CKPT MODEL BATCH [STOP_FILE]
+Usage: site_train.py CKPT MODEL BATCH [STOP_FILE]; ANTMAN_SITE_DEVICE=cpu runs it on the CPU (its test).
 """
 
 import os
@@ -23,7 +23,8 @@ ckpt, model_name, batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 stop_file = sys.argv[4] if len(sys.argv) > 4 else None
 torch.manual_seed(0)
 torch.backends.cudnn.benchmark = True
-loop = model_zoo.build(model_name, "cuda", batch)
+device = os.environ.get("ANTMAN_SITE_DEVICE", "cuda")
+loop = model_zoo.build(model_name, device, batch)
 step = 0
 
 
@@ -42,7 +43,7 @@ def on_term(signum, frame):
 signal.signal(signal.SIGTERM, on_term)
 restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 if os.path.exists(ckpt):
-    state = torch.load(ckpt, map_location="cuda")
+    state = torch.load(ckpt, map_location=device)
     loop.model.load_state_dict(state["model"])
     loop.optimizer.load_state_dict(state["opt"])
     step = state["step"]
