@@ -97,6 +97,7 @@ def _wait_for(path: Path, text: str, proc, timeout: float = 120, after: str = ""
     raise AssertionError(f"{text!r} not in {path} after {timeout} s: {out[-2000:]}")
 
 
+@pytest.mark.slow  # about 40 s of CPU training: `make test` stays under 15 minutes
 def test_the_gpu_jobs_of_the_site_proof_run_their_phases_and_resume_from_a_checkpoint(tmp_path):
     """The device run's job scripts, on the CPU (ANTMAN_SITE_DEVICE=cpu, a small zoo model): the guaranteed
     job takes and gives back memory as its phase file says, the opportunistic one checkpoints on SIGTERM
