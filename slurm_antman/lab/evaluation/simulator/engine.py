@@ -27,6 +27,7 @@ from ..trace_run import oom_resubmit_delay
 from ..traces import TraceJob
 from ..workloads import assign
 from .antman import AntmanAdapter
+from .backfill import RunningEnds
 from .config import WHOLE_GPU, SimConfig
 from .elastic import ElasticWidth, is_elastic
 from .elastic_array import ElasticArrays
@@ -126,6 +127,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.pause_cost_s = 0.0  # progress lost moving state out and back
         # Jobs that are PENDING or RUNNING, in submission order: what a cycle looks at (not all jobs).
         self.active: dict[str, SimJob] = {}
+        # The running jobs' ends a reservation waits for, kept in order as they change (backfill.py).
+        self.ends = RunningEnds()
         # What job_submit.lua reads (antman_quota.lua): guaranteed GPUs each tenant holds or is about
         # to hold, as the coordinator last wrote it.
         self.quota_file: dict[str, int] = {}
@@ -375,6 +378,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         if j.ran_as == "guaranteed":
             self.usage[j.job.tenant] -= len(j.gpus)
         self._hold(j, -len(j.gpus))
+        self.ends.drop(jid)
         self.sched_dirty = True
         for i in j.gpus:
             g = self.gpus[i]

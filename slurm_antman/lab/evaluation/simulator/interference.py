@@ -53,6 +53,7 @@ class GpuInterference:
             if len(j.gpus) != j.job.gpus:
                 rate *= profile_speedup(j.profile.name, len(j.gpus)) / profile_speedup(j.profile.name, j.job.gpus)
             j.rate, j.version, j.view = rate, j.version + 1, None
+            self._end_changed(j)  # (backfill.py)
             if rate > 0:  # 0: paused in place; its resume sets a rate again
                 self._push(max(self.now, j.t_last) + max(j.work_left, 0.0) / rate, FINISH, jid, j.version)
         for pid in sorted(arrays):

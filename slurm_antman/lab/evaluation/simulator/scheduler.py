@@ -336,11 +336,12 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
         """The nodes for a job of ``counts`` GPUs a node, best fit (fewest available first), under one
         leaf switch when one has room (required if ``one_switch``)."""
         need = counts[0]
+        if len(counts) == 1:  # the best fit alone: no need to sort them all
+            best = min(((a, n) for n, a in avail.items() if a >= need), default=None)
+            return None if best is None else [best[1]]
         fit = sorted((n for n, a in avail.items() if a >= need), key=lambda n: (avail[n], n))
         if len(fit) < len(counts):
             return None
-        if len(counts) == 1:
-            return fit[:1]
         groups: dict[int, list[int]] = {}
         for n in fit:
             groups.setdefault(self._switch_of(n), []).append(n)
