@@ -393,12 +393,9 @@ class Sidecar(_Strict):
                     "null: never pause, requeue at once.")
     pin_budget_mb: Optional[int] = Field(
         default=None, ge=0,
-        description="Host memory per node, in MiB, that opportunistic jobs may keep page-locked for a pause: a job "
-                    "granted room keeps its pinned arena after a resume and pins one ahead while it runs beside a "
-                    "guaranteed job, so its first pause does not wait for the kernel to zero fresh pages (3.1-10.8x "
-                    "the copies alone on an H200, 2026-11-26; docs/gpu_proof.md). Newest job first, a whole arena "
-                    "or none; a job outside it pauses as before. null (default): an eighth of the node's memory "
-                    "(nodes[].memory_mb); 0: none. `antman doctor` checks it against the node's RAM.")
+        description="Host MiB per node opportunistic jobs may keep pinned for pauses (docs/architecture.md, \"The "
+                    "sidecar and the agent\"): a first pause then skips zeroing fresh pages (3.1-10.8x the copies on "
+                    "an H200, 2026-11-26). null: an eighth of nodes[].memory_mb; 0: none. Checked by `antman doctor`.")
     resume_hold_s: float = Field(
         default=10.0, ge=0,
         description="A paused job resumes once its GPU has had room for it again for this long, so that a burst "
@@ -604,12 +601,9 @@ class AntmanConfig(_Strict):
         return {h: g for g in self.nodes for h in g.hosts}
 
     def pin_budget_bytes(self, node: str) -> int:
-        """The node's pinned-memory budget for pauses (sidecar.pin_budget_mb; default an eighth of its
-        memory_mb)."""
-        mb = self.sidecar.pin_budget_mb
-        if mb is None:
-            group = self.node_groups_by_host().get(node)
-            mb = group.memory_mb // 8 if group is not None else 0
+        """sidecar.pin_budget_mb for ``node``, its default an eighth of the node's memory_mb."""
+        group = self.node_groups_by_host().get(node)
+        mb = self.sidecar.pin_budget_mb if self.sidecar.pin_budget_mb is not None else (group.memory_mb // 8 if group else 0)
         return mb << 20
 
     def node_socket_dir(self, node: str) -> str:
