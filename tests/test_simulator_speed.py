@@ -115,19 +115,24 @@ def test_kept_opportunistic_placements_are_what_the_node_policy_answers_now(tmp_
     assert OpportunisticPlacement.checked > 100  # kept answers were used, and each was right
 
 
-@pytest.mark.parametrize("policy", ["exclusive", "quota", "scavenger"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_leaving_out_queues_that_cannot_start_changes_nothing(tmp_path, policy, monkeypatch):
     from slurm_antman.lab.evaluation.simulator.scheduler import SlurmScheduler
 
+    drops = 0
     for seed in range(6):
         jobs = random_trace(tmp_path, seed, n=120)
-        for extra in ({}, {"backfill": "first_fit"}, {"bf_window_s": 3000.0}):
+        for extra in ({}, {"backfill": "first_fit"}, {"bf_window_s": 3000.0, "quota_scale": 2.0},
+                      {"elastic_share": 1.0, "nodes_per_switch": 2}):
             cfg = SimConfig(policy=policy, nodes=3, gpus_per_node=4, **extra)
+            dropped = SlurmScheduler.queues_dropped
             fast = simulate(jobs, cfg)
+            drops += SlurmScheduler.queues_dropped - dropped
             monkeypatch.setattr(SlurmScheduler, "drop_queues", False)
             slow = simulate(jobs, cfg)
             monkeypatch.undo()
             assert _strip([fast]) == _strip([slow])
+    assert drops > 0
 
 
 def _strip(results):

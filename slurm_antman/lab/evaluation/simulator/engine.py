@@ -65,10 +65,13 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.queues: dict[tuple[bool, str, int], list[tuple[str, int]]] = {}
         self.heads: dict[tuple[bool, str, int], int] = {}  # per queue: entries before it have all left
         self.dead: dict[tuple[bool, str, int], int] = {}   # per queue: entries that left it
-        # per queue: its least run estimates from each entry on (scheduler._queue_min_estimate), and a
-        # scheduling pass's test for a queue none of whose jobs can start any more (None between passes)
+        # Per queue: its least run estimates from each entry on (scheduler._queue_min_estimate), the
+        # tickets of its guaranteed entries and that of its last elastic one; and a scheduling pass's
+        # way to step over jobs that can no longer start (scheduler's skip_to; None between passes).
         self.queue_mins: dict[tuple[bool, str, int], tuple[list, int, list[float]]] = {}
-        self.doomed = None
+        self.queue_guaranteed: dict[tuple[bool, str, int], list[int]] = {}
+        self.queue_last_elastic: dict[tuple[bool, str, int], int] = {}
+        self.skip_to = None
         self.heap: list[tuple] = []
         self.seq = 0
         self.now = 0.0

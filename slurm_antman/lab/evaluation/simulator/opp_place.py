@@ -126,7 +126,10 @@ class OpportunisticPlacement:
         if len(counts) == 1:
             narrow: list[int] = []
             narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
+            unfit, slots, used = self.unfit_nodes, self.opp_slots, self.node_opp
             for k in range(self.cfg.nodes):
+                if slots[k] <= used[k] or (wait and k in unfit):
+                    continue  # (what _opp_pick answers first, without the call)
                 got = self._opp_pick(j, k, counts[0], wait)
                 if len(got) >= counts[0]:
                     return got

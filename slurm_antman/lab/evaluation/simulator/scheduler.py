@@ -45,6 +45,7 @@ lists what is left out):
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from itertools import accumulate
 from typing import Iterable, Iterator, Optional
 
@@ -60,7 +61,8 @@ from .state import REQUEUE, WAKE, Reservation, SimJob
 class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
     """The scheduler's half of ``Simulator``: it works on the simulator's state (``engine``)."""
 
-    drop_queues = True  # a pass leaves out the queues none of whose jobs can start (tests turn it off)
+    drop_queues = True  # a pass steps over the queued jobs that can no longer start (tests turn it off)
+    queues_dropped = 0  # (how often, in this process)
 
     def _enqueue(self, j: SimJob) -> None:
         self.seq += 1
@@ -69,8 +71,15 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
         if self._switch_wait(j):  # a pass when its wait for one switch is over
             self._push(self.now + self.cfg.switch_wait_s, WAKE, j.job.job_id, 0)
         entry = (j.job.job_id, j.ticket)
-        self.queues.setdefault(self._queue_key(j), []).append(entry)
+        key = self._queue_key(j)
+        self.queues.setdefault(key, []).append(entry)
         self.fresh.append(entry)
+        # What a pass's ``skip_to`` needs to know of a queue's rest: where its guaranteed jobs are,
+        # and whether an elastic job is still in it.
+        if j.klass == "guaranteed":
+            self.queue_guaranteed.setdefault(key, []).append(j.ticket)
+        if j.elastic:
+            self.queue_last_elastic[key] = j.ticket
 
     def _queue_key(self, j: SimJob) -> tuple[bool, str, int]:
         return self.cfg.policy == "scavenger" and self._is_high(j), j.job.tenant, j.job.gpus
@@ -140,9 +149,14 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
             q = self.queues[key]
             yield q[i]
             # Only the tenant whose job was just looked at can have reached its quota since; and a
-            # pass may know by now that nothing left in this queue can start (``_doomed``).
-            if i + 1 < len(q) and not self._at_quota(key) and not (self.doomed is not None and self.doomed(key, i + 1)):
-                heapq.heappush(heap, (q[i + 1][1], key, i + 1))
+            # pass may know by now that none, or only the guaranteed, of this queue's rest can start
+            # (``skip_to`` in ``_schedule_pass``).
+            if i + 1 < len(q) and not self._at_quota(key):
+                k = i + 1 if self.skip_to is None else self.skip_to(key, i + 1)
+                if k is None:
+                    SlurmScheduler.queues_dropped += 1
+                elif k < len(q):
+                    heapq.heappush(heap, (q[k][1], key, k))
 
     def _at_quota(self, key: tuple[bool, str, int]) -> bool:
         """No job of this queue can be within its tenant's quota (``_within_quota``): the tenant
@@ -196,25 +210,46 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
         plan: Optional[BackfillPlan] = None  # the running jobs' ends, for reservations until a start
 
         reserved_here = False  # the reservation is for a job this pass looked at already
+        cfg = self.cfg
+        switch_waits = cfg.policy == "antman" and cfg.nodes_per_switch > 0 and cfg.switch_wait_s is not None
 
-        def doomed(key: tuple[bool, str, int], i: int) -> bool:
-            """Whether no job from entry ``i`` of queue ``key`` on can start in the rest of this pass,
-            so that ``_in_order`` may leave the queue out (whole-GPU policies: its jobs are of one
-            shape). Each of them would fail as one no smaller of its shape failed already, and change
-            nothing in failing: a reservation is held (so none is planned for it), or none is planned
-            at all; and a reservation made in this pass stays to its end (its job was looked at)."""
-            if (easy and resv is None) or (resv is not None and not reserved_here):
-                return False
+        def failed(key: tuple) -> int:
+            return smallest_failed.get(key, 1 << 30)
+
+        def skip_to(key: tuple[bool, str, int], i: int) -> Optional[int]:
+            """The first entry from ``i`` on of queue ``key`` that may still start in this pass, so that
+            ``_in_order`` steps over the rest: None when none can. A job is stepped over when it would
+            fail as one no smaller of its shape failed already, and would change nothing in failing.
+            Its tenant and size are the queue's; its class, elasticity and switch wait make the rest of
+            its shape, and every one it may have must have failed. Failing changes nothing: with a
+            reservation held none is planned, and without one a job of its shape and no more GPUs
+            found none, so it would find none either (a plan's answer only gets later with more GPUs a
+            node). A pending job's class and elasticity do not change while it waits."""
+            if resv is not None and not reserved_here:
+                return i  # the last pass's reservation, which a job of this pass may still start
             g = key[2]
-            shape = ("guaranteed", self._nodes_for(g), False, False)
-            if smallest_failed.get(shape + (False,), 1 << 30) <= g:
-                return True  # fails even with the reservation's GPUs open to it
-            if resv is None or smallest_failed.get(shape + (True,), 1 << 30) > g:
-                return False
-            # Those that would still run when the reservation begins fail: are the rest all of them?
-            return self.now + self._queue_min_estimate(key, i) > resv.start
+            n = self._nodes_for(g)
+            q = self.queues[key]
+            ticket = q[i][1]
+            guaranteed = self.queue_guaranteed.get(key)
+            guaranteed_left = whole or (guaranteed is not None and ticket <= guaranteed[-1])
+            guaranteed_fail = not guaranteed_left or failed(("guaranteed", n, False, False, False)) <= g or (
+                # those that would still run when the reservation begins fail: are they all?
+                whole and resv is not None and failed(("guaranteed", n, False, False, True)) <= g
+                and self.now + self._queue_min_estimate(key, i) > resv.start)
+            if whole:
+                return None if guaranteed_fail else i
+            elastic = (False, True) if ticket <= self.queue_last_elastic.get(key, -1) else (False,)
+            waits = (False, True) if switch_waits and n > 1 else (False,)
+            if not all(failed(("opportunistic", n, w, e, False)) <= g for w in waits for e in elastic):
+                return i
+            if guaranteed_fail:
+                return None
+            # only its guaranteed jobs may start: on to the next of them
+            nxt = guaranteed[bisect_left(guaranteed, ticket)]
+            return bisect_left(q, nxt, lo=i, key=lambda e: e[1])
 
-        self.doomed = doomed if whole and self.drop_queues else None  # (read by _in_order: ids may be its generator)
+        self.skip_to = skip_to if self.drop_queues else None  # (read by _in_order: ids may be its generator)
         try:
             for jid, ticket in ids:
                 j = self.jobs[jid]
@@ -258,7 +293,7 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
                 if budget is not None:
                     budget -= len(gpus)
         finally:
-            self.doomed = None
+            self.skip_to = None
 
     def _queue_min_estimate(self, key: tuple[bool, str, int], i: int) -> float:
         """The least backfill run estimate (``_run_estimate``) of the entries of queue ``key`` from
