@@ -152,3 +152,30 @@ def test_jobs_2_gives_the_runs_of_jobs_1_in_the_same_order(tmp_path):
     assert _strip([simulate(jobs, cfgs[0])]) == _strip(one[:1])
     with pytest.raises(ValueError, match="--jobs must be at least 1"):
         simulate_many(jobs, cfgs, workers=0)
+
+
+def test_the_cli_with_jobs_2_writes_what_jobs_1_writes(tmp_path, capsys):
+    import json
+
+    from slurm_antman.lab.bench import simulate as bench_simulate
+
+    random_trace(tmp_path, 3, n=40)
+    base = ["--trace", str(tmp_path / "t3.csv"), "--nodes", "2", "--gpus", "4", "--policy", "all", "--perturb", "3",
+            "--json"]
+    docs = []
+    for n in ("1", "2"):
+        assert bench_simulate.main(base + ["--jobs", n]) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+
+    def plain(doc):  # without the wall times and the --jobs setting itself
+        doc["meta"].pop("jobs_at_once")
+        doc["meta"].pop("load_s")
+        for m in doc["policies"].values():
+            m.pop("wall_s")
+        return doc
+
+    one, two = (plain(d) for d in docs)
+    assert list(two["policies"]) == list(one["policies"]) and two == one
+    assert sorted(one["meta"]["perturbed"]) == sorted(POLICIES)
+    assert bench_simulate.main(base + ["--jobs", "0"]) == 2
+    assert "--jobs must be at least 1" in capsys.readouterr().err

@@ -65,10 +65,10 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.queues: dict[tuple[bool, str, int], list[tuple[str, int]]] = {}
         self.heads: dict[tuple[bool, str, int], int] = {}  # per queue: entries before it have all left
         self.dead: dict[tuple[bool, str, int], int] = {}   # per queue: entries that left it
-        # Per queue: its least run estimates from each entry on (scheduler._queue_min_estimate), the
-        # tickets of its guaranteed entries and that of its last elastic one; and a scheduling pass's
-        # way to step over jobs that can no longer start (scheduler's skip_to; None between passes).
-        self.queue_mins: dict[tuple[bool, str, int], tuple[list, int, list[float]]] = {}
+        # Per queue: its entries' backfill run estimates (scheduler._run_estimate, in step with the
+        # queue), the tickets of its guaranteed entries and that of its last elastic one; and a scheduling
+        # pass's way to step over jobs that can no longer start (scheduler's skip_to; None between passes).
+        self.queue_ests: dict[tuple[bool, str, int], list[float]] = {}
         self.queue_guaranteed: dict[tuple[bool, str, int], list[int]] = {}
         self.queue_last_elastic: dict[tuple[bool, str, int], int] = {}
         self.skip_to = None

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from itertools import accumulate
 from typing import Iterable, Iterator, Optional
 
 from slurm_antman.policy.cluster.quota import fits_quota
@@ -73,6 +72,7 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
         entry = (j.job.job_id, j.ticket)
         key = self._queue_key(j)
         self.queues.setdefault(key, []).append(entry)
+        self.queue_ests.setdefault(key, []).append(self._run_estimate(j))  # (its work does not change while it waits)
         self.fresh.append(entry)
         # What a pass's ``skip_to`` needs to know of a queue's rest: where its guaranteed jobs are,
         # and whether an elastic job is still in it.
@@ -131,18 +131,29 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
         Entries that left a queue are stepped over once at its front and compacted away when they
         are half of it."""
         heap = []
+        empty = []
         for key, q in self.queues.items():
             if high is not None and key[0] != high:
                 continue
             if self.dead.get(key, 0) * 2 > len(q):
-                q = self.queues[key] = [e for e in q if self._queued(e)]
+                ests = self.queue_ests[key]
+                live = [k for k, e in enumerate(q) if self._queued(e)]
+                q = self.queues[key] = [q[k] for k in live]
+                self.queue_ests[key] = [ests[k] for k in live]
                 self.dead[key] = self.heads[key] = 0
             h = self.heads.get(key, 0)
             while h < len(q) and not self._queued(q[h]):
                 h += 1
             self.heads[key] = h
-            if h < len(q) and not self._at_quota(key):
+            if h >= len(q):
+                empty.append(key)
+            elif not self._at_quota(key):
                 heap.append((q[h][1], key, h))
+        for key in empty:  # every entry left: gone until a job of its kind queues again (_enqueue)
+            del self.queues[key]
+            del self.queue_ests[key]
+            self.heads.pop(key, None)
+            self.dead.pop(key, None)
         heapq.heapify(heap)
         while heap:
             _, key, i = heapq.heappop(heap)
@@ -228,17 +239,25 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
             if resv is not None and not reserved_here:
                 return i  # the last pass's reservation, which a job of this pass may still start
             g = key[2]
+            if (budget is not None and g > budget) or g >= over_quota.get(key[1], 1 << 30):
+                return None  # more GPUs than the pass has left to give, or than its tenant's quota lets it
             n = self._nodes_for(g)
             q = self.queues[key]
             ticket = q[i][1]
             guaranteed = self.queue_guaranteed.get(key)
             guaranteed_left = whole or (guaranteed is not None and ticket <= guaranteed[-1])
-            guaranteed_fail = not guaranteed_left or failed(("guaranteed", n, False, False, False)) <= g or (
-                # those that would still run when the reservation begins fail: are they all?
-                whole and resv is not None and failed(("guaranteed", n, False, False, True)) <= g
-                and self.now + self._queue_min_estimate(key, i) > resv.start)
+            guaranteed_fail = not guaranteed_left or failed(("guaranteed", n, False, False, False)) <= g
             if whole:
-                return None if guaranteed_fail else i
+                if guaranteed_fail:
+                    return None
+                if resv is None or failed(("guaranteed", n, False, False, True)) > g:
+                    return i
+                # Those that would still run when the reservation begins fail (its own job was looked
+                # at already): on to the next that ends before it (_after_reservation, as it reckons).
+                ests, now, start, k = self.queue_ests[key], self.now, resv.start, i
+                while k < len(q) and now + ests[k] > start:
+                    k += 1
+                return k if k < len(q) else None
             elastic = (False, True) if ticket <= self.queue_last_elastic.get(key, -1) else (False,)
             waits = (False, True) if switch_waits and n > 1 else (False,)
             if not all(failed(("opportunistic", n, w, e, False)) <= g for w in waits for e in elastic):
@@ -294,18 +313,6 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
                     budget -= len(gpus)
         finally:
             self.skip_to = None
-
-    def _queue_min_estimate(self, key: tuple[bool, str, int], i: int) -> float:
-        """The least backfill run estimate (``_run_estimate``) of the entries of queue ``key`` from
-        ``i`` on. Kept per queue until it changes (an entry added, the queue compacted): a pending job's
-        work does not change while it waits, and an entry that left the queue can only make the
-        least lower, which leaves the queue in the pass."""
-        q = self.queues[key]
-        kept = self.queue_mins.get(key)
-        if kept is None or kept[0] is not q or kept[1] != len(q):
-            ests = [self._run_estimate(self.jobs[jid]) for jid, _ in reversed(q)]
-            kept = self.queue_mins[key] = (q, len(q), list(accumulate(ests, min))[::-1])
-        return kept[2][i]
 
     @staticmethod
     def _nothing_fits(smallest_failed: dict, kind: str, resv: Optional[Reservation]) -> bool:
