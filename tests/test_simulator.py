@@ -12,6 +12,7 @@ import pytest
 from slurm_antman.lab.bench import simulate as bench_simulate
 from slurm_antman.lab.evaluation import traces
 from slurm_antman.lab.evaluation.simulator import POLICIES, SimConfig, simulate
+from slurm_antman.lab.evaluation.trace_run import oom_resubmit_delay
 from slurm_antman.lab.evaluation.workloads import BY_NAME, GiB, assign
 from slurm_antman.policy.node.core import NodePolicyParams
 
@@ -504,3 +505,30 @@ def test_a_need_ends_when_its_gpu_has_no_opportunistic_job_left(tmp_path):
     g.need = cp.PreemptNeed("node1", 0, "philly-1", "over the slowdown target", sim.now)
     sim._model_gpu(g)
     assert g.need is None
+
+
+def test_a_job_that_fails_oom_again_and_again_is_resubmitted_with_a_back_off_up_to_an_hour(tmp_path):
+    # One 16 GiB GPU, four jobs of a day each (the first guaranteed, the rest over its tenant's quota,
+    # beside it in its 3 slots): 3.51 + 3.51 + 3.1 + 6.46 GiB do not fit, so the last to arrive fails
+    # each time it starts until another ends. Its user's resubmissions
+    # (trace_run.oom_resubmit_delay): 60 s after the first failure, doubling, never more than an hour.
+    day = 86_400.0
+    jobs = trace(tmp_path, [(f"2017-10-01 00:00:{s:02d}", day, 1, "a") for s in range(0, 8, 2)])
+    cfg = one_gpu("shared", gpu_mem_bytes=16 * GiB, slots_per_gpu=3)
+    assert (cfg.oom_retry_s, cfg.oom_retry_max_s) == (60.0, 3600.0)
+    assert [oom_resubmit_delay(cfg.oom_retry_s, cfg.oom_retry_max_s, k) for k in range(1, 9)] == \
+        [60, 120, 240, 480, 960, 1920, 3600, 3600]
+    r = simulate(jobs, cfg)
+    assert sum(assign(j.job_id, cfg.seed).mem_bytes for j in jobs) > 16 * GiB
+    assert r.metrics["jobs_done"] == 4  # every job finishes: the user never gives up
+    worst = max(r.jobs, key=lambda x: x["ooms"])
+    assert worst["job_id"] == jobs[3].job_id and worst["ooms"] >= 8, worst
+    # It failed until the first of the others ended: 7 failures in the first 2 hours (60 + ... + 1920 s),
+    # then one an hour.
+    waited = min(x["end_s"] for x in r.jobs) - worst["first_start_s"]
+    assert worst["ooms"] <= 7 + waited / 3600.0 + 1, (worst, waited)
+    # Every minute instead: sixty times as many failures for the same wait (and no overflow in the
+    # doubling, which stops at the cap).
+    every_minute = simulate(jobs, one_gpu("shared", gpu_mem_bytes=16 * GiB, slots_per_gpu=3, oom_retry_max_s=60.0))
+    assert max(x["ooms"] for x in every_minute.jobs) > 30 * worst["ooms"]
+    assert oom_resubmit_delay(60.0, 60.0, 10_000) == 60.0

@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(Slurm ends it FAILED and does not requeue it; default %(default)s)")
     p.add_argument("--oom-retry-max-s", type=float, default=SimConfig.oom_retry_max_s,
                    help="shared: each further failure of the same job doubles the wait before its resubmission, up to "
-                        "this (default %(default)s; equal to --oom-retry-s: every minute, the model before 2026-11-29)")
+                        "this (default %(default)s: an hour; equal to --oom-retry-s: every time alike)")
     p.add_argument("--util-threshold", type=float, default=SimConfig.util_threshold,
                    help="antman: opportunistic.utilization_threshold, the GPU utilisation over which a GPU takes no "
                         "new opportunistic job (default %(default)s, as antman.yaml's)")
