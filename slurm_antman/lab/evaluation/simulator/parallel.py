@@ -46,7 +46,11 @@ def simulate_many(jobs: Sequence[TraceJob], cfgs: Sequence[SimConfig], workers: 
         raise ValueError(f"--jobs must be at least 1, got {workers}")
     if workers == 1 or len(cfgs) <= 1:
         return [_one(c, jobs) for c in cfgs]
-    # Longest first would finish sooner, but how long a run takes is not known before it runs; the
-    # pool hands the next run to whichever process is free.
+    # Longest first finishes sooner: how long a run takes is not known before it runs, but antman's
+    # runs, which model every GPU's node loop and the coordinator's cycles, take several times a
+    # baseline's (docs/benchmarks.md, "Trace replay": 231 s against 13-40 s on the whole Philly trace),
+    # so they go to the pool first; the pool hands the next run to whichever process is free.
+    order = sorted(range(len(cfgs)), key=lambda k: (cfgs[k].policy != "antman", k))
     with ProcessPoolExecutor(max_workers=min(workers, len(cfgs)), initializer=_init, initargs=(list(jobs),)) as pool:
-        return list(pool.map(_one, cfgs))
+        futures = {k: pool.submit(_one, cfgs[k]) for k in order}
+        return [futures[k].result() for k in range(len(cfgs))]
