@@ -487,3 +487,23 @@ def test_bursty_interference_that_a_median_passes_under_is_cut():
     ds = beside(d, pattern * 6, per=8)
     assert ds[-1].limits["201"].compute_share == P.min_share
     assert max(x.limits["201"].compute_share for x in ds) == P.initial_share  # never raised
+
+
+def test_a_track_keeps_every_field_it_does_not_change():
+    """track_report builds its new track field by field (for speed): a field added to GuaranteedTrack
+    must not fall back to its default there. Every field set off its default, and a report that
+    changes nothing but the demand (no new iteration): all else is kept."""
+    from dataclasses import fields, replace
+
+    from slurm_antman.policy.node.baseline import track_report
+    from slurm_antman.policy.node.model import GuaranteedTrack
+
+    odd = {"solo_ms": 7.0, "best_ms": 6.0, "last_iteration": 42, "demand_bytes": 5, "solo_samples": (7.0, 8.0),
+           "episode_reports": 3, "episode_ms": 99.0, "episode_solo_ms": 77.0, "solo_busy_ms": 4.0,
+           "solo_busy_samples": (4.0,), "probe_since": 12.5, "probed": True}
+    assert set(odd) == {f.name for f in fields(GuaranteedTrack)}, "a new field: give it a value here"
+    prev = GuaranteedTrack(**odd)
+    job = JobInfo("g", "guaranteed", (0,), 0.0, 6, iteration=42, iteration_ms=9.0)
+    for demand in (5, 6):  # unchanged: the same track; a new demand: a new one, the rest kept
+        new, slowdown, _ = track_report(replace(job, mem_demand_bytes=demand), prev, True, False, NodePolicyParams())
+        assert new == replace(prev, demand_bytes=demand) and slowdown is None

@@ -58,10 +58,15 @@ def track_report(job: JobInfo, prev: GuaranteedTrack, seen: bool, alone: bool,
             slowdown = spent / alone_ms - 1.0
         best = ms if best is None else min(best, ms)
     rose = seen and job.mem_demand_bytes - prev.demand_bytes >= p.demand_rise_bytes
-    track = replace(prev, solo_ms=solo, best_ms=best, last_iteration=job.iteration if fresh else prev.last_iteration,
-                    demand_bytes=job.mem_demand_bytes, solo_samples=samples, episode_reports=reports,
-                    episode_ms=spent, episode_solo_ms=alone_ms, solo_busy_ms=solo_busy,
-                    solo_busy_samples=busy_samples)
+    if not fresh and job.mem_demand_bytes == prev.demand_bytes:
+        return prev, slowdown, rose  # nothing new: the same track (most calls, for jobs between reports)
+    # Every field, not dataclasses.replace: this runs for each job at each report, and replace costs
+    # several times the constructor (tests/test_local_policy.py checks that no field is dropped).
+    track = GuaranteedTrack(solo_ms=solo, best_ms=best,
+                            last_iteration=job.iteration if fresh else prev.last_iteration,
+                            demand_bytes=job.mem_demand_bytes, solo_samples=samples, episode_reports=reports,
+                            episode_ms=spent, episode_solo_ms=alone_ms, solo_busy_ms=solo_busy,
+                            solo_busy_samples=busy_samples, probe_since=prev.probe_since, probed=prev.probed)
     return track, slowdown, rose
 
 

@@ -36,6 +36,7 @@ _C_STEP = 0.05
 _C_MIN = 1e-4  # below: no measurable interference
 _Q_MAX = 0.999  # the curve's pole: a share this close to it reads as a slowdown of 1,000x
 _SHARE_CACHE: dict[tuple, tuple[float, bool]] = {}
+_ALONE_CACHE: dict[lp.NodePolicyParams, lp.PolicyState] = {}  # per params: measured_alone of the curve loop
 # The reports the steady state is found from: 0.5 s (torch_patch's REPORT_MAX_GAP_S) of 100 ms
 # mini-batches each, so that the loop decides every slowdown_window reports (NodePolicyParams).
 REPORT_S, PER_REPORT = 0.5, 5
@@ -172,7 +173,10 @@ class AntmanAdapter:
         # The baseline first: the solo reports the sidecar has before the opportunistic job arrives,
         # or takes in the probe that holds it when the guaranteed job arrives second
         # (NodePolicyParams.probe_share). The probe's seconds are not modelled (docs/workload_model.md).
-        state = lp.measured_alone(replace(gjob, iteration_ms=base_ms), info[0], self.lp_params)
+        state = _ALONE_CACHE.get(self.lp_params)
+        if state is None:  # (the same for every curve: decide is pure and its states immutable)
+            state = _ALONE_CACHE[self.lp_params] = lp.measured_alone(replace(gjob, iteration_ms=base_ms), info[0],
+                                                                     self.lp_params)
         history: list[float] = []
         share = self.lp_params.initial_share
         # A report every REPORT_S of PER_REPORT mini-batches, as an agent's at its longest gap.
