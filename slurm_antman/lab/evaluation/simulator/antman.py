@@ -292,10 +292,12 @@ class AntmanAdapter:
         no_room_here = {self.node_index[n] for n in no_room}
         for n in snap.nodes:
             k = self.node_index[n.name]
-            if k in no_room_here:
-                self.no_room_nodes.add(k)
-            else:
-                self.no_room_nodes.discard(k)
+            if (k in no_room_here) != (k in self.no_room_nodes):
+                self.place_epoch += 1  # (opp_place.py: a node's room changed)
+                if k in no_room_here:
+                    self.no_room_nodes.add(k)
+                else:
+                    self.no_room_nodes.discard(k)
         per = self.cfg.gpus_per_node
         for jid, a in self.cp_state.avoid.items():
             j = self.jobs.get(jid)
@@ -331,6 +333,7 @@ class AntmanAdapter:
         kind = d.kind
         if kind == "set_opp_slots":  # a count put back to slurm.conf's: the simulator's never changes
             self.opp_slots[self.node_index[d.node]] = d.slots
+            self.place_epoch += 1
             return
         j = self.jobs.get(d.job_id)
         if j is None:

@@ -23,11 +23,13 @@ class OpportunisticPlacement:
 
     check_caches = False  # tests: recompute every kept answer and compare
     checked = 0           # (how many, in that mode)
+    shapes_checked = 0    # (how many failed shapes failed again the long way, in that mode)
 
     def _node_changed(self, k: int) -> None:
         """One of node ``k``'s GPUs changed: what was worked out about its room is stale."""
         self.unfit_nodes.discard(k)
         self.node_picks.pop(k, None)
+        self.place_epoch += 1
 
     def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool, exclude: Iterable[int] = (),
                   extra_slots: int = 0) -> list[int]:
@@ -126,6 +128,16 @@ class OpportunisticPlacement:
         if len(counts) == 1:
             narrow: list[int] = []
             narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
+            # A job with nothing of its own in the answer (no GPUs yet, none to avoid, no sibling tasks)
+            # fails where one of its (GPUs, wait) failed with no node's room changed since: the nodes'
+            # answers are kept per (GPUs, free slots, wait) until their GPUs change (module doc), and
+            # the free slots, the kept-off nodes and the counts change only with a node's room too.
+            shape = (counts[0], wait)
+            plain = not (j.gpus or j.avoid or j.array is not None or narrow_start)
+            if plain and self.failed_shapes.get(shape) == self.place_epoch and not self.check_caches:
+                if wait:
+                    self._waiting_for_room(j, counts[0])
+                return None
             unfit, kept_off, slots, used = self.unfit_nodes, self.no_room_nodes, self.opp_slots, self.node_opp
             mine = {self.gpus[i].node for i in j.gpus}
             for k in range(self.cfg.nodes):
@@ -133,6 +145,8 @@ class OpportunisticPlacement:
                     continue  # (what _opp_pick answers first, without the call)
                 got = self._opp_pick(j, k, counts[0], wait)
                 if len(got) >= counts[0]:
+                    assert not (self.check_caches and plain and self.failed_shapes.get(shape) == self.place_epoch), \
+                        f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
                     return got
                 if narrow_start and len(got) > len(narrow):
                     narrow = got
@@ -140,6 +154,10 @@ class OpportunisticPlacement:
             # node with the most room rather than wait.
             if not narrow and wait:
                 self._waiting_for_room(j, counts[0])
+            if plain and not narrow:
+                if self.check_caches and self.failed_shapes.get(shape) == self.place_epoch:
+                    OpportunisticPlacement.shapes_checked += 1  # (failed again: the shortcut would have been right)
+                self.failed_shapes[shape] = self.place_epoch
             return narrow or None
         picks: dict[int, list[int]] = {}
         for k in range(self.cfg.nodes):
