@@ -37,7 +37,7 @@ def test_the_cluster_s_own_history_is_replayed_on_its_own_shape_and_quotas(clean
     saved = tmp_path / "history.json"
     r = c.run([sys.executable, "-m", "slurm_antman.cli", "bench", "simulate", "--from-sacct", "--since", since,
                "--save-sacct", str(saved), "--shape-from-slurm", "--quotas-from-slurm",
-               "--policy", "exclusive,antman", "--json"], timeout=300)
+               "--policy", "exclusive,antman", "--json", "--out", str(tmp_path / "out")], timeout=300)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     meta = doc["meta"]
@@ -52,3 +52,8 @@ def test_the_cluster_s_own_history_is_replayed_on_its_own_shape_and_quotas(clean
     assert all(p["jobs_done"] == len(replayed) for p in doc["policies"].values())
     assert all(p["quotas"] == meta["quotas_from_slurm"] for p in doc["policies"].values())
     assert "Accounting holds no GPU utilisation or memory" in r.stderr
+    # The results page names what the history left out and where the cluster's shape and quotas came from.
+    page = (tmp_path / "out" / "report.md").read_text()
+    assert f"{meta['sacct_skipped']['no_gpu']} no gpu" in page and "as `scontrol show nodes` shows it" in page
+    assert f"`GrpTRES=gres/gpu=N` ({len(meta['quotas_from_slurm'])} accounts)" in page
+    assert "that of the best Slurm policy replayed** (`exclusive`" in page

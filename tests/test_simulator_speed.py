@@ -173,6 +173,7 @@ def test_the_cli_with_jobs_2_writes_what_jobs_1_writes(tmp_path, capsys):
 
     def plain(doc):  # without the wall times and the --jobs setting itself
         doc["meta"].pop("jobs_at_once")
+        doc["meta"].pop("command")
         doc["meta"].pop("load_s")
         for m in doc["policies"].values():
             m.pop("wall_s")

@@ -8,6 +8,7 @@ import argparse
 import atexit
 import json
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -304,6 +305,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "elastic_array_grow_s": a.elastic_array_grow_s,
             "elastic_array_min_tasks": a.elastic_array_min_tasks,
             "elastic_array_host_first": a.elastic_array_host_first, "load_s": round(load_s, 3), "jobs_at_once": a.jobs,
+            "command": shlex.join(["antman", "bench", "simulate", *(sys.argv[1:] if argv is None else argv)]),
             **{k: v for k, v in site.items() if k != "quotas_tuple"}}
     if a.perturb > 1:
         meta["perturbed"] = {cfg.policy: perturb.collect(cfg, a.perturb, r.metrics, o)

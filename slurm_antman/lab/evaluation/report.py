@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from .metrics import compare, jct_by_class
+from .site_page import page
 
 PLOT_HINT = "plots skipped: matplotlib is not installed (pip install matplotlib)"
 
@@ -35,17 +36,21 @@ def document(results: Sequence, meta: Mapping) -> dict:
 
 
 def write(out_dir: str | Path, results: Sequence, meta: Mapping) -> list[str]:
-    """Writes results.json, jobs-POLICY.csv and the plots; returns notes for the user."""
+    """Writes results.json, jobs-POLICY.csv, the plots and the results page (report.md, site_page);
+    returns notes for the user."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(document(results, meta), indent=2, sort_keys=True) + "\n")
+    doc = document(results, meta)
+    (out / "results.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     for r in results:
         with open(out / f"jobs-{r.policy}.csv", "w") as f:
             cols = list(r.jobs[0]) if r.jobs else []
             f.write(",".join(cols) + "\n")
             for row in r.jobs:
                 f.write(",".join("" if row[c] is None else str(row[c]) for c in cols) + "\n")
-    return plot(out, results, meta.get("perturbed"))
+    notes = plot(out, results, meta.get("perturbed"))
+    (out / "report.md").write_text(page(doc, {f.name for f in out.iterdir()}))
+    return notes + [f"the results page: {out / 'report.md'}"]
 
 
 def trade_points(results: Sequence, perturbed: Mapping | None = None) -> list[dict]:
@@ -74,8 +79,10 @@ def trade_plot(points: Sequence[Mapping], path: Path, ranged: bool = False, titl
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for p in points:
-        xerr = [[p["x"] - p["x_range"][0]], [p["x_range"][1] - p["x"]]]
-        yerr = [[p["y"] - p["y_range"][0]], [p["y_range"][1] - p["y"]]]
+        # (at least 0: the mean of equal runs can come out a rounding error beyond them, which
+        # matplotlib refuses as a negative error bar)
+        xerr = [[max(0.0, p["x"] - p["x_range"][0])], [max(0.0, p["x_range"][1] - p["x"])]]
+        yerr = [[max(0.0, p["y"] - p["y_range"][0])], [max(0.0, p["y_range"][1] - p["y"])]]
         ax.errorbar([p["x"]], [p["y"]], xerr=xerr, yerr=yerr, fmt="o", capsize=3)
         ax.annotate(p["policy"], (p["x"], p["y"]), textcoords="offset points", xytext=(6, 4), fontsize=9)
     ax.axvline(1.0, color="grey", lw=0.6, ls="--")
