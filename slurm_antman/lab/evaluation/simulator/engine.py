@@ -57,10 +57,10 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.unfit_nodes: set[int] = set()
         # Each node's answers to opportunistic placement, until one of its GPUs changes (opp_place.py).
         self.node_picks: dict[int, dict[tuple[int, int, bool], tuple[tuple[int, ...], bool]]] = {}
-        # Counts the changes of any node's room (opp_place.py): a one-node job's (GPUs, wait) that
-        # found no node at a count finds none while it stands.
+        # Counts the changes of any node's room (opp_place.py): an opportunistic job's shape (GPUs
+        # a node, wait) that found no room at a count finds none while it stands.
         self.place_epoch = 0
-        self.failed_shapes: dict[tuple[int, bool], int] = {}
+        self.failed_shapes: dict[tuple, int] = {}
         self.jobs: dict[str, SimJob] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
         # order (a requeued job at the end): (job, ticket) entries, of which only the one with the

@@ -159,12 +159,23 @@ class OpportunisticPlacement:
                     OpportunisticPlacement.shapes_checked += 1  # (failed again: the shortcut would have been right)
                 self.failed_shapes[shape] = self.place_epoch
             return narrow or None
+        # Across nodes, the same: a shape is its GPUs per node, the wait and the wait for one switch.
+        one_switch = self._switch_wait(j)
+        shape = (tuple(counts), wait, one_switch)
+        plain = not (j.gpus or j.avoid or j.array is not None)
+        failed_here = plain and self.failed_shapes.get(shape) == self.place_epoch
+        if failed_here and not self.check_caches:
+            return None
         picks: dict[int, list[int]] = {}
         for k in range(self.cfg.nodes):
             got = self._opp_pick(j, k, counts[0], wait)
             if len(got) >= counts[0]:
                 picks[k] = got
-        nodes = self._pick_nodes({k: len(v) for k, v in picks.items()}, counts, one_switch=self._switch_wait(j))
+        nodes = self._pick_nodes({k: len(v) for k, v in picks.items()}, counts, one_switch=one_switch)
         if nodes is None:
+            if plain:
+                OpportunisticPlacement.shapes_checked += failed_here  # (in check mode: it failed again)
+                self.failed_shapes[shape] = self.place_epoch
             return None
+        assert not failed_here, f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
         return [i for n, c in zip(nodes, counts) for i in picks[n][:c]]
