@@ -167,7 +167,11 @@ class OpportunisticPlacement:
         if failed_here and not self.check_caches:
             return None
         picks: dict[int, list[int]] = {}
+        unfit, kept_off, slots, used = self.unfit_nodes, self.no_room_nodes, self.opp_slots, self.node_opp
+        mine = {self.gpus[i].node for i in j.gpus}
         for k in range(self.cfg.nodes):
+            if slots[k] <= used[k] or (wait and (k in unfit or (k in kept_off and k not in mine))):
+                continue  # (what _opp_pick answers first, without the call)
             got = self._opp_pick(j, k, counts[0], wait)
             if len(got) >= counts[0]:
                 picks[k] = got
