@@ -141,8 +141,10 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
             if g in on_gpu:
                 on_gpu[g].append(j)
 
-    def opp_on(g: int) -> list[JobInfo]:
-        return [j for j in on_gpu[g] if j.job_class == "opportunistic"]
+    opp_by_gpu = {g: [j for j in js if j.job_class == "opportunistic"] for g, js in on_gpu.items()}
+
+    def opp_on(g: int) -> list[JobInfo]:  # (read only: one list per GPU for the whole call)
+        return opp_by_gpu[g]
 
     # Guaranteed jobs: baselines, slowdowns, demand jumps.
     tracks: dict[str, GuaranteedTrack] = {}

@@ -42,9 +42,9 @@ class OpportunisticPlacement:
         if free_slots <= 0 or (wait and (k in self.unfit_nodes or (
                 k in self.no_room_nodes and not any(self.gpus[i].node == k for i in j.gpus)))):
             return []
-        avoid = [i - k * per_node for i in j.avoid if i // per_node == k]
+        avoid = [i - k * per_node for i in j.avoid if i // per_node == k] if j.avoid else None
         if exclude or avoid or j.array is not None:
-            got, unfit = self._opp_choose(j, k, take, free_slots, wait, exclude, avoid)
+            got, unfit = self._opp_choose(j, k, take, free_slots, wait, exclude, avoid or [])
         else:
             key = (take, free_slots, wait)
             picks = self.node_picks.setdefault(k, {})
