@@ -121,32 +121,45 @@ class OpportunisticPlacement:
                     rule = f"node_slots:{rule}"
                 self.wait_study[rule] = self.wait_study.get(rule, 0) + 1
 
+    def _open_nodes(self, j: SimJob, wait: bool) -> list[int]:
+        """The nodes ``_opp_pick`` does not turn away at its first test (a free slot; under wait, not
+        unfit and not kept off, a job's own nodes never kept off it), without a call per node."""
+        unfit, kept_off, slots, used = self.unfit_nodes, self.no_room_nodes, self.opp_slots, self.node_opp
+        mine = {self.gpus[i].node for i in j.gpus}
+        return [k for k in range(self.cfg.nodes)
+                if not (slots[k] <= used[k] or (wait and (k in unfit or (k in kept_off and k not in mine))))]
+
+    def _failed_before(self, shape: tuple, plain: bool) -> bool:
+        """A job with nothing of its own in the answer (``plain``: no GPUs yet, none to avoid, no sibling
+        tasks) fails where one of its shape failed with no node's room changed since (``place_epoch``):
+        the nodes' answers are kept per (GPUs, free slots, wait) until their GPUs change (module doc),
+        and the free slots, the kept-off nodes and the counts change only with a node's room too."""
+        return plain and self.failed_shapes.get(shape) == self.place_epoch
+
+    def _shape_failed(self, shape: tuple, plain: bool, known: bool) -> None:
+        if plain:
+            OpportunisticPlacement.shapes_checked += known  # (check mode: it failed again the long way)
+            self.failed_shapes[shape] = self.place_epoch
+
     def _place_opportunistic(self, j: SimJob, counts: list[int]) -> Optional[list[int]]:
         """On one node for a job that fits one (the first node, in order, with room for all of it),
-        else on nodes each with room for its part, under one switch while it waits for one."""
+        else on nodes each with room for its part, under one switch while it waits for one. A shape
+        is the GPUs a node, the wait and (across nodes) the wait for one switch."""
         wait = self._waits_for_room(j)
+        plain = not (j.gpus or j.avoid or j.array is not None)
         if len(counts) == 1:
             narrow: list[int] = []
             narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
-            # A job with nothing of its own in the answer (no GPUs yet, none to avoid, no sibling tasks)
-            # fails where one of its (GPUs, wait) failed with no node's room changed since: the nodes'
-            # answers are kept per (GPUs, free slots, wait) until their GPUs change (module doc), and
-            # the free slots, the kept-off nodes and the counts change only with a node's room too.
-            shape = (counts[0], wait)
-            plain = not (j.gpus or j.avoid or j.array is not None or narrow_start)
-            if plain and self.failed_shapes.get(shape) == self.place_epoch and not self.check_caches:
+            shape, plain = (counts[0], wait), plain and not narrow_start
+            known = self._failed_before(shape, plain)
+            if known and not self.check_caches:
                 if wait:
                     self._waiting_for_room(j, counts[0])
                 return None
-            unfit, kept_off, slots, used = self.unfit_nodes, self.no_room_nodes, self.opp_slots, self.node_opp
-            mine = {self.gpus[i].node for i in j.gpus}
-            for k in range(self.cfg.nodes):
-                if slots[k] <= used[k] or (wait and (k in unfit or (k in kept_off and k not in mine))):
-                    continue  # (what _opp_pick answers first, without the call)
+            for k in self._open_nodes(j, wait):
                 got = self._opp_pick(j, k, counts[0], wait)
                 if len(got) >= counts[0]:
-                    assert not (self.check_caches and plain and self.failed_shapes.get(shape) == self.place_epoch), \
-                        f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
+                    assert not known, f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
                     return got
                 if narrow_start and len(got) > len(narrow):
                     narrow = got
@@ -154,32 +167,22 @@ class OpportunisticPlacement:
             # node with the most room rather than wait.
             if not narrow and wait:
                 self._waiting_for_room(j, counts[0])
-            if plain and not narrow:
-                if self.check_caches and self.failed_shapes.get(shape) == self.place_epoch:
-                    OpportunisticPlacement.shapes_checked += 1  # (failed again: the shortcut would have been right)
-                self.failed_shapes[shape] = self.place_epoch
+            if not narrow:
+                self._shape_failed(shape, plain, known)
             return narrow or None
-        # Across nodes, the same: a shape is its GPUs per node, the wait and the wait for one switch.
         one_switch = self._switch_wait(j)
         shape = (tuple(counts), wait, one_switch)
-        plain = not (j.gpus or j.avoid or j.array is not None)
-        failed_here = plain and self.failed_shapes.get(shape) == self.place_epoch
-        if failed_here and not self.check_caches:
+        known = self._failed_before(shape, plain)
+        if known and not self.check_caches:
             return None
         picks: dict[int, list[int]] = {}
-        unfit, kept_off, slots, used = self.unfit_nodes, self.no_room_nodes, self.opp_slots, self.node_opp
-        mine = {self.gpus[i].node for i in j.gpus}
-        for k in range(self.cfg.nodes):
-            if slots[k] <= used[k] or (wait and (k in unfit or (k in kept_off and k not in mine))):
-                continue  # (what _opp_pick answers first, without the call)
+        for k in self._open_nodes(j, wait):
             got = self._opp_pick(j, k, counts[0], wait)
             if len(got) >= counts[0]:
                 picks[k] = got
         nodes = self._pick_nodes({k: len(v) for k, v in picks.items()}, counts, one_switch=one_switch)
         if nodes is None:
-            if plain:
-                OpportunisticPlacement.shapes_checked += failed_here  # (in check mode: it failed again)
-                self.failed_shapes[shape] = self.place_epoch
+            self._shape_failed(shape, plain, known)
             return None
-        assert not failed_here, f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
+        assert not known, f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
         return [i for n, c in zip(nodes, counts) for i in picks[n][:c]]
