@@ -47,6 +47,20 @@ def _candidates(nodes: Mapping[str, NodeView], params: PolicyParams) -> list[tup
     return out
 
 
+def best_target(node: NodeView, params: PolicyParams) -> float:
+    """The most progress a GPU of ``node`` promises a moved job (the score ``step`` ranks targets by),
+    -inf where none qualifies. ``step`` moves a crawler only to a GPU promising at least its ``want``,
+    so a caller that knows every node's best can leave out of a snapshot the nodes no crawler could
+    move to (the simulator's cycles, lab/evaluation/simulator/antman.py)."""
+    found = _candidates({node.name: node}, params)
+    return found[0][0] if found else float("-inf")
+
+
+def move_floor(progress: float, params: PolicyParams) -> float:
+    """The least a target must promise a crawler at ``progress`` (``step``'s ``want``)."""
+    return max(params.min_progress, params.move_gain * progress)
+
+
 def step(now: float, nodes: Mapping[str, NodeView], jobs: Mapping[str, JobView], params: PolicyParams,
          busy: set[str]) -> tuple[list[Decision], dict[str, Preemption], dict[str, Avoid]]:
     """Notices for the crawling jobs that should move, their preemption entries, and their placement
@@ -66,7 +80,7 @@ def step(now: float, nodes: Mapping[str, NodeView], jobs: Mapping[str, JobView],
                 or jid in preempting or now - since < params.move_after_s):
             continue
         now_progress = dict(gpu.progress).get(jid, 0.0)
-        want = max(params.min_progress, params.move_gain * now_progress)
+        want = move_floor(now_progress, params)
         if targets is None:
             targets = _candidates(nodes, params)
         chosen = [(s, n, g) for s, n, g in targets

@@ -118,6 +118,13 @@ def can_shed(job: JobInfo, shed: Mapping[str, set[int]]) -> bool:
     return len(job.gpus) - len(shed.get(job.job_id, ())) - 1 >= job.elastic_min
 
 
+_NO_TRACK = GuaranteedTrack()  # (immutable: one for every job seen first)
+
+
+def _registered(j: JobInfo) -> tuple[float, str]:
+    return j.registered_unix, j.job_id
+
+
 def _quantize(n: int, q: int) -> int:
     return max(0, n // q * q)
 
@@ -135,16 +142,18 @@ def measured_alone(job: JobInfo, gpu: GpuInfo, p: NodePolicyParams) -> PolicySta
 def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: float) -> Decision:
     jobs = {j.job_id: j for j in snap.jobs}
     gpus = {g.index: g for g in snap.gpus}
+    # Each GPU's jobs, and its guaranteed and opportunistic ones apart, listed once for the whole call
+    # (read only): this runs at every report of every node, and in the simulator's steady state.
     on_gpu: dict[int, list[JobInfo]] = {g: [] for g in gpus}
+    guar_by_gpu: dict[int, list[JobInfo]] = {g: [] for g in gpus}
+    opp_by_gpu: dict[int, list[JobInfo]] = {g: [] for g in gpus}
     for j in snap.jobs:
+        split = guar_by_gpu if j.job_class == "guaranteed" else opp_by_gpu if j.job_class == "opportunistic" else None
         for g in j.gpus:
             if g in on_gpu:
                 on_gpu[g].append(j)
-
-    opp_by_gpu = {g: [j for j in js if j.job_class == "opportunistic"] for g, js in on_gpu.items()}
-
-    def opp_on(g: int) -> list[JobInfo]:  # (read only: one list per GPU for the whole call)
-        return opp_by_gpu[g]
+                if split is not None:
+                    split[g].append(j)
 
     # Guaranteed jobs: baselines, slowdowns, demand jumps.
     tracks: dict[str, GuaranteedTrack] = {}
@@ -154,9 +163,13 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
     for j in snap.jobs:
         if j.job_class != "guaranteed":
             continue
-        alone = not any(opp_on(g) for g in j.gpus if g in on_gpu)
+        alone = True
+        for g in j.gpus:
+            if opp_by_gpu.get(g):
+                alone = False
+                break
         prev = state.guaranteed.get(j.job_id)
-        start, held = probe(j, prev or GuaranteedTrack(), not alone, now, p)
+        start, held = probe(j, prev or _NO_TRACK, not alone, now, p)
         t, s, r = track_report(j, start, prev is not None, alone or held, p)
         tracks[j.job_id] = t
         if t.probe_since is not None:
@@ -171,25 +184,30 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
     for j in snap.jobs:
         if j.job_class != "opportunistic":
             continue
-        alone = all(len(on_gpu[g]) == 1 for g in j.gpus if g in on_gpu)
+        alone = True
+        for g in j.gpus:
+            if g in on_gpu and len(on_gpu[g]) != 1:
+                alone = False
+                break
         prev = state.opportunistic.get(j.job_id)
-        opp_tracks[j.job_id] = track_report(j, prev or GuaranteedTrack(), prev is not None, alone, p)[0]
+        opp_tracks[j.job_id] = track_report(j, prev or _NO_TRACK, prev is not None, alone, p)[0]
 
     # Compute budget per GPU for its opportunistic jobs.
     budget: dict[int, float] = {}
     over_since: dict[int, float] = {}
     worst_on: dict[int, tuple[float, str]] = {}
     for g in gpus:
-        guar = [j for j in on_gpu[g] if j.job_class == "guaranteed"]
+        guar = guar_by_gpu[g]
         if not guar:
             budget[g] = 1.0
             continue
+        opp_here = opp_by_gpu[g]
         before = b = state.gpu_budget.get(g, p.initial_share)
         measured = [(slowdown[j.job_id], j.job_id) for j in guar
                     if j.job_id in slowdown and decided_on(tracks[j.job_id], p)]
         spans = min(tracks[j.job_id].episode_ms for j in guar)
         # The raise waits until the episode has seen an iteration of every neighbour at its share.
-        bursts = max((o.iteration_ms or 0.0 for o in opp_on(g)), default=0.0)
+        bursts = max([o.iteration_ms or 0.0 for o in opp_here]) if opp_here else 0.0
         if any(j.job_id in rose for j in guar):
             b *= p.share_backoff
         elif measured:
@@ -204,12 +222,12 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                 tracks[j.job_id] = new_episode(tracks[j.job_id])
         if measured:
             worst_on[g] = max(measured)
-            if worst_on[g][0] > p.target_slowdown and budget[g] <= p.min_share and opp_on(g):
+            if worst_on[g][0] > p.target_slowdown and budget[g] <= p.min_share and opp_here:
                 over_since[g] = state.over_since.get(g, now)
-        elif g in state.over_since and opp_on(g):
+        elif g in state.over_since and opp_here:
             over_since[g] = state.over_since[g]  # no new report: nothing learned either way
 
-    guarded_gpus = {g for g in gpus if any(j.job_class == "guaranteed" for j in on_gpu[g])}
+    guarded_gpus = {g for g in gpus if guar_by_gpu[g]}
 
     # Memory per GPU; preempt newest opportunistic jobs when the minimums do not fit.
     preempted = {k: v for k, v in state.preempted.items() if k in jobs}
@@ -221,10 +239,11 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
     shed: dict[str, set[int]] = {}
     per_job_mem: dict[str, list[int]] = {}
     per_job_share: dict[str, list[float]] = {}
+    opp_sorted: dict[int, list[JobInfo]] = {}  # each GPU's opportunistic jobs, oldest first
     for g, info in gpus.items():
-        guar_demand = sum(j.mem_demand_bytes for j in on_gpu[g] if j.job_class == "guaranteed")
+        guar_demand = sum(j.mem_demand_bytes for j in guar_by_gpu[g])
         available = info.memory_total_bytes - info.foreign_bytes - guar_demand - p.headroom_bytes
-        opp = sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
+        opp = opp_sorted[g] = sorted(opp_by_gpu[g], key=_registered)
         active = [j for j in opp if j.job_id not in preempted and j.job_id not in paused]
 
         def ask_to_leave(victim: JobInfo, reason: str) -> None:
@@ -316,8 +335,8 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                 and 0 < len(j.gpus) < len(j.elastic_gpus)]
     for jid in narrowed:
         paced[jid] *= len(jobs[jid].gpus) / len(jobs[jid].elastic_gpus)
-    order = {g: [j.job_id for j in sorted(opp_on(g), key=lambda j: (j.registered_unix, j.job_id))
-                 if j.job_id not in preempted and j.job_id not in paused] for g in gpus}
+    order = {g: [j.job_id for j in opp_sorted[g] if j.job_id not in preempted and j.job_id not in paused]
+             for g in gpus}
     crawl = crawling(paced, order, guarded_gpus, state.crawling, now, p, narrowed)
 
     changes, width_changed = _width_changes(snap, jobs, shed, crawl, progress, preempted, paused, guarded_gpus,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Collection, Iterable, Mapping
 
 from slurm_antman.policy import cluster as cp
+from slurm_antman.policy.cluster import moves as cp_moves
 from slurm_antman.policy.node import core as lp
 
 from .state import PAUSE_CHECK, SLOW, WAKE, SimGpu, SimJob
@@ -254,18 +255,25 @@ class AntmanAdapter:
                                   n, None, 0.0, 0.0, 0, None, False))
         return tuple(out)
 
-    def _node_view(self, k: int) -> cp.NodeView:
-        # A GPU changes only through _refresh, which marks its node dirty: a clean node's GPU views
-        # are reused (a move looks at every node, and a cluster of 500 GPUs has hundreds of them).
-        gv = self.gpu_views.get(k)
-        if gv is None or k in self.dirty_nodes:
-            per = self.cfg.gpus_per_node
-            gv = self.gpu_views[k] = tuple(
-                cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp),
-                           tuple(g.progress.items()), tuple(g.crawl.items()), self.now >= g.measured_at)
-                for g in self.gpus[k * per:(k + 1) * per])
-        return cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * self.cfg.gpus_per_node,
-                           self.opp_slots[k], self.now)
+    def _node_views_for(self, nodes: Iterable[int]) -> tuple[cp.NodeView, ...]:
+        """The views of ``nodes`` as a cycle sees them. A GPU changes only through _refresh, which
+        marks its node dirty: a clean node's GPU views, and its best move target, are reused (a
+        cluster of 500 GPUs has hundreds of clean ones)."""
+        out = []
+        per = self.cfg.gpus_per_node
+        for k in nodes:
+            gv = self.gpu_views.get(k)
+            fresh = gv is None or k in self.dirty_nodes
+            if fresh:
+                gv = self.gpu_views[k] = tuple(
+                    cp.GpuView(g.local, g.mem_total, g.mem_used, g.util, tuple(g.guar), tuple(g.opp),
+                               tuple(g.progress.items()), tuple(g.crawl.items()), self.now >= g.measured_at)
+                    for g in self.gpus[k * per:(k + 1) * per])
+            view = cp.NodeView(self.node_names[k], gv, self.cfg.slots_per_gpu * per, self.opp_slots[k], self.now)
+            if fresh and self.cfg.move_after_s is not None:
+                self.best_target[k] = cp_moves.best_target(view, self.cp_params)
+            out.append(view)
+        return tuple(out)
 
     def _cycle(self) -> None:
         self._slow_needs()
@@ -281,10 +289,22 @@ class AntmanAdapter:
         for p in list(st.preempting.values()) + list(st.requeued.values()):
             nodes.add(self.node_index[p.node])
         wait = self.cfg.move_after_s
-        if wait is not None and any(self.now - since >= wait for i in self.crawl_gpus
-                                    for since in self.gpus[i].crawl.values()):
-            nodes = set(range(self.cfg.nodes))  # a move looks for a better GPU anywhere
-        snap = cp.Snapshot(self.now, views, tuple(self._node_view(k) for k in sorted(nodes)), self.quotas, needs)
+        if wait is not None:
+            # A move looks for a better GPU anywhere: the snapshot holds the due crawlers' nodes and
+            # every node with a GPU that promises one of them enough (policy.cluster.moves.move_floor).
+            # A node left out has none (its best_target, kept while its views are), so the moves are
+            # those of a snapshot of every node.
+            floor = math.inf
+            for i in self.crawl_gpus:
+                g = self.gpus[i]
+                for jid, since in g.crawl.items():
+                    if self.now - since >= wait:
+                        nodes.add(g.node)
+                        floor = min(floor, cp_moves.move_floor(g.progress.get(jid, 0.0), self.cp_params))
+            if floor < math.inf:  # (a dirty node's best is stale, but it is in the snapshot already)
+                best = self.best_target
+                nodes.update(k for k in range(self.cfg.nodes) if best[k] >= floor)
+        snap = cp.Snapshot(self.now, views, self._node_views_for(sorted(nodes)), self.quotas, needs)
         self.dirty_nodes = set()
         decisions, self.cp_state, no_room = cp.decide_with_room(snap, st, self.cp_params)
         # Slurm's opportunistic count never follows the room (policy.cluster.placement): the nodes without

@@ -95,6 +95,8 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
         self.gpu_views: dict[int, tuple[cp.GpuView, ...]] = {}  # per node, while it is not dirty
+        # Per node, while it is not dirty: the most a GPU there promises a moved job (antman._cycle).
+        self.best_target: list[float] = [float("-inf")] * cfg.nodes
         self.slow_gpus: set[int] = set()
         self.util_sum = 0.0
         self.mem_sum = 0
