@@ -61,10 +61,9 @@ def for_joining(now: float, jobs: Mapping[str, JobView], leaving: frozenset[str]
     to the tasks that started before it. Repeated every cycle of the window: the core's reissue rule
     sends each once (its cause names the joining task's start)."""
     out = []
-    for j in sorted(jobs.values(), key=lambda j: j.job_id):
-        if not (j.elastic_group and j.state == "RUNNING" and j.start_unix is not None
-                and 0.0 <= now - j.start_unix <= JOIN_WINDOW_S):
-            continue
+    joined = [j for j in jobs.values() if j.elastic_group and j.state == "RUNNING" and j.start_unix is not None
+              and 0.0 <= now - j.start_unix <= JOIN_WINDOW_S]
+    for j in sorted(joined, key=lambda j: j.job_id):
         for s in _running(jobs.values(), j.elastic_group):
             if s is j or s.job_id in leaving or s.start_unix is None or s.start_unix >= j.start_unix:
                 continue

@@ -331,15 +331,15 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
     # progress, as the crawl rule and the coordinator's moves see it, is scaled so. Narrowed for good
     # (nothing of its set free to grow back into) it crawls, and is moved to a node with room.
     paced = dict(progress)
-    narrowed = [j.job_id for j in snap.jobs if j.job_id in paced and j.elastic_min is not None
-                and 0 < len(j.gpus) < len(j.elastic_gpus)]
+    elastic = [j for j in snap.jobs if j.elastic_min is not None]
+    narrowed = [j.job_id for j in elastic if j.job_id in paced and 0 < len(j.gpus) < len(j.elastic_gpus)]
     for jid in narrowed:
         paced[jid] *= len(jobs[jid].gpus) / len(jobs[jid].elastic_gpus)
     order = {g: [j.job_id for j in opp_sorted[g] if j.job_id not in preempted and j.job_id not in paused]
              for g in gpus}
     crawl = crawling(paced, order, guarded_gpus, state.crawling, now, p, narrowed)
 
-    changes, width_changed = _width_changes(snap, jobs, shed, crawl, progress, preempted, paused, guarded_gpus,
+    changes, width_changed = _width_changes(elastic, jobs, shed, crawl, progress, preempted, paused, guarded_gpus,
                                             on_gpu, gpus, state.width_changed, budget, now, p)
     for c in changes:
         crawl.pop(c.job_id, None)  # it sheds what slowed it: nothing for the coordinator to move
@@ -356,7 +356,7 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                     tuple(changes))
 
 
-def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mapping[str, set[int]],
+def _width_changes(elastic: list[JobInfo], jobs: Mapping[str, JobInfo], shed: Mapping[str, set[int]],
                    crawl: Mapping[str, float], progress: Mapping[str, float], preempted: Mapping[str, PreemptRequest],
                    paused: Mapping[str, PauseRecord], guarded: set[int], on_gpu: Mapping[int, list[JobInfo]],
                    gpus: Mapping[int, GpuInfo], prev: Mapping[str, float], budget: Mapping[int, float], now: float,
@@ -365,8 +365,8 @@ def _width_changes(snap: NodeSnapshot, jobs: Mapping[str, JobInfo], shed: Mappin
     changed = {k: v for k, v in prev.items() if k in jobs}
     out: list[WidthChange] = []
     taken: set[int] = set()  # GPUs a growing job takes in this call: one job each
-    for j in snap.jobs:
-        if j.elastic_min is None or not j.can_resize or j.job_id in preempted or j.job_id in paused:
+    for j in elastic:
+        if not j.can_resize or j.job_id in preempted or j.job_id in paused:
             continue
         held = now - changed.get(j.job_id, float("-inf")) >= p.elastic_hold_s
         lost = shed.get(j.job_id, set())

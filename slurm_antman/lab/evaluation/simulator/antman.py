@@ -249,7 +249,7 @@ class AntmanAdapter:
             if j.state == "RUNNING" and j.klass == "guaranteed" and j.job.job_id not in keep:
                 held_gpus[j.job.tenant] = held_gpus.get(j.job.tenant, 0) + j.job.gpus
             else:
-                out.append(self._view(j))
+                out.append(j.view or self._view(j))
         for tenant, n in held_gpus.items():
             out.append(cp.JobView(f"running-guaranteed:{tenant}", tenant, "u", "RUNNING", "guaranteed", "guaranteed",
                                   n, None, 0.0, 0.0, 0, None, False))
@@ -318,11 +318,13 @@ class AntmanAdapter:
                     self.no_room_nodes.add(k)
                 else:
                     self.no_room_nodes.discard(k)
-        per = self.cfg.gpus_per_node
+        per, now = self.cfg.gpus_per_node, self.now
         for jid, a in self.cp_state.avoid.items():
-            j = self.jobs.get(jid)
-            if j is not None:
-                j.avoid = (self.node_index[a.node] * per + a.gpu,)
+            # (an entry lasts while its job does: those of earlier cycles are on their jobs already)
+            if a.since_unix == now:
+                j = self.jobs.get(jid)
+                if j is not None:
+                    j.avoid = (self.node_index[a.node] * per + a.gpu,)
         for d in decisions:
             self._apply(d)
             if d.kind == "preempt_notice":  # wake the coordinator when the grace time is over

@@ -124,10 +124,11 @@ class OpportunisticPlacement:
     def _open_nodes(self, j: SimJob, wait: bool) -> list[int]:
         """The nodes ``_opp_pick`` does not turn away at its first test (a free slot; under wait, not
         unfit and not kept off, a job's own nodes never kept off it), without a call per node."""
-        unfit, kept_off, slots, used = self.unfit_nodes, self.no_room_nodes, self.opp_slots, self.node_opp
-        mine = {self.gpus[i].node for i in j.gpus}
-        return [k for k in range(self.cfg.nodes)
-                if not (slots[k] <= used[k] or (wait and (k in unfit or (k in kept_off and k not in mine))))]
+        slots, used = self.opp_slots, self.node_opp
+        if not wait:
+            return [k for k in range(self.cfg.nodes) if slots[k] > used[k]]
+        closed = self.unfit_nodes | (self.no_room_nodes - {self.gpus[i].node for i in j.gpus})
+        return [k for k in range(self.cfg.nodes) if slots[k] > used[k] and k not in closed]
 
     def _failed_before(self, shape: tuple, plain: bool) -> bool:
         """A job with nothing of its own in the answer (``plain``: no GPUs yet, none to avoid, no sibling
