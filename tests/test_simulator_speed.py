@@ -147,9 +147,14 @@ def test_jobs_2_gives_the_runs_of_jobs_1_in_the_same_order(tmp_path):
     jobs = random_trace(tmp_path, 7, n=50)
     cfgs = [SimConfig(policy=p, nodes=2, gpus_per_node=4) for p in POLICIES]
     cfgs.append(SimConfig(policy="antman", nodes=2, gpus_per_node=4, cycle_s=29.0))
-    one = simulate_many(jobs, cfgs, workers=1)
-    two = simulate_many(jobs, cfgs, workers=2)
+    seen: dict[int, list] = {1: [], 2: []}
+    one = simulate_many(jobs, cfgs, workers=1, done=lambda k, r: seen[1].append((k, r)))
+    two = simulate_many(jobs, cfgs, workers=2, done=lambda k, r: seen[2].append((k, r)))
     assert _strip(one) == _strip(two)
+    # each run handed to ``done`` once, as it ended, with its index among the configs
+    for w, runs in ((1, one), (2, two)):
+        assert sorted(k for k, _ in seen[w]) == list(range(len(cfgs)))
+        assert all(_strip([r]) == _strip([runs[k]]) for k, r in seen[w])
     assert [r.policy for r in two] == list(POLICIES) + ["antman"]
     assert all(r.metrics["wall_s"] >= 0 for r in two)
     # and both are what simulate() gives in this process

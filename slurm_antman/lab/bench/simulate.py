@@ -285,7 +285,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_s = time.perf_counter() - t0
     # Every run at once: each policy's nominal run, then its shifted cycles (--perturb), in this order.
     shifted = [perturb.variants(cfg, a.perturb) for cfg in cfgs]
-    runs = simulate_many(jobs, cfgs + [c for v in shifted for c in v], a.jobs)
+    written: set[str] = set()
+
+    def done(k: int, r) -> None:
+        # A policy's per-job rows are written as its run ends, beside the runs still going (antman's
+        # takes the longest), so that little is left to write after the last.
+        if a.out and k < len(cfgs):
+            report.write_jobs(a.out, r)
+            written.add(r.policy)
+
+    runs = simulate_many(jobs, cfgs + [c for v in shifted for c in v], a.jobs, done)
     results, rest = runs[:len(cfgs)], iter(runs[len(cfgs):])
     others = [[next(rest).metrics for _ in v] for v in shifted]
     meta = {"trace": a.trace, "window": a.window, "tenants": tenants, "jobs": len(jobs), "nodes": a.nodes,
@@ -311,7 +320,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         meta["perturbed"] = {cfg.policy: perturb.collect(cfg, a.perturb, r.metrics, o)
                              for cfg, r, o in zip(cfgs, results, others)}
         meta["perturb_cycles_s"] = perturb_cycles
-    notes = report.write(a.out, results, meta) if a.out else []
+    notes = report.write(a.out, results, meta, written) if a.out else []
     if a.json:
         print(json.dumps(report.document(results, meta), indent=2, sort_keys=True))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from .metrics import compare, jct_by_class
 from .site_page import page
@@ -35,19 +35,28 @@ def document(results: Sequence, meta: Mapping) -> dict:
     return doc
 
 
-def write(out_dir: str | Path, results: Sequence, meta: Mapping) -> list[str]:
-    """Writes results.json, jobs-POLICY.csv, the plots and the results page (report.md, site_page);
-    returns notes for the user."""
+def write_jobs(out_dir: str | Path, result) -> None:
+    """jobs-POLICY.csv: one row per job of one run (``write`` calls it for a run not written yet)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"jobs-{result.policy}.csv", "w") as f:
+        cols = list(result.jobs[0]) if result.jobs else []
+        f.write(",".join(cols) + "\n")
+        for row in result.jobs:
+            f.write(",".join("" if row[c] is None else str(row[c]) for c in cols) + "\n")
+
+
+def write(out_dir: str | Path, results: Sequence, meta: Mapping, written: Collection[str] = ()) -> list[str]:
+    """Writes results.json, jobs-POLICY.csv (but for the policies in ``written``, whose ``write_jobs``
+    ran as their runs ended), the plots and the results page (report.md, site_page); returns notes
+    for the user."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = document(results, meta)
     (out / "results.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     for r in results:
-        with open(out / f"jobs-{r.policy}.csv", "w") as f:
-            cols = list(r.jobs[0]) if r.jobs else []
-            f.write(",".join(cols) + "\n")
-            for row in r.jobs:
-                f.write(",".join("" if row[c] is None else str(row[c]) for c in cols) + "\n")
+        if r.policy not in written:
+            write_jobs(out, r)
     notes = plot(out, results, meta.get("perturbed"))
     (out / "report.md").write_text(page(doc, {f.name for f in out.iterdir()}))
     return notes + [f"the results page: {out / 'report.md'}"]

@@ -183,8 +183,7 @@ class AntmanAdapter:
         # A report every REPORT_S of PER_REPORT mini-batches, as an agent's at its longest gap.
         for k in range(1, 121):
             # (gjob with a report: built directly, dataclasses.replace costs as much again)
-            rep = lp.JobInfo("g", "guaranteed", (0,), 0.0, 0, iteration=k * PER_REPORT,
-                             iteration_ms=base_ms * curve_slowdown(a, q, share))
+            rep = lp.JobInfo("g", "guaranteed", (0,), 0.0, 0, k * PER_REPORT, base_ms * curve_slowdown(a, q, share))
             d = lp.decide(lp.NodeSnapshot(info, (rep,) + ojobs), state, self.lp_params, k * REPORT_S)
             state = d.state
             share = d.limits["o0"].compute_share
@@ -250,9 +249,13 @@ class AntmanAdapter:
                 held_gpus[j.job.tenant] = held_gpus.get(j.job.tenant, 0) + j.job.gpus
             else:
                 out.append(j.view or self._view(j))
+        summed = self.tenant_views
         for tenant, n in held_gpus.items():
-            out.append(cp.JobView(f"running-guaranteed:{tenant}", tenant, "u", "RUNNING", "guaranteed", "guaranteed",
-                                  n, None, 0.0, 0.0, 0, None, False))
+            v = summed.get((tenant, n))
+            if v is None:  # (immutable: one per tenant and sum for the whole run)
+                v = summed[tenant, n] = cp.JobView(f"running-guaranteed:{tenant}", tenant, "u", "RUNNING", "guaranteed",
+                                                   "guaranteed", n, None, 0.0, 0.0, 0, None, False)
+            out.append(v)
         return tuple(out)
 
     def _node_views_for(self, nodes: Iterable[int]) -> tuple[cp.NodeView, ...]:
@@ -313,7 +316,7 @@ class AntmanAdapter:
         for n in snap.nodes:
             k = self.node_index[n.name]
             if (k in no_room_here) != (k in self.no_room_nodes):
-                self.place_epoch += 1  # (opp_place.py: a node's room changed)
+                self._room_changed(k)  # (opp_place.py)
                 if k in no_room_here:
                     self.no_room_nodes.add(k)
                 else:
@@ -355,7 +358,7 @@ class AntmanAdapter:
         kind = d.kind
         if kind == "set_opp_slots":  # a count put back to slurm.conf's: the simulator's never changes
             self.opp_slots[self.node_index[d.node]] = d.slots
-            self.place_epoch += 1
+            self._room_changed(self.node_index[d.node])
             return
         j = self.jobs.get(d.job_id)
         if j is None:

@@ -60,6 +60,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         # Counts the changes of any node's room (opp_place.py): an opportunistic job's shape (GPUs
         # a node, wait) that found no room at a count finds none while it stands.
         self.place_epoch = 0
+        self.node_stamp = [0] * cfg.nodes  # per node: place_epoch at its last change of room
         self.failed_shapes: dict[tuple, int] = {}
         self.jobs: dict[str, SimJob] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
@@ -95,6 +96,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.cp_state = cp.CoordinatorState.empty()
         self.dirty_nodes: set[int] = set(range(cfg.nodes))
         self.gpu_views: dict[int, tuple[cp.GpuView, ...]] = {}  # per node, while it is not dirty
+        self.tenant_views: dict[tuple[str, int], cp.JobView] = {}  # antman._views: a tenant's running guaranteed GPUs
         # Per node, while it is not dirty: the most a GPU there promises a moved job (antman._cycle).
         self.best_target: list[float] = [float("-inf")] * cfg.nodes
         self.slow_gpus: set[int] = set()

@@ -29,7 +29,13 @@ class OpportunisticPlacement:
         """One of node ``k``'s GPUs changed: what was worked out about its room is stale."""
         self.unfit_nodes.discard(k)
         self.node_picks.pop(k, None)
+        self._room_changed(k)
+
+    def _room_changed(self, k: int) -> None:
+        """Node ``k``'s room changed (its GPUs, its free slots, or whether it is kept off): a shape
+        that failed everywhere before may fit there now (``place_epoch``, ``node_stamp``)."""
         self.place_epoch += 1
+        self.node_stamp[k] = self.place_epoch
 
     def _opp_pick(self, j: SimJob, k: int, take: int, wait: bool, exclude: Iterable[int] = (),
                   extra_slots: int = 0) -> list[int]:
@@ -157,10 +163,18 @@ class OpportunisticPlacement:
                 if wait:
                     self._waiting_for_room(j, counts[0])
                 return None
+            # Where the shape failed before, the nodes whose room has not changed since answer no again:
+            # only the changed ones are asked (the first of them that fits is the first node that fits).
+            since = self.failed_shapes.get(shape) if plain else None
+            stamp = self.node_stamp
             for k in self._open_nodes(j, wait):
+                if since is not None and stamp[k] <= since and not self.check_caches:
+                    continue
                 got = self._opp_pick(j, k, counts[0], wait)
                 if len(got) >= counts[0]:
                     assert not known, f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
+                    assert since is None or stamp[k] > since, \
+                        f"{j.job.job_id} at {self.now}: node {k} fits its shape {shape}, which failed there unchanged since"
                     return got
                 if narrow_start and len(got) > len(narrow):
                     narrow = got

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor
-from typing import Optional, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Callable, Optional, Sequence
 
 from ..traces import TraceJob
 from .config import SimConfig
@@ -39,13 +39,21 @@ def default_workers() -> int:
     return max(1, (os.cpu_count() or 1) - 1)
 
 
-def simulate_many(jobs: Sequence[TraceJob], cfgs: Sequence[SimConfig], workers: int = 1) -> list[SimResult]:
+def simulate_many(jobs: Sequence[TraceJob], cfgs: Sequence[SimConfig], workers: int = 1,
+                  done: Optional[Callable[[int, SimResult], None]] = None) -> list[SimResult]:
     """Each config's run of ``jobs``, in the order of ``cfgs``, with its wall time in ``metrics["wall_s"]``;
-    in up to ``workers`` processes when that is more than one (and there is more than one run)."""
+    in up to ``workers`` processes when that is more than one (and there is more than one run).
+    ``done(k, result)`` is called for each run as it ends, in this process: the caller's writing of a
+    run's results then goes on beside the runs still going (the longest ends last)."""
     if workers < 1:
         raise ValueError(f"--jobs must be at least 1, got {workers}")
     if workers == 1 or len(cfgs) <= 1:
-        return [_one(c, jobs) for c in cfgs]
+        out = []
+        for k, c in enumerate(cfgs):
+            out.append(_one(c, jobs))
+            if done is not None:
+                done(k, out[-1])
+        return out
     # Longest first finishes sooner: how long a run takes is not known before it runs, but antman's
     # runs, which model every GPU's node loop and the coordinator's cycles, take several times a
     # baseline's (docs/benchmarks.md, "Trace replay": 231 s against 13-40 s on the whole Philly trace),
@@ -53,4 +61,8 @@ def simulate_many(jobs: Sequence[TraceJob], cfgs: Sequence[SimConfig], workers: 
     order = sorted(range(len(cfgs)), key=lambda k: (cfgs[k].policy != "antman", k))
     with ProcessPoolExecutor(max_workers=min(workers, len(cfgs)), initializer=_init, initargs=(list(jobs),)) as pool:
         futures = {k: pool.submit(_one, cfgs[k]) for k in order}
+        if done is not None:
+            index = {f: k for k, f in futures.items()}
+            for f in as_completed(futures.values()):
+                done(index[f], f.result())
         return [futures[k].result() for k in range(len(cfgs))]
