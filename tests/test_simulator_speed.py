@@ -107,6 +107,7 @@ def test_kept_opportunistic_placements_are_what_the_node_policy_answers_now(tmp_
     monkeypatch.setattr(OpportunisticPlacement, "check_caches", True)  # recompute every kept answer
     monkeypatch.setattr(OpportunisticPlacement, "checked", 0)
     monkeypatch.setattr(OpportunisticPlacement, "shapes_checked", 0)
+    monkeypatch.setattr(OpportunisticPlacement, "nodes_checked", 0)
     for seed in range(4):
         jobs = random_trace(tmp_path, seed, n=80)
         for extra in ({}, {"elastic_share": 1.0, "utilisation": "saturated"}, {"no_room": "fallback"}):
@@ -117,6 +118,8 @@ def test_kept_opportunistic_placements_are_what_the_node_policy_answers_now(tmp_
     # A one-node job's failure stood for its (GPUs, wait) until a node's room changed: each such shape
     # asked again failed again the long way, and none succeeded (opp_place's assertion).
     assert OpportunisticPlacement.shapes_checked > (10 if policy == "antman" else 0)
+    # Across nodes, a failed shape's answers from nodes unchanged since were what those nodes answer now.
+    assert OpportunisticPlacement.nodes_checked > 100
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -62,6 +62,7 @@ class Simulator(SlurmScheduler, GpuInterference, AntmanAdapter, ElasticWidth, El
         self.place_epoch = 0
         self.node_stamp = [0] * cfg.nodes  # per node: place_epoch at its last change of room
         self.failed_shapes: dict[tuple, int] = {}
+        self.failed_picks: dict[tuple, dict[int, list[int]]] = {}  # a multi-node shape's node answers then
         self.jobs: dict[str, SimJob] = {}
         # The queue, one per (scavenger's high partition?, tenant, GPUs asked), each in submission
         # order (a requeued job at the end): (job, ticket) entries, of which only the one with the

@@ -6,7 +6,10 @@ node's GPUs did not change since the last job asked. So a node's answer for a jo
 there, no sibling tasks and no GPUs to leave out is kept per (GPUs wanted, free slots, wait) until one
 of the node's GPUs changes (``_node_changed``: every change of a GPU's jobs, load or memory goes through
 ``interference._model_gpu``, and a new guaranteed job's utilisation window ends with a ``MEASURED``
-event). ``check_caches`` recomputes every kept answer and fails on a difference (the tests turn it on).
+event). A job's shape (GPUs a node, wait, the GPU it avoids) that found no node with room fails again
+at once while no node's room changed, and once some did, only those nodes are asked (``place_epoch``,
+``node_stamp``; across nodes, the others' answers of then are kept with the failure).
+``check_caches`` recomputes every kept answer and fails on a difference (the tests turn it on).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class OpportunisticPlacement:
     check_caches = False  # tests: recompute every kept answer and compare
     checked = 0           # (how many, in that mode)
     shapes_checked = 0    # (how many failed shapes failed again the long way, in that mode)
+    nodes_checked = 0     # (how many nodes' answers kept with a multi-node failure were right, in that mode)
 
     def _node_changed(self, k: int) -> None:
         """One of node ``k``'s GPUs changed: what was worked out about its room is stale."""
@@ -137,27 +141,30 @@ class OpportunisticPlacement:
         return [k for k in range(self.cfg.nodes) if slots[k] > used[k] and k not in closed]
 
     def _failed_before(self, shape: tuple, plain: bool) -> bool:
-        """A job with nothing of its own in the answer (``plain``: no GPUs yet, none to avoid, no sibling
-        tasks) fails where one of its shape failed with no node's room changed since (``place_epoch``):
-        the nodes' answers are kept per (GPUs, free slots, wait) until their GPUs change (module doc),
-        and the free slots, the kept-off nodes and the counts change only with a node's room too."""
+        """A job with nothing of its own in the answer but its placement memory (``plain``: no GPUs
+        yet, no sibling tasks; the GPU it avoids is part of its shape) fails where one of its shape
+        failed with no node's room changed since (``place_epoch``): the nodes' answers are kept per
+        (GPUs, free slots, wait) until their GPUs change (module doc), and the free slots, the kept-off
+        nodes and the counts change only with a node's room too."""
         return plain and self.failed_shapes.get(shape) == self.place_epoch
 
-    def _shape_failed(self, shape: tuple, plain: bool, known: bool) -> None:
+    def _shape_failed(self, shape: tuple, plain: bool, known: bool, picks: Optional[dict] = None) -> None:
         if plain:
             OpportunisticPlacement.shapes_checked += known  # (check mode: it failed again the long way)
             self.failed_shapes[shape] = self.place_epoch
+            if picks is not None:
+                self.failed_picks[shape] = picks
 
     def _place_opportunistic(self, j: SimJob, counts: list[int]) -> Optional[list[int]]:
         """On one node for a job that fits one (the first node, in order, with room for all of it),
         else on nodes each with room for its part, under one switch while it waits for one. A shape
         is the GPUs a node, the wait and (across nodes) the wait for one switch."""
         wait = self._waits_for_room(j)
-        plain = not (j.gpus or j.avoid or j.array is not None)
+        plain = not (j.gpus or j.array is not None)
         if len(counts) == 1:
             narrow: list[int] = []
             narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
-            shape, plain = (counts[0], wait), plain and not narrow_start
+            shape, plain = (counts[0], wait, j.avoid), plain and not narrow_start
             known = self._failed_before(shape, plain)
             if known and not self.check_caches:
                 if wait:
@@ -186,18 +193,30 @@ class OpportunisticPlacement:
                 self._shape_failed(shape, plain, known)
             return narrow or None
         one_switch = self._switch_wait(j)
-        shape = (tuple(counts), wait, one_switch)
+        shape = (tuple(counts), wait, one_switch, j.avoid)
         known = self._failed_before(shape, plain)
         if known and not self.check_caches:
             return None
+        # Where the shape failed before, a node whose room has not changed since gives what it gave then.
+        since = self.failed_shapes.get(shape) if plain else None
+        before = self.failed_picks.get(shape, {}) if since is not None else None
+        stamp = self.node_stamp
         picks: dict[int, list[int]] = {}
         for k in self._open_nodes(j, wait):
+            kept = before is not None and stamp[k] <= since
+            if kept and not self.check_caches:
+                if k in before:
+                    picks[k] = before[k]
+                continue
             got = self._opp_pick(j, k, counts[0], wait)
             if len(got) >= counts[0]:
                 picks[k] = got
+            if kept:  # (check mode)
+                assert before.get(k) == picks.get(k), f"node {k} at {self.now}: kept {before.get(k)}, now {got}"
+                OpportunisticPlacement.nodes_checked += 1
         nodes = self._pick_nodes({k: len(v) for k, v in picks.items()}, counts, one_switch=one_switch)
         if nodes is None:
-            self._shape_failed(shape, plain, known)
+            self._shape_failed(shape, plain, known, picks)
             return None
         assert not known, f"{j.job.job_id} at {self.now}: its shape {shape} failed with no room changed since"
         return [i for n, c in zip(nodes, counts) for i in picks[n][:c]]
