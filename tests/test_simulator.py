@@ -214,6 +214,25 @@ def test_the_trade_plot_takes_each_policy_s_point_and_its_perturbed_range():
     assert pts["shared"]["x_range"] == (1.6, 1.6) and pts["shared"]["y"] == 900.0
 
 
+def test_a_long_cdf_is_drawn_from_evenly_ranked_points_ending_at_the_extremes():
+    import random
+
+    from slurm_antman.lab.evaluation.report import cdf_points
+
+    short = [3.0, 1.0, 2.0]
+    assert cdf_points(short) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])
+    rng = random.Random(5)
+    values = [rng.lognormvariate(8, 2) for _ in range(82_000)]
+    xs, ys = cdf_points(values, most=2000)
+    assert len(xs) == len(ys) == 2000
+    assert xs[0] == min(values) and xs[-1] == max(values) and ys[-1] == 1.0
+    assert xs == sorted(xs) and ys == sorted(ys)
+    # each point is the true CDF at its value (no duplicates among the draws)
+    ordered = sorted(values)
+    for x, y in zip(xs[::97], ys[::97]):
+        assert y == (ordered.index(x) + 1) / len(values)
+
+
 def test_the_trade_picture_joins_runs_of_one_trace_and_refuses_runs_of_two(tmp_path, capsys):
     from slurm_antman.lab.bench import trade
 
