@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
+from operator import itemgetter
 from typing import Iterable, Iterator, Optional
 
 from slurm_antman.policy.cluster.quota import fits_quota
@@ -55,6 +56,9 @@ from .backfill import BackfillPlan, EasyBackfill, split
 from .config import WHOLE_GPU
 from .opp_place import OpportunisticPlacement
 from .state import REQUEUE, WAKE, Reservation, SimJob
+
+
+_ticket = itemgetter(1)  # a queue entry's (job, ticket) ticket
 
 
 class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
@@ -260,13 +264,15 @@ class SlurmScheduler(EasyBackfill, OpportunisticPlacement):
                 return k if k < len(q) else None
             elastic = (False, True) if ticket <= self.queue_last_elastic.get(key, -1) else (False,)
             waits = (False, True) if switch_waits and n > 1 else (False,)
-            if not all(failed(("opportunistic", n, w, e, False)) <= g for w in waits for e in elastic):
-                return i
+            for w in waits:  # (every shape its rest may have failed already)
+                for e in elastic:
+                    if smallest_failed.get(("opportunistic", n, w, e, False), 1 << 30) > g:
+                        return i
             if guaranteed_fail:
                 return None
             # only its guaranteed jobs may start: on to the next of them
             nxt = guaranteed[bisect_left(guaranteed, ticket)]
-            return bisect_left(q, nxt, lo=i, key=lambda e: e[1])
+            return bisect_left(q, nxt, lo=i, key=_ticket)
 
         self.skip_to = skip_to if self.drop_queues else None  # (read by _in_order: ids may be its generator)
         try:
