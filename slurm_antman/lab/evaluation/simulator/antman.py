@@ -297,13 +297,20 @@ class AntmanAdapter:
             # every node with a GPU that promises one of them enough (policy.cluster.moves.move_floor).
             # A node left out has none (its best_target, kept while its views are), so the moves are
             # those of a snapshot of every node.
+            # A crawler under notice already (preemption.step keeps it preempting, or requeues it, this
+            # cycle) is passed by.
             floor = math.inf
+            notices = self.cp_state.preempting
             for i in self.crawl_gpus:
                 g = self.gpus[i]
                 for jid, since in g.crawl.items():
                     if self.now - since >= wait:
                         nodes.add(g.node)
-                        floor = min(floor, cp_moves.move_floor(g.progress.get(jid, 0.0), self.cp_params))
+                        p = notices.get(jid)
+                        j = self.jobs[jid]
+                        if not (p is not None and p.restarts_at_decision == j.restarts and j.state == "RUNNING"
+                                and j.klass == "opportunistic"):
+                            floor = min(floor, cp_moves.move_floor(g.progress.get(jid, 0.0), self.cp_params))
             if floor < math.inf:  # (a dirty node's best is stale, but it is in the snapshot already)
                 best = self.best_target
                 nodes.update(k for k in range(self.cfg.nodes) if best[k] >= floor)
