@@ -296,9 +296,8 @@ class AntmanAdapter:
             # A move looks for a better GPU anywhere: the snapshot holds the due crawlers' nodes and
             # every node with a GPU that promises one of them enough (policy.cluster.moves.move_floor).
             # A node left out has none (its best_target, kept while its views are), so the moves are
-            # those of a snapshot of every node.
-            # A crawler under notice already (preemption.step keeps it preempting, or requeues it, this
-            # cycle) is passed by.
+            # those of a snapshot of every node. A crawler under notice already sets no floor: this
+            # cycle's preemption step keeps it preempting or requeues it, and the moves step passes it by.
             floor = math.inf
             notices = self.cp_state.preempting
             for i in self.crawl_gpus:
