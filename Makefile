@@ -99,7 +99,7 @@ test-gpu: deps
 # host's loopback ports with `make test`'s clusters. The second run's sbatch signs with munge: the
 # chroot's own munged serves it (the PID namespace ends it with the run). Its pytest cache stays in the
 # chroot's /tmp: .ci/run runs it beside the cgroup v2 guest, whose rerun reads the checkout's cache.
-SLURM24_PYTEST ?= -m "cluster and not slow and not slurm_neutral"
+SLURM24_PYTEST ?= -m "cluster and not slurm_neutral and (not slow or every_release)"
 test-slurm24: $(VENV)/.installed
 	.ci/slurm24 build
 	.ci/slurm24 run 'rc=0; $(PY) -m pytest -ra -o cache_dir=/tmp/pytest-cache $(SLURM24_PYTEST) $(PYTEST_ARGS) || rc=1; \
@@ -120,7 +120,7 @@ test-slurm24: $(VENV)/.installed
 # jobs, the replay of its own sacct history and the demo. Not the whole cluster suite: the single-CPU guest
 # runs it at about a third of the host's speed, past CI's budget (docs/benchmarks.md, "CI"); make install
 # and the upgrade (tests/test_admin_guide.py, tests/test_install.py) passed there by hand on 2026-11-29.
-CGROUP2_MARKS = cluster and not slurm_neutral and (not slow or demo)
+CGROUP2_MARKS = cluster and not slurm_neutral and (not slow or demo or every_release)
 CGROUP2_PYTEST ?= -m "$(CGROUP2_MARKS)" tests/test_demo.py tests/test_cgroup2_devices.py tests/test_site_cluster.py \
   tests/test_cluster_submission.py tests/test_slurm_adapter.py tests/test_doctor.py tests/test_opp_count_registration.py \
   tests/test_sacct_replay_cluster.py

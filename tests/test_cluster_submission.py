@@ -123,6 +123,10 @@ echo DONE
 """
 
 
+# (50-55 s of preemption and requeue: left to `make test-slow` on this host, so that `make test`
+# keeps under 15 minutes; still run on Slurm 24.11 and 26.05)
+@pytest.mark.slow
+@pytest.mark.every_release
 def test_native_preemption_requeues_and_resumes(clean_cluster, tmp_path):
     c = clean_cluster
     ckpt = tmp_path / "ckpt"
@@ -161,6 +165,10 @@ def _run_line(text: str, restart: int) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in line.split()[1:])
 
 
+# (50-55 s of preemption and requeue: left to `make test-slow` on this host, so that `make test`
+# keeps under 15 minutes; still run on Slurm 24.11 and 26.05)
+@pytest.mark.slow
+@pytest.mark.every_release
 def test_preempted_job_restarting_on_same_node_keeps_its_env(clean_cluster):
     """slurmd skips the Prolog when a requeued job restarts on a node that still caches its credential,
     while the Epilog of the first run removed the env file: the SPANK plugin runs the Prolog instead."""
