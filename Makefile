@@ -134,7 +134,7 @@ test-cgroup2: $(VENV)/.installed
 	    tests/test_job_submit_lua.py tests/test_spank_elastic.py tests/test_job_submit_elastic_lua.py \
 	    tests/test_spank_cgroup_bpf.py -m "not cluster" $(PYTEST_ARGS) || rc=1; exit $$rc'
 
-# --- GPU proof (issue 13, docs/gpu_proof.md) ------------------------------------------------------
+# --- GPU proof (docs/gpu_proof.md) ------------------------------------------------------
 # The GPU node is offline and has torch, nvidia-ml-py and pytest but not pyzmq, PyYAML or pydantic:
 # `make gpu-wheels` (anywhere with network) downloads them into .whl/ for Python 3.12 on x86-64, and
 # `make gpu-proof` (on the GPU node) installs what is missing from there with `pip install --no-index`
