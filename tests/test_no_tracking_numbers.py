@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TREES = ("docs", "slurm_antman", "torch_patch", "spank", "etc", "tests", ".ci")
-FILES = ("README.md",)
+FILES = ("README.md", "Makefile", "pyproject.toml")
 LEFT_OUT = (ROOT / "docs" / "gpu_runs", ROOT / "docs" / "data")
 SKIP_DIRS = {"__pycache__"}
 SKIP_SUFFIXES = {".pyc", ".so", ".o", ".png"}
