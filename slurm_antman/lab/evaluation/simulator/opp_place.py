@@ -140,13 +140,13 @@ class OpportunisticPlacement:
         closed = self.unfit_nodes | (self.no_room_nodes - {self.gpus[i].node for i in j.gpus})
         return [k for k in range(self.cfg.nodes) if slots[k] > used[k] and k not in closed]
 
-    def _failed_before(self, shape: tuple, plain: bool) -> bool:
-        """A job with nothing of its own in the answer but its placement memory (``plain``: no GPUs
-        yet, no sibling tasks; the GPU it avoids is part of its shape) fails where one of its shape
-        failed with no node's room changed since (``place_epoch``): the nodes' answers are kept per
-        (GPUs, free slots, wait) until their GPUs change (module doc), and the free slots, the kept-off
-        nodes and the counts change only with a node's room too."""
-        return plain and self.failed_shapes.get(shape) == self.place_epoch
+    def _failed_at(self, shape: tuple, plain: bool) -> Optional[int]:
+        """The ``place_epoch`` at which a job of this shape last found no room, for a job with nothing
+        of its own in the answer but its placement memory (``plain``: no GPUs yet, no sibling tasks;
+        the GPU it avoids is part of its shape). At the epoch now it fails again: the nodes' answers
+        are kept per (GPUs, free slots, wait) until their GPUs change (module doc), and the free slots,
+        the kept-off nodes and the counts change only with a node's room too (``_room_changed``)."""
+        return self.failed_shapes.get(shape) if plain else None
 
     def _shape_failed(self, shape: tuple, plain: bool, known: bool, picks: Optional[dict] = None) -> None:
         if plain:
@@ -165,14 +165,14 @@ class OpportunisticPlacement:
             narrow: list[int] = []
             narrow_start = j.elastic and self.cfg.policy == "antman" and self.cfg.elastic_narrow_start
             shape, plain = (counts[0], wait, j.avoid), plain and not narrow_start
-            known = self._failed_before(shape, plain)
+            since = self._failed_at(shape, plain)
+            known = since == self.place_epoch
             if known and not self.check_caches:
                 if wait:
                     self._waiting_for_room(j, counts[0])
                 return None
             # Where the shape failed before, the nodes whose room has not changed since answer no again:
             # only the changed ones are asked (the first of them that fits is the first node that fits).
-            since = self.failed_shapes.get(shape) if plain else None
             stamp = self.node_stamp
             for k in self._open_nodes(j, wait):
                 if since is not None and stamp[k] <= since and not self.check_caches:
@@ -194,11 +194,11 @@ class OpportunisticPlacement:
             return narrow or None
         one_switch = self._switch_wait(j)
         shape = (tuple(counts), wait, one_switch, j.avoid)
-        known = self._failed_before(shape, plain)
+        since = self._failed_at(shape, plain)
+        known = since == self.place_epoch
         if known and not self.check_caches:
             return None
         # Where the shape failed before, a node whose room has not changed since gives what it gave then.
-        since = self.failed_shapes.get(shape) if plain else None
         before = self.failed_picks.get(shape, {}) if since is not None else None
         stamp = self.node_stamp
         picks: dict[int, list[int]] = {}
