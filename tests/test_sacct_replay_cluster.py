@@ -17,8 +17,15 @@ from slurm_antman.lab.evaluation import sacct_trace
 pytestmark = [pytest.mark.cluster]
 
 
-def _done_in_accounting(c, ids: list[int]) -> bool:
-    r = c.run(["sacct", "-n", "-X", "-P", "-j", ",".join(map(str, ids)), "-o", "JobIDRaw,State"])
+def _done_in_the_window(c, since: str, ids: list[int]) -> bool:
+    """Every job in ``ids`` ended, as the replay's own window query (``-S since -E now``) sees it.
+
+    ``sacct -j`` is not enough: slurmdbd answers a query by id for every job it holds, but a window query
+    only for jobs whose recorded eligible time falls in the window (Slurm 22.05,
+    as_mysql_jobacct_process.c). On a busy devcluster a window query made right after ``sacct -j`` showed
+    all four jobs COMPLETED found none (2026-11-29; the rows were last written a second after the jobs
+    ended), so the test waits on the query the replay itself makes."""
+    r = c.run(["sacct", "-n", "-X", "-P", "--allusers", "-S", since, "-E", "now", "-o", "JobIDRaw,State"])
     states = dict(line.split("|", 1) for line in r.stdout.split() if "|" in line)
     return all(states.get(str(i), "").startswith(("COMPLETED", "FAILED")) for i in ids)
 
@@ -33,7 +40,7 @@ def test_the_cluster_s_own_history_is_replayed_on_its_own_shape_and_quotas(clean
     }
     cpu_only = c.sbatch(wrap="sleep 1")
     ids = [*gpu_jobs, cpu_only]
-    wait_for(lambda: _done_in_accounting(c, ids) or None, 120, "the jobs to end in Slurm accounting")
+    wait_for(lambda: _done_in_the_window(c, since, ids) or None, 120, "the jobs to end in Slurm accounting's window")
     saved = tmp_path / "history.json"
     r = c.run([sys.executable, "-m", "slurm_antman.cli", "bench", "simulate", "--from-sacct", "--since", since,
                "--save-sacct", str(saved), "--shape-from-slurm", "--quotas-from-slurm",
