@@ -243,8 +243,12 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
     for g, info in gpus.items():
         guar_demand = sum(j.mem_demand_bytes for j in guar_by_gpu[g])
         available = info.memory_total_bytes - info.foreign_bytes - guar_demand - p.headroom_bytes
-        opp = opp_sorted[g] = sorted(opp_by_gpu[g], key=_registered)
-        active = [j for j in opp if j.job_id not in preempted and j.job_id not in paused]
+        opp = opp_by_gpu[g]
+        if len(opp) > 1:
+            opp = sorted(opp, key=_registered)
+        opp_sorted[g] = opp
+        active = [j for j in opp if j.job_id not in preempted and j.job_id not in paused] if preempted or paused \
+            else list(opp)
 
         def ask_to_leave(victim: JobInfo, reason: str) -> None:
             paused.pop(victim.job_id, None)
@@ -264,7 +268,7 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
                 ask_to_leave(victim, reason)
 
         # Paused jobs first: too long paused -> requeue; fitting again for resume_hold_s -> resume.
-        for j in opp:
+        for j in (opp if paused else ()):
             rec = paused.get(j.job_id)
             if rec is None or rec.gpu != g:
                 continue
@@ -339,8 +343,11 @@ def decide(snap: NodeSnapshot, state: PolicyState, p: NodePolicyParams, now: flo
              for g in gpus}
     crawl = crawling(paced, order, guarded_gpus, state.crawling, now, p, narrowed)
 
-    changes, width_changed = _width_changes(elastic, jobs, shed, crawl, progress, preempted, paused, guarded_gpus,
-                                            on_gpu, gpus, state.width_changed, budget, now, p)
+    changes: list[WidthChange] = []
+    width_changed: dict[str, float] = {}
+    if elastic or state.width_changed:  # (most nodes run no elastic job: nothing to change or keep)
+        changes, width_changed = _width_changes(elastic, jobs, shed, crawl, progress, preempted, paused,
+                                                guarded_gpus, on_gpu, gpus, state.width_changed, budget, now, p)
     for c in changes:
         crawl.pop(c.job_id, None)  # it sheds what slowed it: nothing for the coordinator to move
 
