@@ -247,7 +247,11 @@ def run_loop(cluster: dc.Cluster, work: Path, jobs: LoopJobs, rec: dict) -> None
     o = demo.submit(o_name, ["--antman=opportunistic", "--gres=gpu:1", "-A", "research"],
                     script=jobs.opportunistic_script, env=jobs.env)
     rec["opportunistic_job"] = o
-    demo.wait("the opportunistic job to train", lambda: _steps(demo.output(o_name)) >= 2, 90 * wait)
+    # As long as the guaranteed job was given: it starts as cold (PyTorch's import), and then trains under
+    # the throttle, held at the probe share while the guaranteed job measures its solo pace (node policy
+    # core, "probe"). 90 s ran out once in the single-CPU cgroup v2 guest beside another cluster's tests
+    # (2026-11-29), which passed alone.
+    demo.wait("the opportunistic job to train", lambda: _steps(demo.output(o_name)) >= 2, 120 * wait)
     demo.wait("its limits", lambda: demo.jobs()[o].get("compute_share") is not None, 30 * wait)
     rec["squeue_sharing"] = demo.queue_text()
     demo.print_text(rec["squeue_sharing"], "two jobs on GPU 0")
