@@ -81,14 +81,18 @@ def step(now: float, needs: tuple[PreemptNeed, ...], state: CoordinatorState, pa
     return out
 
 
+def notice_stands(p: Preemption, restarts: int, state: str, job_class: str) -> bool:
+    """Whether the job of notice ``p``, now with these restarts, state and class, is still ours to requeue:
+    restart safety, a job that restarted, ended or stopped being opportunistic since the notice is not.
+    A job whose notice stands is left to this step (the moves step passes it by)."""
+    return restarts == p.restarts_at_decision and state == "RUNNING" and job_class == "opportunistic"
+
+
 def _advance_preempting(now: float, state: CoordinatorState, jobs: Mapping[str, JobView],
                         out: PreemptionOutcome) -> None:
     for p in state.preempting.values():
         job = jobs.get(p.job_id)
-        # Restart safety: a job that restarted, ended or stopped being opportunistic since the notice
-        # is not ours to requeue any more.
-        if (job is None or job.restarts != p.restarts_at_decision or job.state != "RUNNING"
-                or job.job_class != "opportunistic"):
+        if job is None or not notice_stands(p, job.restarts, job.state, job.job_class):
             continue
         if now < p.deadline_unix:
             out.preempting[p.job_id] = p

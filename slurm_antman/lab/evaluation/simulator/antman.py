@@ -23,6 +23,7 @@ from typing import Collection, Iterable, Mapping
 
 from slurm_antman.policy import cluster as cp
 from slurm_antman.policy.cluster import moves as cp_moves
+from slurm_antman.policy.cluster import preemption as cp_preemption
 from slurm_antman.policy.node import core as lp
 
 from .state import PAUSE_CHECK, SLOW, WAKE, SimGpu, SimJob
@@ -307,8 +308,7 @@ class AntmanAdapter:
                         nodes.add(g.node)
                         p = notices.get(jid)
                         j = self.jobs[jid]
-                        if not (p is not None and p.restarts_at_decision == j.restarts and j.state == "RUNNING"
-                                and j.klass == "opportunistic"):
+                        if p is None or not cp_preemption.notice_stands(p, j.restarts, j.state, j.klass):
                             floor = min(floor, cp_moves.move_floor(g.progress.get(jid, 0.0), self.cp_params))
             if floor < math.inf:  # (a dirty node's best is stale, but it is in the snapshot already)
                 best = self.best_target
